@@ -1,0 +1,44 @@
+"""FastML: communication-efficient data-parallel training for PyTorch.
+
+Public API, grouped by purpose:
+
+- plans: :class:`Plan`, :class:`CodecConfig`, :class:`Codec`, ``RECIPES``
+- DDP: :func:`register_hook`, :class:`FastMLState`
+- Lightning / Fabric: ``fastml_strategy.lightning.FastMLStrategy`` (the name ``"fastml"`` is registered
+  with Lightning's strategy registries at import when Lightning is installed)
+- Accelerate: ``fastml_strategy.accelerate``
+- autotuning: ``fastml_strategy.autotune`` and the ``fastml-autotune`` command
+
+Not public: modules whose names start with an underscore, ``collective`` internals, and the kernel
+launchers' keyword arguments beyond those documented in ``fastml_strategy.kernels``.
+Importing this package never initialises CUDA and does not import optuna, accelerate or triton.
+"""
+
+from fastml_strategy.config import RECIPES, Codec, CodecConfig, Plan
+from fastml_strategy.hook import FastMLState, register_hook
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    # plans
+    "Plan",
+    "CodecConfig",
+    "Codec",
+    "RECIPES",
+    # DDP
+    "register_hook",
+    "FastMLState",
+]
+
+
+def _register_lightning() -> None:
+    # The one import-time side effect: make Trainer(strategy="fastml") work. Guarded, so a missing or
+    # broken Lightning never breaks `import fastml_strategy`.
+    try:
+        from fastml_strategy.lightning import _register_strategies
+    except ImportError:
+        return
+    _register_strategies()
+
+
+_register_lightning()

@@ -1,0 +1,410 @@
+"""Per-layer compression settings: :class:`CodecConfig` for one tensor, :class:`Plan` for a model.
+
+A plan maps parameter names to codec settings, the way torchao's ``FqnToConfig`` does: an exact name
+wins, then the first matching ``re:`` pattern (in the order given), then the plan's default. Tensors
+with fewer than ``min_numel`` elements (biases, norms) are never compressed: they travel uncompressed,
+batched into one message per bucket, because their metadata would cost more than it saves.
+
+Plans round-trip through JSON with a format version, are written atomically, and carry a digest that
+the hook compares across ranks at registration (ranks holding different plans would otherwise issue
+collectives of different sizes and hang).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from fastml_strategy._io import atomic_write_text
+
+__all__ = ["Codec", "CodecConfig", "Plan", "RECIPES", "PLAN_FORMAT_VERSION", "resolve_plan"]
+
+PLAN_FORMAT_VERSION = 1
+
+# 512 elements per max-min block: int4 then costs 4 + 64/512 = 4.125 bits per element (ratio 7.76
+# against fp32) and int2 2.125 bits (ratio 15.1), while a block stays small enough that one outlier
+# does not flatten the resolution of a whole layer.
+DEFAULT_BLOCK_SIZE = 512
+# Below this many elements a tensor travels uncompressed (fp32, batched with the bucket's other small
+# tensors): at 4096 elements an int4 block's metadata is still noticeable and the saving is < 15 KB.
+DEFAULT_MIN_NUMEL = 4096
+
+
+class Codec(str, enum.Enum):
+    """How one tensor's gradient travels."""
+
+    FP32 = "fp32"  # plain fp32 all-reduce (ring), exact
+    FP16 = "fp16"  # cast to fp16 for the wire, summed in fp32
+    BF16 = "bf16"  # cast to bf16 for the wire, summed in fp32
+    QUANTIZE = "quantize"  # max-min per block, 1-8 bits, bit-packed, scatter-reduce-allgather
+    TOPK = "topk"  # largest-magnitude entries (values + int32 indices), all_gather, scatter-add
+
+
+LOSSY = frozenset({Codec.FP16, Codec.BF16, Codec.QUANTIZE, Codec.TOPK})
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    """The compression of one parameter's gradient.
+
+    Fields that do not apply to the codec are ignored (``bits`` of ``fp16``, say); ``validate()``
+    rejects values that are out of range for the codec that uses them.
+    """
+
+    codec: Codec = Codec.FP32
+    # quantize: bits per element (1-8). topk: bits of the selected values (None = fp32 values).
+    bits: int | None = None
+    # Elements per max-min block (power of two, 8..65536). Smaller: more accurate, more metadata
+    # (8 bytes per block).
+    block_size: int = DEFAULT_BLOCK_SIZE
+    # Stochastic rounding: unbiased, noisier; seeded by (seed, rank, step), so runs are reproducible.
+    stochastic: bool = False
+    # topk: fraction of entries kept, in (0, 1]; or an exact count (topk_count wins if both are set).
+    topk: float | None = None
+    topk_count: int | None = None
+    # Error feedback: what compression drops is added back into the next step's gradient. Costs one
+    # fp32 residual per parameter (memory the size of the model); without it, top-k does not converge.
+    error_feedback: bool = True
+    # Sparse all_gather traffic grows with the world size (each rank receives W-1 sparse messages).
+    # At the world size where top-k would send more than a scatter-reduce-allgather quantized to
+    # ``fallback_bits`` (None: fp32 ring all-reduce), the layer falls back to that dense codec.
+    fallback_bits: int | None = 8
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.codec, Codec):
+            try:
+                object.__setattr__(self, "codec", Codec(self.codec))
+            except ValueError:
+                raise ValueError(
+                    f"codec={self.codec!r} is not a codec; use one of {[c.value for c in Codec]}"
+                ) from None
+
+    # -- validation ----------------------------------------------------------------------------------
+    def validate(self, where: str = "codec") -> None:
+        """Raise ValueError naming the field and the fix if a setting is out of range."""
+
+        def fail(fieldname: str, problem: str, fix: str) -> None:
+            raise ValueError(f"{where}: {fieldname} {problem}; {fix}")
+
+        if self.codec is Codec.QUANTIZE:
+            if not _is_int(self.bits) or not 1 <= self.bits <= 8:
+                fail("bits", f"is {self.bits!r}, outside 1-8", "quantization takes 1 to 8 bits per element")
+        if self.codec is Codec.TOPK:
+            if self.topk_count is None and self.topk is None:
+                fail("topk", "is not set", "give a fraction in (0, 1] (topk=0.01 keeps 1%) or topk_count")
+            if self.topk_count is not None and (not _is_int(self.topk_count) or self.topk_count < 1):
+                fail("topk_count", f"is {self.topk_count!r}", "give a whole number >= 1")
+            if self.topk is not None and (
+                isinstance(self.topk, bool) or not isinstance(self.topk, (int, float))
+                or not 0.0 < float(self.topk) <= 1.0
+            ):
+                fail("topk", f"is {self.topk!r}, outside (0, 1]", "give the kept fraction, e.g. topk=0.01 for 1%")
+            if self.bits is not None and (not _is_int(self.bits) or not 1 <= self.bits <= 8):
+                fail("bits", f"is {self.bits!r}, outside 1-8", "quantized top-k values take 1 to 8 bits (None: fp32)")
+        if self.fallback_bits is not None and (
+            not _is_int(self.fallback_bits) or not 1 <= self.fallback_bits <= 8
+        ):
+            fail("fallback_bits", f"is {self.fallback_bits!r}, outside 1-8", "use 1-8, or None for fp32")
+        bs = self.block_size
+        if not _is_int(bs) or bs < 8 or bs > 65536 or bs & (bs - 1):
+            fail("block_size", f"is {bs!r}", "use a power of two from 8 to 65536 (512 is the default)")
+        if not isinstance(self.stochastic, bool):
+            fail("stochastic", f"is {self.stochastic!r}", "use true or false")
+        if not isinstance(self.error_feedback, bool):
+            fail("error_feedback", f"is {self.error_feedback!r}", "use true or false")
+
+    @property
+    def lossy(self) -> bool:
+        return self.codec in LOSSY
+
+    @property
+    def uses_residual(self) -> bool:
+        """Whether this codec keeps an error-feedback residual (fp16/bf16 casts do not need one)."""
+        return self.error_feedback and self.codec in (Codec.QUANTIZE, Codec.TOPK)
+
+    def topk_k(self, numel: int) -> int:
+        """How many entries top-k keeps of a tensor of ``numel`` elements (at least 1)."""
+        if self.topk_count is not None:
+            return max(1, min(int(self.topk_count), numel))
+        return max(1, min(numel, int(-(-numel * float(self.topk) // 1))))
+
+    def describe(self) -> str:
+        """A short human name: ``int4``, ``topk1%-int4``, ``fp16``..."""
+        if self.codec is Codec.QUANTIZE:
+            name = f"int{self.bits}" + ("-sr" if self.stochastic else "")
+        elif self.codec is Codec.TOPK:
+            amount = f"{self.topk_count}" if self.topk_count is not None else f"{self.topk * 100:g}%"
+            name = f"topk{amount}" + (f"-int{self.bits}" if self.bits else "")
+        else:
+            return self.codec.value
+        return name + ("" if self.error_feedback else "-noef")
+
+    # -- JSON ----------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["codec"] = self.codec.value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "codec") -> "CodecConfig":
+        if not isinstance(d, Mapping):
+            raise ValueError(f"{where}: expected an object with a 'codec' field, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {unknown}; known fields are {sorted(known)}")
+        if "codec" not in d:
+            raise ValueError(f"{where}: missing field 'codec'; use one of {[c.value for c in Codec]}")
+        try:
+            cfg = cls(**d)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        cfg.validate(where)
+        return cfg
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _q(bits: int, **kw: Any) -> CodecConfig:
+    return CodecConfig(codec=Codec.QUANTIZE, bits=bits, **kw)
+
+
+# Named recipes (``Plan.from_recipe``). "none" is DDP's own fp32 all-reduce, exactly.
+RECIPES: dict[str, CodecConfig] = {
+    "none": CodecConfig(codec=Codec.FP32),
+    "fp16": CodecConfig(codec=Codec.FP16),
+    "bf16": CodecConfig(codec=Codec.BF16),
+    "int8": _q(8),
+    "int4": _q(4),
+    "int2": _q(2),
+    "int4-sr": _q(4, stochastic=True),
+    "topk1": CodecConfig(codec=Codec.TOPK, topk=0.01),
+    "topk1-int4": CodecConfig(codec=Codec.TOPK, topk=0.01, bits=4),
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Per-layer compression of a model's gradients, keyed by parameter name.
+
+    ``layers`` maps an exact parameter name, or ``re:PATTERN`` (``re.fullmatch`` on the name), to a
+    :class:`CodecConfig`. Look-up order: exact name, then patterns in order, then ``default``.
+    """
+
+    default: CodecConfig = field(default_factory=lambda: RECIPES["int4"])
+    layers: tuple[tuple[str, CodecConfig], ...] = ()
+    min_numel: int = DEFAULT_MIN_NUMEL
+    # Base seed of stochastic rounding; the hook mixes in the rank and the step.
+    seed: int = 0
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.layers, Mapping):
+            object.__setattr__(self, "layers", tuple(self.layers.items()))
+        else:
+            object.__setattr__(self, "layers", tuple(tuple(kv) for kv in self.layers))
+        self.validate()
+
+    # -- constructors ----------------------------------------------------------------------------------
+    @classmethod
+    def uniform(
+        cls,
+        bits: int | None = None,
+        topk: float | None = None,
+        error_feedback: bool = True,
+        stochastic: bool = False,
+        min_numel: int = DEFAULT_MIN_NUMEL,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        codec: str | Codec | None = None,
+    ) -> "Plan":
+        """One setting for every layer: ``bits`` alone quantizes, ``topk`` alone sparsifies, both
+        give top-k with quantized values; ``codec="fp16"`` (or fp32/bf16) for plain casts."""
+        if codec is not None:
+            cfg = CodecConfig(codec=Codec(codec), bits=bits, topk=topk, block_size=block_size,
+                              stochastic=stochastic, error_feedback=error_feedback)
+        elif topk is not None:
+            cfg = CodecConfig(codec=Codec.TOPK, topk=topk, bits=bits, block_size=block_size,
+                              stochastic=stochastic, error_feedback=error_feedback)
+        elif bits is not None:
+            cfg = CodecConfig(codec=Codec.QUANTIZE, bits=bits, block_size=block_size,
+                              stochastic=stochastic, error_feedback=error_feedback)
+        else:
+            raise ValueError("Plan.uniform: give bits=1..8, topk=(0, 1], or codec='fp32'/'fp16'/'bf16'")
+        return cls(default=cfg, min_numel=min_numel, name=cfg.describe())
+
+    @classmethod
+    def from_recipe(cls, name: str, **overrides: Any) -> "Plan":
+        """A named recipe: ``none``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``int2``, ``int4-sr``,
+        ``topk1``, ``topk1-int4``."""
+        if name not in RECIPES:
+            raise ValueError(
+                f"unknown recipe {name!r}; use one of {sorted(RECIPES)}, a plan JSON path, or a Plan"
+            )
+        return cls(default=RECIPES[name], name=name, **overrides)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "plan") -> "Plan":
+        if not isinstance(d, Mapping):
+            raise ValueError(f"{where}: a plan is a JSON object, got {type(d).__name__}")
+        version = d.get("format_version")
+        if version is None:
+            raise ValueError(
+                f"{where}: missing 'format_version'; plans written by this FastML have "
+                f"format_version {PLAN_FORMAT_VERSION}"
+            )
+        if version != PLAN_FORMAT_VERSION:
+            raise ValueError(
+                f"{where}: format_version {version!r} is not supported (this FastML reads "
+                f"{PLAN_FORMAT_VERSION}); re-create the plan with this version's fastml-autotune or "
+                f"Plan.save, or upgrade FastML"
+            )
+        known = {"format_version", "default", "layers", "min_numel", "seed", "name", "meta"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {unknown}; known fields are {sorted(known)}")
+        default = CodecConfig.from_dict(d.get("default", {"codec": "int4"}), f"{where}.default") \
+            if "default" in d else RECIPES["int4"]
+        layers_in = d.get("layers", {})
+        if not isinstance(layers_in, Mapping):
+            raise ValueError(f"{where}.layers: expected an object of name -> codec settings")
+        layers = tuple(
+            (str(k), CodecConfig.from_dict(v, f"{where}.layers[{k!r}]")) for k, v in layers_in.items()
+        )
+        min_numel = d.get("min_numel", DEFAULT_MIN_NUMEL)
+        seed = d.get("seed", 0)
+        name = d.get("name", "custom")
+        try:
+            return cls(default=default, layers=layers, min_numel=min_numel, seed=seed, name=str(name))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Plan":
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except FileNotFoundError:
+            raise ValueError(f"plan file {str(p)!r} does not exist; give a recipe name ({sorted(RECIPES)}) "
+                             f"or the path of a plan JSON") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"plan file {str(p)!r} is not valid JSON ({e}); re-create it with "
+                             f"Plan.save or fastml-autotune") from None
+        return cls.from_dict(data, where=f"plan file {str(p)!r}")
+
+    # -- serialisation -----------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format_version": PLAN_FORMAT_VERSION,
+            "name": self.name,
+            "default": self.default.to_dict(),
+            "layers": {k: v.to_dict() for k, v in self.layers},
+            "min_numel": self.min_numel,
+            "seed": self.seed,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the plan as JSON, atomically (a crash mid-write leaves any previous file intact)."""
+        atomic_write_text(path, self.to_json())
+
+    def digest(self) -> str:
+        """A hash of everything that shapes the wire format; equal on every rank or registration fails."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+    # -- look-up -------------------------------------------------------------------------------------------
+    def for_parameter(self, name: str, numel: int | None = None) -> CodecConfig:
+        """The codec for parameter ``name``; fp32 when ``numel`` is under ``min_numel``."""
+        if numel is not None and numel < self.min_numel:
+            return RECIPES["none"]
+        return self._lookup(name)
+
+    def _lookup(self, name: str) -> CodecConfig:
+        for key, cfg in self.layers:
+            if not key.startswith("re:") and key == name:
+                return cfg
+        for key, cfg in self.layers:
+            if key.startswith("re:") and re.fullmatch(key[3:], name):
+                return cfg
+        return self.default
+
+    def with_layers(self, layers: Mapping[str, CodecConfig] | Iterable[tuple[str, CodecConfig]],
+                    **changes: Any) -> "Plan":
+        items = layers.items() if isinstance(layers, Mapping) else layers
+        return dataclasses.replace(self, layers=tuple(self.layers) + tuple(items), **changes)
+
+    # -- checks -------------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        if not isinstance(self.default, CodecConfig):
+            raise ValueError(f"plan.default must be a CodecConfig, got {type(self.default).__name__}")
+        self.default.validate("plan.default")
+        for key, cfg in self.layers:
+            if not isinstance(key, str) or not key:
+                raise ValueError(f"plan.layers: key {key!r} must be a parameter name or 're:PATTERN'")
+            if not isinstance(cfg, CodecConfig):
+                raise ValueError(f"plan.layers[{key!r}] must be a CodecConfig, got {type(cfg).__name__}")
+            if key.startswith("re:"):
+                try:
+                    re.compile(key[3:])
+                except re.error as e:
+                    raise ValueError(f"plan.layers[{key!r}]: invalid regular expression ({e}); "
+                                     f"fix the pattern after 're:'") from None
+            cfg.validate(f"plan.layers[{key!r}]")
+        if not _is_int(self.min_numel) or self.min_numel < 0:
+            raise ValueError(f"plan.min_numel is {self.min_numel!r}; use a whole number >= 0 "
+                             f"(tensors with fewer elements travel uncompressed)")
+        if not _is_int(self.seed):
+            raise ValueError(f"plan.seed is {self.seed!r}; use a whole number")
+
+    def check_parameters(self, names: Iterable[str]) -> None:
+        """Raise ValueError if an exact name or a pattern of the plan matches no parameter."""
+        names = list(names)
+        present = set(names)
+        missing = [k for k, _ in self.layers if not k.startswith("re:") and k not in present]
+        unmatched = [k for k, _ in self.layers
+                     if k.startswith("re:") and not any(re.fullmatch(k[3:], n) for n in names)]
+        if missing or unmatched:
+            sample = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+            bad = missing + unmatched
+            raise ValueError(
+                f"plan.layers names {bad} but the model has no such parameter (its parameters: "
+                f"{sample}); use names from model.named_parameters() (without a 'module.' prefix), "
+                f"or fix the 're:' pattern"
+            )
+
+
+def resolve_plan(plan: Any) -> Plan:
+    """Turn what a user passes (a Plan, a recipe name, a path to a plan JSON, a dict, None) into a Plan.
+
+    None reads the environment variable ``FASTML_PLAN``, and falls back to the ``int4`` recipe.
+    """
+    if plan is None:
+        plan = os.environ.get("FASTML_PLAN") or "int4"
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, Mapping):
+        return Plan.from_dict(plan)
+    if isinstance(plan, (str, os.PathLike)):
+        s = str(plan)
+        if s in RECIPES:
+            return Plan.from_recipe(s)
+        if s.endswith(".json") or os.sep in s or Path(s).exists():
+            return Plan.load(s)
+        raise ValueError(
+            f"plan {s!r} is neither a recipe ({', '.join(sorted(RECIPES))}) nor an existing plan JSON "
+            f"file; pass one of those, a dict, or a fastml_strategy.Plan"
+        )
+    raise ValueError(f"plan must be a Plan, a recipe name, a plan JSON path or a dict, "
+                     f"not {type(plan).__name__}")
