@@ -1,0 +1,2 @@
+class FastMLState: pass
+def register_hook(*a, **k): raise NotImplementedError
