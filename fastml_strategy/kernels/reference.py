@@ -1,0 +1,215 @@
+"""Pure-torch reference of the quantization codec: the CPU path and the test oracle of every kernel.
+
+The wire format (every backend must produce and read exactly these bytes)
+------------------------------------------------------------------------
+A 1-D tensor ``x`` of ``n`` elements (fp32, fp16 or bf16; computed in fp32) is cut into blocks of
+``block_size`` elements (a power of two >= 8; the last block may be partial). With ``L = 2**bits - 1``:
+
+1. ``v = x + residual`` (fp32) when a residual is given, else ``v = x``.
+2. Per block: ``mn = min(v)``, ``mx = max(v)``; ``scale = (mx - mn) / L``; if that overflows to inf
+   while ``mn`` and ``mx`` are finite, ``scale = mx / L - mn / L``. ``inv = 1 / scale`` if
+   ``scale > 0`` else ``0``.
+3. ``q = clamp(floor((v - mn) * inv + u), 0, L)`` with ``u = 0.5`` (round to nearest) or, for
+   stochastic rounding, ``u = uniform(seed, i)`` of the element's index ``i`` in ``x`` (see
+   :func:`uniform`), so the same seed gives the same bytes on every backend.
+4. A block holding a NaN or an inf is *non-finite*: its metadata is ``(nan, nan)``, its codes are 0,
+   and it decodes to NaN everywhere, so a non-finite gradient reaches every rank (GradScaler then skips
+   the step on all of them). Its residual is left unchanged.
+5. Metadata: fp32 tensor of shape ``(nblocks, 2)``: ``[:, 0] = mn``, ``[:, 1] = scale``.
+6. Packing: the codes form a little-endian bit stream: element ``i`` occupies stream bits
+   ``[i*bits, (i+1)*bits)``, byte ``k`` holds stream bits ``[8k, 8k+8)`` (bit 0 = least significant).
+   The payload is ``ceil(n * bits / 8)`` uint8 bytes.
+7. Decoding: ``y = mn + q * scale`` in fp32 (a multiply, then an add: no fused multiply-add).
+8. Error feedback: ``residual_new = v - y`` for finite blocks.
+
+Round to nearest errs by at most ``scale / 2`` per element (plus fp32 rounding of the subtraction);
+stochastic rounding by less than ``scale`` and is unbiased.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "quantize_reference",
+    "dequantize_reference",
+    "uniform",
+    "packed_nbytes",
+    "num_blocks",
+    "pack_bits",
+    "unpack_bits",
+]
+
+_M32 = 0xFFFFFFFF
+# Constants of the integer hash behind stochastic rounding (a 32-bit "lowbias" mixer).
+HASH_GOLDEN = 0x9E3779B9
+HASH_M1 = 0x7FEB352D
+HASH_M2 = 0x846CA68B
+
+
+def packed_nbytes(numel: int, bits: int) -> int:
+    """Bytes of the bit-packed payload of ``numel`` codes of ``bits`` bits."""
+    return (numel * bits + 7) // 8
+
+
+def num_blocks(numel: int, block_size: int) -> int:
+    return (numel + block_size - 1) // block_size
+
+
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    # (h * c) mod 2**32 for h < 2**32 in int64 without overflowing int64: split c in 16-bit halves.
+    lo = h * (c & 0xFFFF)
+    hi = ((h * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & _M32
+
+
+def uniform(seed: int, index: torch.Tensor) -> torch.Tensor:
+    """Counter-based uniform numbers in [0, 1): a 32-bit hash of ``(seed, index)``, top 24 bits.
+
+    ``h = (index + seed * 0x9E3779B9) mod 2**32``, then ``h ^= h >> 16; h *= 0x7FEB352D;
+    h ^= h >> 15; h *= 0x846CA68B; h ^= h >> 16`` (mod 2**32), and ``u = (h >> 8) * 2**-24``.
+    """
+    s = (int(seed) * HASH_GOLDEN) & _M32
+    h = (index.to(torch.int64) + s) & _M32
+    h = h ^ (h >> 16)
+    h = _mul32(h, HASH_M1)
+    h = h ^ (h >> 15)
+    h = _mul32(h, HASH_M2)
+    h = h ^ (h >> 16)
+    return (h >> 8).to(torch.float32) * (1.0 / 16777216.0)
+
+
+def pack_bits(q: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """Pack uint8 codes (length a multiple of 8) into the little-endian bit stream; keep ``numel``'s bytes."""
+    if bits == 8:
+        out = q
+    elif bits in (1, 2, 4):
+        per = 8 // bits
+        g = q.view(-1, per)
+        out = g[:, 0].clone()
+        for i in range(1, per):
+            out |= g[:, i] << (bits * i)
+    else:
+        g = q.view(-1, 8).to(torch.int64)
+        shifts = torch.arange(0, 8 * bits, bits, dtype=torch.int64)
+        word = (g << shifts).sum(dim=1)  # 8 codes -> one 8*bits-bit word (<= 56 bits)
+        byte_shifts = torch.arange(0, 8 * bits, 8, dtype=torch.int64)
+        out = ((word[:, None] >> byte_shifts) & 0xFF).to(torch.uint8).reshape(-1)
+    return out[: packed_nbytes(numel, bits)]
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: ``count`` (a multiple of 8) uint8 codes."""
+    need = count * bits // 8
+    if packed.numel() < need:
+        packed = torch.cat([packed, packed.new_zeros(need - packed.numel())])
+    packed = packed[:need]
+    mask = (1 << bits) - 1
+    if bits == 8:
+        return packed
+    if bits in (1, 2, 4):
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+        return ((packed[:, None] >> shifts) & mask).reshape(-1)
+    b = packed.view(-1, bits).to(torch.int64)
+    byte_shifts = torch.arange(0, 8 * bits, 8, dtype=torch.int64)
+    word = (b << byte_shifts).sum(dim=1)
+    shifts = torch.arange(0, 8 * bits, bits, dtype=torch.int64)
+    return ((word[:, None] >> shifts) & mask).to(torch.uint8).reshape(-1)
+
+
+def _padded_blocks(v: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``v`` as a (nblocks, block_size) view; a partial last block is padded with its first element."""
+    n = v.numel()
+    nb = num_blocks(n, block_size)
+    if n == nb * block_size:
+        return v.view(nb, block_size)
+    vp = torch.empty(nb * block_size, dtype=v.dtype, device=v.device)
+    vp[:n] = v
+    vp[n:] = v[(nb - 1) * block_size]
+    return vp.view(nb, block_size)
+
+
+def _block_meta(v2: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    mn, mx = torch.aminmax(v2, dim=1)
+    finite = torch.isfinite(mn) & torch.isfinite(mx)
+    scale = (mx - mn) / levels
+    overflow = torch.isinf(scale) & finite
+    if bool(overflow.any()):
+        scale = torch.where(overflow, mx / levels - mn / levels, scale)
+    return mn, scale, finite
+
+
+def quantize_reference(
+    x: torch.Tensor,
+    bits: int,
+    block_size: int = 512,
+    stochastic: bool = False,
+    seed: int = 0,
+    residual: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode ``x`` (1-D) as ``(packed uint8[ceil(n*bits/8)], meta fp32[nblocks, 2])``.
+
+    With ``residual`` (fp32, same length), encodes ``x + residual`` and writes the new residual to
+    ``residual_out`` (default: ``residual`` itself, in place). See the module docstring for the format.
+    """
+    x = x.reshape(-1)
+    n = x.numel()
+    levels = (1 << bits) - 1
+    v = x.to(torch.float32)
+    if residual is not None:
+        v = v + residual.reshape(-1)
+    elif v.data_ptr() == x.data_ptr():
+        v = v.clone()
+    if n == 0:
+        return torch.empty(0, dtype=torch.uint8, device=x.device), torch.empty(
+            0, 2, dtype=torch.float32, device=x.device)
+    v2 = _padded_blocks(v, block_size)
+    mn, scale, finite = _block_meta(v2, levels)
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    mn_q = torch.where(finite, mn, torch.zeros_like(mn))
+    inv = torch.where(finite, inv, torch.zeros_like(inv))
+    qf = (v2 - mn_q[:, None]) * inv[:, None]
+    if stochastic:
+        idx = torch.arange(v2.numel(), device=x.device)
+        qf += uniform(seed, idx).view_as(qf)
+    else:
+        qf += 0.5
+    qf.floor_().clamp_(0, levels).nan_to_num_(0.0)
+    qf[~finite] = 0
+    q = qf.to(torch.uint8).reshape(-1)
+    nan = torch.full_like(mn, float("nan"))
+    meta = torch.stack([torch.where(finite, mn, nan), torch.where(finite, scale, nan)], dim=1)
+    packed = pack_bits(q, bits, n)
+    if residual is not None:
+        y = (mn_q[:, None] + qf * scale[:, None]).reshape(-1)[:n]
+        fin_el = finite.repeat_interleave(block_size)[:n]
+        new = torch.where(fin_el, v - y, residual.reshape(-1))
+        (residual if residual_out is None else residual_out).reshape(-1).copy_(new)
+    return packed, meta
+
+
+def dequantize_reference(
+    packed: torch.Tensor,
+    meta: torch.Tensor,
+    numel: int,
+    bits: int,
+    block_size: int = 512,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+) -> torch.Tensor:
+    """Decode ``numel`` fp32 values; into ``out`` (fp32, 1-D), added to it when ``accumulate``."""
+    nb = num_blocks(numel, block_size)
+    if out is None:
+        out = torch.zeros(numel, dtype=torch.float32, device=packed.device) if accumulate else \
+            torch.empty(numel, dtype=torch.float32, device=packed.device)
+    if numel == 0:
+        return out
+    q = unpack_bits(packed.reshape(-1), bits, nb * block_size).view(nb, block_size)
+    meta = meta.reshape(nb, 2)
+    y = (meta[:, 0:1] + q.to(torch.float32) * meta[:, 1:2]).reshape(-1)[:numel]
+    if accumulate:
+        out.add_(y)
+    else:
+        out.copy_(y)
+    return out
