@@ -289,7 +289,8 @@ def run(s: Settings) -> AutotuneResult:
         bar.set_description("measuring")
         opt_by_name = {o.name: o for o in options}
         tuned_choice = search.expand(groups, best[chosen]["choice"])
-        choices: dict[str, dict[str, str] | None] = {"ddp-fp32": None, f"tuned ({chosen})": tuned_choice}
+        choices: dict[str, dict[str, str] | None] = {
+            "ddp-fp32": None, f"tuned ({chosen})": tuned_choice if best[chosen]["use_hook"] else None}
         for rcp in UNIFORM_RECIPES:
             choices[rcp] = {n: rcp for names in groups.values() for n in names}
         step_rows = []
@@ -299,7 +300,7 @@ def run(s: Settings) -> AutotuneResult:
             measured = measure_distributed(s.workload, plans, steps=s.measure_steps)
             local = opt_by_name[LOCAL]
             for k, c in choices.items():
-                pred = step_time(profile, c or {}, local).step_s
+                pred = step_time(profile, c or {}, local, hook=c is not None).step_s
                 step_rows.append({"plan": k, "where": f"{s.world_size} ranks, measured link",
                                   "predicted_s": pred, "measured_s": measured[k]})
         elif lead:
@@ -314,10 +315,10 @@ def run(s: Settings) -> AutotuneResult:
         # -- 5. scaling predictions and the report (rank 0) ----------------------------------------
         scaling = []
         for opt in options:
-            c = search.expand(groups, best[opt.name]["choice"])
+            c = search.expand(groups, best[opt.name]["choice"]) if best[opt.name]["use_hook"] else None
             for n in SCALING_NODES:
-                for label, ch in (("tuned", c), ("ddp-fp32", none_choice_of(groups))):
-                    br = step_time(profile, ch, opt, nodes=n)
+                for label, ch in (("tuned", c), ("ddp-fp32", None)):
+                    br = step_time(profile, ch or {}, opt, nodes=n, hook=ch is not None)
                     scaling.append({"option": opt.name, "nodes": n, "plan": label,
                                     "step_s": br.step_s, "compute_s": br.compute_s,
                                     "codec_s": br.codec_s, "exposed_comm_s": br.exposed_s,
@@ -373,11 +374,15 @@ def _calibrate_and_search(s: Settings, profile: Profile, groups: Mapping[str, li
             r = search.run_search(profile, groups, opt, conv, target_steps, storage=s.storage,
                                   study_name=f"fastml-{fp}-search-{opt.name}-{key}",
                                   trials=trials_per_option, seed=s.seed, progress=bar)
-            rows.extend(r)
-            best[opt.name] = search.best_row(r)
-            base = evaluate(profile, none_choice, opt, conv, target_steps)
-            base.update(option=opt.name, choice={g: "none" for g in groups})
+            rows.extend(dict(x, kind="fastml") for x in r)
+            base = evaluate(profile, none_choice, opt, conv, target_steps, hook=False)
+            base.update(option=opt.name, choice={g: "none" for g in groups}, use_hook=False,
+                        objective=base["cost_usd"] if opt.price_per_hour > 0 else base["tta_s"])
             baseline[opt.name] = base
+            rows.append(dict(base, trial=-1, kind="plain-ddp"))
+            # Plain DDP is a candidate too: where no compression pays (a fast link), say so.
+            b = search.best_row(r)
+            best[opt.name] = dict(b, use_hook=True) if b["objective"] < base["objective"] else dict(base)
         tried = [p["choice"] for p in points]
         new = []
         for b in best.values():
@@ -401,10 +406,6 @@ def _calibrate_and_search(s: Settings, profile: Profile, groups: Mapping[str, li
     return ref, points, conv, target_steps, rows, best, baseline, front, chosen
 
 
-def none_choice_of(groups: Mapping[str, list[str]]) -> dict[str, str]:
-    return {n: "none" for names in groups.values() for n in names}
-
-
 def _meta(s: Settings, option: str, best: Mapping[str, Any], base: Mapping[str, Any],
           conv: Convergence) -> dict[str, Any]:
     def f(v: Any) -> Any:
@@ -414,6 +415,8 @@ def _meta(s: Settings, option: str, best: Mapping[str, Any], base: Mapping[str, 
         "tuned_by": "fastml-autotune",
         "target": s.target,
         "hardware_option": option,
+        "recommendation": ("register the hook with this plan" if best.get("use_hook", True) else
+                           "plain DDP: no compression pays on this option (this plan is fp32 throughout)"),
         "world_size_ref": s.world_size,
         "predicted": {k: f(best[k]) for k in ("step_s", "tta_s", "cost_usd", "error", "g")},
         "uncompressed_ddp": {k: f(base[k]) for k in ("step_s", "tta_s", "cost_usd")},

@@ -6,7 +6,7 @@ training in the loop, so one Optuna trial costs microseconds and the search can 
 Step time of plan ``p`` on option ``c`` (``N`` nodes, link bandwidth ``B`` and latency ``a`` per node,
 compute speed ``f``, ``R`` ranks)::
 
-    T(p, c) = T_fwd' + T_bwd' + T_codec(p) + exposed_comm(p, c) + T_opt'
+    T(p, c) = T_fwd' + max(T_bwd' + T_codec(p), end of communication) + T_opt'
 
 1. Compute. The profile measures forward, backward and optimizer time on the profiling machine, at the
    reference world size ``W_ref``. A cluster runs the same training (same global batch, same number of
@@ -15,15 +15,17 @@ compute speed ``f``, ``R`` ranks)::
    small enough to underuse an accelerator).
 2. Buckets. Gradients are grouped the way DDP does (reverse parameter order, a 1 MiB first bucket, then
    25 MiB); a bucket is ready when its last gradient is (measured with post-accumulate-grad hooks).
-3. Wire time of a bucket = ``rounds * a + bytes / B``: ``bytes`` sums ``codec_wire_bytes`` (per-rank
+3. Wire time of a bucket = ``rounds * a + bytes / B``: ``bytes`` sums ``codecs.wire_bytes`` (per-rank
    traffic: ``2(N-1)/N`` of the compressed size for scatter-reduce-allgather and ring all-reduce,
    ``(N-1)`` messages for top-k's all_gather, with the codec's own dense fallback at large ``N``);
-   ``rounds`` is ``2(N-1)`` for a dense collective and ``(N-1)`` for an all_gather. With a measured
-   link, ``a`` and ``1/B`` are the fitted alpha and beta of timed collectives (so link sharing between
-   ranks is already in them).
-4. Overlap. One communication thread sends buckets in order as they become ready; the wire time that
-   ends after the backward pass is exposed. The codec's encode/decode runs on the same processor as the
-   backward pass, so it is added in full (it does not overlap).
+   ``rounds = 2(N-1)``: the hook's two collectives per bucket (all_to_all, all_gather), or DDP's ring
+   all-reduce. With a measured link, ``a`` and ``1/B`` are the fitted alpha and beta of timed
+   collectives (so link sharing between ranks is already in them).
+4. Overlap. One communication thread takes buckets in order as they become ready and, per bucket,
+   encodes/decodes then transfers. Encoding shares the processor with the backward pass, so backward
+   ends ``T_codec`` later; the step's communication ends when the thread finishes its last bucket,
+   never before that bucket's own encode and transfer. Exposed = what ends after the (stretched)
+   backward pass.
 5. Codec time per layer is the measured round trip (one encode + one decode) scaled by how many of each
    the collective does: scatter-reduce-allgather encodes ``1 + 1/N`` of the tensor and decodes ``2`` of
    it, i.e. ``(3 + 1/N) / 2`` round trips; top-k encodes once and scatter-adds ``N-1`` small messages
@@ -200,7 +202,7 @@ def plan_error(profile: Profile, choice: Mapping[str, str]) -> float:
 
 
 def _codec_factor(cfg: CodecConfig, nodes: int) -> float:
-    if cfg.codec is Codec.FP32 or nodes <= 1:
+    if nodes <= 1:
         return 0.0
     if cfg.codec is Codec.TOPK:
         return 1.0
@@ -208,10 +210,11 @@ def _codec_factor(cfg: CodecConfig, nodes: int) -> float:
 
 
 def step_time(profile: Profile, choice: Mapping[str, str], option: HardwareOption,
-              nodes: int | None = None) -> StepBreakdown:
+              nodes: int | None = None, hook: bool = True) -> StepBreakdown:
     """Predicted step time of a plan (``choice``: layer name -> CANDIDATES key) on ``option``
-    (with ``nodes`` overriding the option's node count, for scaling predictions)."""
-    from fastml_strategy.codecs import codec_wire_bytes
+    (with ``nodes`` overriding the option's node count, for scaling predictions). ``hook=False`` is
+    plain DDP (fp32 all-reduce, no encode/decode), the uncompressed baseline."""
+    from fastml_strategy.codecs import effective_config, wire_bytes
 
     n = option.nodes if nodes is None else nodes
     ranks = n * option.accelerators_per_node
@@ -224,31 +227,46 @@ def step_time(profile: Profile, choice: Mapping[str, str], option: HardwareOptio
     total_bytes = 0
     for bucket in ddp_buckets(profile):
         nbytes = 0
-        dense = sparse = False
+        codec_b = 0.0
         for lp in bucket:
-            name, cfg = _cfg(choice, lp)
-            nbytes += codec_wire_bytes(lp.numel, cfg, n) if n > 1 else 0
-            codec_total += lp.codec_s.get(name, 0.0) * _codec_factor(cfg, n) / option.compute_speed
-            if cfg.codec is Codec.TOPK:
-                sparse = True
-            else:
-                dense = True
-        rounds = (2 * (n - 1) if dense else 0) + ((n - 1) if sparse else 0)
+            name, cfg = _cfg(choice, lp) if hook else ("none", CANDIDATES["none"])
+            if n > 1:
+                nbytes += wire_bytes(lp.numel, cfg, n)
+                eff = effective_config(cfg, lp.numel, n)
+                if hook and lp.tunable:
+                    # a top-k layer past its fallback world size runs its dense fallback codec
+                    t = lp.codec_s.get(name, 0.0) if eff == cfg else lp.codec_s.get(
+                        _candidate_name(eff), lp.codec_s.get("int8", 0.0))
+                    codec_b += t * _codec_factor(eff, n) / option.compute_speed
+        # the hook issues two collectives per bucket (all_to_all + all_gather), DDP one ring
+        # all-reduce; both take 2(N-1) latency rounds
+        rounds = 2 * (n - 1)
         wire = (rounds * link.latency_s + nbytes / link.bandwidth_Bps) if n > 1 else 0.0
         ready = max(lp.ready_s for lp in bucket) * scale
-        free = max(free, ready) + wire
+        free = max(free, ready) + codec_b + wire
         wire_total += wire
+        codec_total += codec_b
         total_bytes += nbytes
-    exposed = max(0.0, free - bwd)
-    step = fwd + bwd + codec_total + exposed + opt
+    # The codec shares the processor with backward, so backward's end moves by the codec time; the
+    # communication thread ends after its last bucket's encode and transfer.
+    end = max(bwd + codec_total, free)
+    exposed = max(0.0, end - bwd - codec_total)
+    step = fwd + end + opt
     return StepBreakdown(fwd + bwd + opt, codec_total, wire_total, exposed, step, total_bytes)
 
 
+def _candidate_name(cfg: CodecConfig) -> str:
+    for name, c in CANDIDATES.items():
+        if c == cfg:
+            return name
+    return "int8"
+
+
 def evaluate(profile: Profile, choice: Mapping[str, str], option: HardwareOption, conv: Convergence,
-             target_steps: float) -> dict[str, float]:
+             target_steps: float, hook: bool = True) -> dict[str, float]:
     """All the numbers of one (plan, option) pair: error, steps, step time, time to accuracy, cost."""
     e = plan_error(profile, choice)
-    br = step_time(profile, choice, option)
+    br = step_time(profile, choice, option, hook=hook)
     steps = target_steps * conv.g(e)
     tta = steps * br.step_s
     cost = tta * option.nodes * option.price_per_hour / 3600.0

@@ -136,9 +136,7 @@ def profile_workload(
                     grad_sq[n] += gs / steps
                     if n not in tunable:
                         continue
-                    for o in options:
-                        if o == "none":
-                            continue
+                    for o in options:  # "none" too: the hook's fp32 path still copies and sums
                         cfg = CANDIDATES[o]
                         key = (n, o)
                         x = g + residual[key] if key in residual else g.clone()
@@ -191,7 +189,7 @@ def profile_workload(
                           tunable=n in tunable)
         total = grad_sq[n] * steps
         for o in options:
-            if o == "none" or n not in tunable:
+            if n not in tunable:
                 lp.rel_error[o] = 0.0
                 lp.codec_s[o] = 0.0
                 continue

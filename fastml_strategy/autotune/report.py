@@ -82,7 +82,8 @@ def tables(result: "AutotuneResult") -> dict[str, pd.DataFrame]:
     for o in result.options:
         b, d = result.best[o.name], result.baseline[o.name]
         opt_rows.append({
-            "option": o.name, "nodes": o.nodes, "ranks": o.ranks, "price_per_node_hour": o.price_per_hour,
+            "option": o.name, "use": "FastML plan" if b.get("use_hook", True) else "plain DDP",
+            "nodes": o.nodes, "ranks": o.ranks, "price_per_node_hour": o.price_per_hour,
             "link": o.link.describe(), "compute_speed": o.compute_speed,
             "tuned_step_ms": 1e3 * b["step_s"], "ddp_step_ms": 1e3 * d["step_s"],
             "tuned_error": b["error"], "tuned_extra_steps_pct": 100 * (b["g"] - 1),
@@ -266,7 +267,7 @@ def markdown(result: "AutotuneResult", s: "Settings", t: Mapping[str, pd.DataFra
     out = ["# fastml-autotune report", ""]
     out += [f"- {line}" for line in _summary(result, s)]
     out += ["", "## Hardware options (predicted)", "",
-            _fmt(t["options"], ["option", "nodes", "price_per_node_hour", "tuned_step_ms", "ddp_step_ms",
+            _fmt(t["options"], ["option", "use", "nodes", "price_per_node_hour", "tuned_step_ms", "ddp_step_ms",
                                 "tuned_hours", "ddp_hours", "tuned_cost_usd", "ddp_cost_usd",
                                 "speedup_vs_ddp"]).to_markdown(index=False),
             "", "## Step time: predicted vs measured", "",
