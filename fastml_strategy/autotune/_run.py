@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from fastml_strategy.autotune.catalog import HardwareOption, Link, load_catalog, parse_link
-from fastml_strategy.autotune.costmodel import (CANDIDATES, Convergence, Profile, evaluate,
-                                                fit_alpha_beta, fit_convergence, pareto_front,
-                                                step_time)
+from fastml_strategy.autotune.costmodel import (CANDIDATES, Convergence, Profile, evaluate, family,
+                                                fit_alpha_beta, fit_codec_scale, fit_convergence,
+                                                pareto_front, step_time)
 from fastml_strategy.autotune.workload import Workload, as_workload, load_target
 from fastml_strategy.config import DEFAULT_MIN_NUMEL, Plan
 
@@ -237,7 +237,8 @@ def run(s: Settings) -> AutotuneResult:
     n_opts = len(s.catalog) + (1 if (s.distributed or s.link is not None) else 0)
     trials_per_option = max(s.trials, len(s.options))
     total = (s.profile_steps + 1 + s.calibration_trials + n_opts * trials_per_option
-             + len(UNIFORM_RECIPES) + 3)
+             + (2 if s.distributed else len(UNIFORM_RECIPES) + 2) + 1
+             + (len(UNIFORM_RECIPES) + 1 if s.distributed else 0))
     bar = tqdm(total=total, disable=not (s.progress and lead), unit="step", dynamic_ncols=True,
                desc="fastml-autotune")
     try:
@@ -248,18 +249,23 @@ def run(s: Settings) -> AutotuneResult:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         cal_name = f"fastml-{fp}-calibration"
         profile: Profile | None = None
+        cached = None
         if lead:
             cal_study = optuna.create_study(storage=s.storage, study_name=cal_name,
                                             direction="minimize", load_if_exists=True)
             cached = cal_study.user_attrs.get("profile")
-            if cached is not None:
-                profile = Profile.from_dict(cached)
-                bar.update(s.profile_steps)
-            else:
-                profile = prof.profile_workload(s.workload, steps=s.profile_steps, options=s.options,
-                                                min_numel=s.min_numel, world_size=s.world_size,
-                                                progress=bar.update)
+        # Launched distributed, every rank profiles at once (rank 0's figures are kept): compute and
+        # codec times are then measured under the same contention as real training.
+        if _broadcast(cached is None, s.distributed):
+            measured = prof.profile_workload(s.workload, steps=s.profile_steps, options=s.options,
+                                             min_numel=s.min_numel, world_size=s.world_size,
+                                             progress=bar.update)
+            if lead:
+                profile = measured
                 cal_study.set_user_attr("profile", profile.to_dict())
+        elif lead:
+            profile = Profile.from_dict(cached)
+            bar.update(s.profile_steps)
         if s.distributed:
             samples = prof.measure_link()
             if lead:
@@ -276,6 +282,20 @@ def run(s: Settings) -> AutotuneResult:
                                              latency_us=profile.link.latency_s * 1e6,
                                              compute_speed=1.0, measured_link=profile.link))
         groups = search.group_layers(profile, s.max_groups)
+        tunable = [n for names in groups.values() for n in names]
+        recipe_choices = {r: {n: r for n in tunable} for r in UNIFORM_RECIPES}
+
+        # -- 1b. distributed: time the uniform recipes for real and fit the codec-time scales -------
+        measured_pre: dict[str, float] = {}
+        if s.distributed:
+            bar.set_description("measuring recipes")
+            plans = {"ddp-fp32": None}
+            plans.update({r: _plan_from_choice(profile, c, r)[0] for r, c in recipe_choices.items()})
+            measured_pre = measure_distributed(s.workload, plans, steps=s.measure_steps)
+            bar.update(len(plans))
+            if lead:
+                profile.codec_scale = fit_codec_scale(
+                    profile, options[0], {r: measured_pre[r] for r in UNIFORM_RECIPES})
 
         # -- 2. calibrate, 3. search (rank 0; the others wait in the broadcast below) -----------------
         result_core = None
@@ -285,29 +305,34 @@ def run(s: Settings) -> AutotuneResult:
         result_core = _broadcast(result_core, s.distributed)
         ref, points, conv, target_steps, rows, best, baseline, front, chosen = result_core
 
-        # -- 4. measure step times of the tuned plan and the uniform recipes ------------------------
+        # -- 4. measure step times: the tuned plan (never used in a fit) and the recipes -----------
         bar.set_description("measuring")
         opt_by_name = {o.name: o for o in options}
         tuned_choice = search.expand(groups, best[chosen]["choice"])
+        tuned_label = f"tuned ({chosen})"
         choices: dict[str, dict[str, str] | None] = {
-            "ddp-fp32": None, f"tuned ({chosen})": tuned_choice if best[chosen]["use_hook"] else None}
-        for rcp in UNIFORM_RECIPES:
-            choices[rcp] = {n: rcp for names in groups.values() for n in names}
+            "ddp-fp32": None, tuned_label: tuned_choice if best[chosen]["use_hook"] else None}
         step_rows = []
         if s.distributed:
+            profile = _broadcast(profile if lead else None, True)  # with rank 0's codec scales
             plans = {k: (None if c is None else _plan_from_choice(profile, c, k)[0])
                      for k, c in choices.items()}
             measured = measure_distributed(s.workload, plans, steps=s.measure_steps)
             local = opt_by_name[LOCAL]
-            for k, c in choices.items():
+            where = f"{s.world_size} ranks, measured link"
+            for k, c in {**choices, **recipe_choices}.items():
                 pred = step_time(profile, c or {}, local, hook=c is not None).step_s
-                step_rows.append({"plan": k, "where": f"{s.world_size} ranks, measured link",
-                                  "predicted_s": pred, "measured_s": measured[k]})
+                fitted = k in recipe_choices and family(CANDIDATES[k]) in profile.codec_scale
+                step_rows.append({"plan": k, "where": where, "predicted_s": pred,
+                                  "measured_s": measured[k] if k in measured else measured_pre[k],
+                                  "used_in_fit": fitted})
         elif lead:
+            choices.update(recipe_choices)
             measured = measure_local(s.workload, choices, steps=s.measure_steps)
             for k, c in choices.items():
                 step_rows.append({"plan": k, "where": "1 process: compute + codecs (no link)",
-                                  "predicted_s": predict_local(profile, c), "measured_s": measured[k]})
+                                  "predicted_s": predict_local(profile, c), "measured_s": measured[k],
+                                  "used_in_fit": False})
         bar.update(len(choices))
         for r in step_rows:
             r["error_pct"] = 100.0 * (r["predicted_s"] - r["measured_s"]) / r["measured_s"]

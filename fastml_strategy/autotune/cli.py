@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "choice; then similar sizes are merged)")
     g.add_argument("--min-numel", type=int, default=DEFAULT_MIN_NUMEL, metavar="N",
                    help="tensors with fewer elements travel uncompressed and are not searched")
+    g.add_argument("--verify-rounds", type=int, default=2, metavar="N",
+                   help="after the search, train the chosen plans, refit and search again, up to N "
+                        "times (0: trust the first calibration)")
     g.add_argument("--seed", type=int, default=0, help="seed of the samplers and the calibration runs")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -108,7 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             calibration_trials=args.calibration_trials, calibration_steps=args.calibration_steps,
             profile_steps=args.profile_steps, measure_steps=args.measure_steps,
             max_accuracy_loss=args.max_accuracy_loss, target_steps=args.target_steps,
-            max_groups=args.max_groups, min_numel=args.min_numel, seed=args.seed,
+            max_groups=args.max_groups, min_numel=args.min_numel,
+            verify_rounds=args.verify_rounds, seed=args.seed,
             progress=not args.quiet)
     except ValueError as e:
         failure = str(e)

@@ -60,6 +60,8 @@ __all__ = [
     "step_time",
     "evaluate",
     "fit_alpha_beta",
+    "fit_codec_scale",
+    "family",
     "fit_convergence",
     "pareto_front",
 ]
@@ -119,6 +121,11 @@ class Profile:
     options: list[str]
     link: Link | None = None  # measured (distributed launch) or given (--link); None: catalog only
     link_samples: list[tuple[float, float, float]] = field(default_factory=list)  # rounds, bytes, s
+    # Codec family -> multiplier of the modelled codec time, fitted to the measured step times of
+    # the uniform recipes when launched distributed (fit_codec_scale); 1.0 when not measured. It
+    # absorbs what the round trips do not show: the hook's flattening, padding, residual updates,
+    # and its communication thread competing with backward for the processor.
+    codec_scale: dict[str, float] = field(default_factory=dict)
 
     @property
     def compute_s(self) -> float:
@@ -237,7 +244,8 @@ def step_time(profile: Profile, choice: Mapping[str, str], option: HardwareOptio
                     # a top-k layer past its fallback world size runs its dense fallback codec
                     t = lp.codec_s.get(name, 0.0) if eff == cfg else lp.codec_s.get(
                         _candidate_name(eff), lp.codec_s.get("int8", 0.0))
-                    codec_b += t * _codec_factor(eff, n) / option.compute_speed
+                    codec_b += (t * _codec_factor(eff, n) * profile.codec_scale.get(family(eff), 1.0)
+                                / option.compute_speed)
         # the hook issues two collectives per bucket (all_to_all + all_gather), DDP one ring
         # all-reduce; both take 2(N-1) latency rounds
         rounds = 2 * (n - 1)
@@ -253,6 +261,55 @@ def step_time(profile: Profile, choice: Mapping[str, str], option: HardwareOptio
     exposed = max(0.0, end - bwd - codec_total)
     step = fwd + end + opt
     return StepBreakdown(fwd + bwd + opt, codec_total, wire_total, exposed, step, total_bytes)
+
+
+def family(cfg: CodecConfig) -> str:
+    """The codec family whose time scale applies: fp32, cast (fp16/bf16), quantize or topk."""
+    return {Codec.FP32: "fp32", Codec.FP16: "cast", Codec.BF16: "cast", Codec.QUANTIZE: "quantize",
+            Codec.TOPK: "topk"}[cfg.codec]
+
+
+def fit_codec_scale(profile: Profile, option: HardwareOption, measured: Mapping[str, float],
+                    lo: float = 0.25, hi: float = 10.0) -> dict[str, float]:
+    """Per codec family, the codec-time multiplier that makes the model match measured step times.
+
+    ``measured`` maps uniform option names (CANDIDATES keys, every tunable layer on that option) to
+    measured seconds per step on ``option``. For each, bisection finds the multiplier (in
+    ``[lo, hi]``; the step time grows with it) at which the prediction equals the measurement; a
+    family's scale is the geometric mean over its options. Families whose codec time is too small to
+    move the step time keep 1.0.
+    """
+    tunable = [lp.name for lp in profile.layers if lp.tunable]
+    per_family: dict[str, list[float]] = {}
+    saved = dict(profile.codec_scale)
+    try:
+        for name, secs in measured.items():
+            if name not in CANDIDATES or not tunable:
+                continue
+            fam = family(CANDIDATES[name])
+            choice = {n: name for n in tunable}
+
+            def pred(k: float) -> float:
+                profile.codec_scale = {**saved, fam: k}
+                return step_time(profile, choice, option).step_s
+
+            p_lo, p_hi = pred(lo), pred(hi)
+            if p_hi - p_lo < 0.02 * secs:  # the codec barely matters here: nothing to learn
+                continue
+            if secs <= p_lo:
+                k = lo
+            elif secs >= p_hi:
+                k = hi
+            else:
+                a, b = lo, hi
+                for _ in range(40):
+                    m = math.sqrt(a * b)
+                    a, b = (m, b) if pred(m) < secs else (a, m)
+                k = math.sqrt(a * b)
+            per_family.setdefault(fam, []).append(k)
+    finally:
+        profile.codec_scale = saved
+    return {f: float(math.exp(sum(math.log(k) for k in ks) / len(ks))) for f, ks in per_family.items()}
 
 
 def _candidate_name(cfg: CodecConfig) -> str:
@@ -326,15 +383,29 @@ def fit_convergence(points: Sequence[Mapping[str, Any]], max_accuracy_loss: floa
     es = np.array([p["error"] for p in fit_pts])
     rs = np.log(np.array([max(p["ratio"], 1e-6) for p in fit_pts]))
     cens = np.array([bool(p.get("censored")) for p in fit_pts])
+    def loss(k: float, gamma: float) -> float:
+        res = np.log1p(k * es ** gamma) - rs
+        res = np.where(cens & (res > 0), 0.0, res)  # above a lower bound: consistent
+        return float(np.dot(res, res))
+
     best = (math.inf, 0.0, 1.0)
     for gamma in np.linspace(0.5, 3.0, 26):
         for k in np.concatenate([[0.0], np.logspace(-4, 6, 241)]):
-            pred = np.log1p(k * es ** gamma)
-            res = pred - rs
-            res = np.where(cens & (res > 0), 0.0, res)  # above a lower bound: consistent
-            loss = float(np.dot(res, res))
-            if loss < best[0] - 1e-12:
-                best = (loss, float(k), float(gamma))
+            v = loss(float(k), float(gamma))
+            if v < best[0] - 1e-12:
+                best = (v, float(k), float(gamma))
+    # zoom in around the grid optimum (k on a log scale)
+    if best[1] > 0:
+        dk, dg = 10 ** (10 / 240), 0.1
+        for _ in range(30):
+            _, k0, g0 = best
+            for k in (k0 / dk, k0, k0 * dk):
+                for gamma in (g0 - dg, g0, g0 + dg):
+                    if 0.5 <= gamma <= 3.0:
+                        v = loss(k, gamma)
+                        if v < best[0] - 1e-15:
+                            best = (v, k, gamma)
+            dk, dg = dk ** 0.6, dg * 0.6
     return Convergence(k=best[1], gamma=best[2], e_max=e_max)
 
 

@@ -1,8 +1,9 @@
 """Measured step times, to check the cost model's predictions.
 
 Launched distributed (torchrun), each plan runs for real: the workload wrapped in DDP, FastML's hook
-registered (uncompressed DDP: no hook), a few warm-up steps, then the mean over timed steps; the
-slowest rank's figure counts. In a single process there is no link to measure, so the check covers
+registered (uncompressed DDP: no hook), a few warm-up steps, then the median of the timed steps; the
+slowest rank's figure counts. Plans take turns in rounds so that load from other processes on a
+shared machine is spread over all of them. In a single process there is no link to measure, so the check covers
 what can be measured: compute plus the codecs' round trips (:class:`SimulatedCompression`), against
 the model's prediction of the same (:func:`predict_local`).
 """
@@ -47,37 +48,46 @@ def prefixed(plan: Plan, prefix: str) -> Plan:
 
 
 def measure_distributed(wl: Workload, plans: Mapping[str, Plan | None], steps: int = 10,
-                        warmup: int = 3) -> dict[str, float]:
-    """Seconds per step of each plan (None: plain DDP), as the slowest rank saw it. All ranks call."""
+                        warmup: int = 3, rounds: int = 3) -> dict[str, float]:
+    """Seconds per step of each plan (None: plain DDP), as the slowest rank saw it. All ranks call.
+
+    Every plan gets its own DDP model (and hook) up front; then the plans take turns, ``rounds``
+    rounds of ``steps / rounds`` steps each, so load from other processes on a shared machine hits
+    every plan alike. Per plan: the median step on each rank, then the slowest rank.
+    """
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from fastml_strategy import register_hook
 
-    out: dict[str, float] = {}
+    runs = {}
     for label, plan in plans.items():
         torch.manual_seed(0)
         model = wl.fresh_model()
         ddp = DDP(LossModule(model, wl.loss_fn))
         if plan is not None:
             register_hook(ddp, prefixed(plan, "model."))
-        opt = wl.make_optimizer(model)
-        stream = wl.batch_stream()
-        for i in range(warmup + steps):
-            if i == warmup:
-                dist.barrier()
-                t0 = time.perf_counter()
-            batch = next(stream)
-            opt.zero_grad(set_to_none=True)
-            loss = ddp(batch)
-            loss.backward()
-            opt.step()
-        dist.barrier()
-        t = torch.tensor([(time.perf_counter() - t0) / steps], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        out[label] = float(t)
-        del ddp
-    return out
+        runs[label] = (ddp, wl.make_optimizer(model), wl.batch_stream(), [])
+
+    def one_step(ddp: Any, opt: Any, stream: Any) -> float:
+        batch = next(stream)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        ddp(batch).backward()
+        opt.step()
+        return time.perf_counter() - t0
+
+    for ddp, opt, stream, _ in runs.values():
+        for _ in range(warmup):
+            one_step(ddp, opt, stream)
+    per_round = max(1, -(-steps // rounds))
+    for _ in range(rounds):
+        for ddp, opt, stream, times in runs.values():
+            dist.barrier()
+            times.extend(one_step(ddp, opt, stream) for _ in range(per_round))
+    t = torch.tensor([statistics.median(r[3]) for r in runs.values()], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return dict(zip(runs, t.tolist()))
 
 
 def measure_local(wl: Workload, choices: Mapping[str, Mapping[str, str] | None], steps: int = 10,
