@@ -187,6 +187,9 @@ def figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) -> dict[str
     ax2.bar([i - w / 2 for i in x], op["ddp_cost_usd"], w, label="uncompressed DDP", color="#999999")
     ax2.bar([i + w / 2 for i in x], op["tuned_cost_usd"], w, label="tuned plan", color="#3b75af")
     ax2.set_ylabel("USD to target")
+    hours = [h for h in list(op["ddp_hours"]) + list(op["tuned_hours"]) if h > 0]
+    if hours and max(hours) / min(hours) > 50:  # options orders of magnitude apart
+        ax1.set_yscale("log")
     for a in (ax1, ax2):
         a.set_xticks(x, op["option"], rotation=30, ha="right", fontsize=7)
     ax1.legend(fontsize=7)

@@ -233,3 +233,27 @@ def test_exit_status_from_the_command(tmp_path):
     r = _run([str(tmp_path / "missing.py") + ":f", "--out", str(tmp_path / "o")], timeout=60)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_distributed_launch_measures_link_and_step_times(tmp_path):
+    """Under torchrun: the link comes from timed collectives, plans are timed with the real hook."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "out"
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+         "127.0.0.1", "--master_port", str(port), "-m", "fastml_strategy.autotune.cli", TARGET,
+         "--out", str(out), *FAST],
+        env=_env(), capture_output=True, text=True, timeout=220)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("plan for local") == 1  # rank 0 reports, once
+    steps = pd.read_csv(out / "step_times.csv")
+    assert (steps["where"] == "2 ranks, measured link").all()
+    assert not steps.set_index("plan").loc["tuned (local)", "used_in_fit"]
+    assert "(measured)" in (out / "report.md").read_text()
+    Plan.load(out / "plan.json")
