@@ -14,7 +14,7 @@ import json
 import math
 import os
 import shutil
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -186,6 +186,11 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
                     created_out=created)
 
 
+@dataclass
+class _Failed:
+    message: str
+
+
 def _fingerprint(s: Settings) -> str:
     shapes = [(n, tuple(p.shape)) for n, p in s.workload.model.named_parameters()]
     key = json.dumps([s.workload.name, shapes, s.options, s.profile_steps, s.calibration_steps,
@@ -298,11 +303,18 @@ def run(s: Settings) -> AutotuneResult:
                     profile, options[0], {r: measured_pre[r] for r in UNIFORM_RECIPES})
 
         # -- 2. calibrate, 3. search (rank 0; the others wait in the broadcast below) -----------------
-        result_core = None
+        result_core: Any = None
         if lead:
-            result_core = _calibrate_and_search(s, profile, groups, options, cal_name, fp, bar,
-                                                calibrate, search)
+            try:
+                result_core = _calibrate_and_search(s, profile, groups, options, cal_name, fp, bar,
+                                                    calibrate, search)
+            except Exception as e:  # tell the waiting ranks, or they would wait for the timeout
+                if s.distributed:
+                    _broadcast(_Failed(f"{type(e).__name__}: {e}"), True)
+                raise
         result_core = _broadcast(result_core, s.distributed)
+        if isinstance(result_core, _Failed):
+            raise RuntimeError(f"rank 0 failed: {result_core.message}")
         ref, points, conv, target_steps, rows, best, baseline, front, chosen = result_core
 
         # -- 4. measure step times: the tuned plan (never used in a fit) and the recipes -----------
@@ -362,7 +374,7 @@ def run(s: Settings) -> AutotuneResult:
                                           f"autotuned-{o.name}",
                                           meta=_meta(s, o.name, best[o.name], baseline[o.name], conv))[1]
                 for o in options}
-            report.write_outputs(result, s, main_dict, per_option_plans, ref)
+            report.write_outputs(result, s, main_dict, per_option_plans)
             bar.update(1)
         bar.set_description("done")
         return result
@@ -395,7 +407,8 @@ def _calibrate_and_search(s: Settings, profile: Profile, groups: Mapping[str, li
         baseline: dict[str, dict[str, Any]] = {}
         for opt in options:
             bar.set_description(f"searching {opt.name}")
-            key = _hash([asdict(opt), asdict(opt.link), asdict(conv), target_steps, s.options])
+            key = _hash([asdict(opt), asdict(opt.link), asdict(conv), target_steps, s.options,
+                         profile.codec_scale])
             r = search.run_search(profile, groups, opt, conv, target_steps, storage=s.storage,
                                   study_name=f"fastml-{fp}-search-{opt.name}-{key}",
                                   trials=trials_per_option, seed=s.seed, progress=bar)

@@ -324,7 +324,7 @@ def html_report(result: "AutotuneResult", s: "Settings", t: Mapping[str, pd.Data
 
 
 def write_outputs(result: "AutotuneResult", s: "Settings", plan_dict: Mapping[str, Any],
-                  per_option: Mapping[str, Mapping[str, Any]], ref: Mapping[str, Any]) -> None:
+                  per_option: Mapping[str, Mapping[str, Any]]) -> None:
     """Write every output into ``s.out``, each file atomically."""
     t = tables(result)
     figs = figures(result, t)

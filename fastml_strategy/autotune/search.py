@@ -34,8 +34,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from fastml_strategy.autotune.catalog import HardwareOption
-from fastml_strategy.autotune.costmodel import (CANDIDATES, Convergence, Profile, evaluate,
-                                                plan_error)
+from fastml_strategy.autotune.costmodel import Convergence, Profile, evaluate
 
 __all__ = ["group_layers", "lagrangian_plans", "run_search", "expand"]
 

@@ -129,13 +129,12 @@ def _lightning_workload(module: Any, datamodule: Any | None, name: str) -> Workl
     """Adapt a LightningModule (+ datamodule) to a Workload without a Trainer."""
     src = datamodule if datamodule is not None else module
     if datamodule is not None:
-        for stage in ("fit",):
-            try:
-                datamodule.prepare_data()
-                datamodule.setup(stage)
-            except Exception as e:
-                raise ValueError(f"target {name!r}: datamodule.setup('fit') failed "
-                                 f"({type(e).__name__}: {_first_line(e)})") from None
+        try:
+            datamodule.prepare_data()
+            datamodule.setup("fit")
+        except Exception as e:
+            raise ValueError(f"target {name!r}: datamodule.setup('fit') failed "
+                             f"({type(e).__name__}: {_first_line(e)})") from None
     if not hasattr(src, "train_dataloader"):
         raise ValueError(f"target {name!r}: neither the datamodule nor the module has train_dataloader()")
 
