@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from fastml_strategy.autotune.catalog import HardwareOption, Link
+from fastml_strategy.autotune.catalog import HardwareOption
 from fastml_strategy.autotune.costmodel import (
     BUCKET_BYTES, CANDIDATES, FIRST_BUCKET_BYTES, Convergence, LayerProfile, Profile, ddp_buckets,
     evaluate, fit_alpha_beta, fit_codec_scale, fit_convergence, pareto_front, plan_error, step_time)
