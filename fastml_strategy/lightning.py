@@ -115,6 +115,17 @@ def _positive_or_none(name: str, value: int | None) -> int | None:
     return value
 
 
+def _resolve(plan: Any) -> Plan:
+    """resolve_plan, with the variable named when the plan came from the environment."""
+    try:
+        return resolve_plan(plan)
+    except ValueError as e:
+        from_env = os.environ.get("FASTML_PLAN")
+        if plan is None and from_env:
+            raise ValueError(f"FASTML_PLAN={from_env!r} is not a usable plan: {e}") from None
+        raise
+
+
 def _reject_hook_kwargs(owner: str, kwargs: dict[str, Any]) -> None:
     given = [k for k in _HOOK_KWARGS if kwargs.get(k) is not None]
     if given:
@@ -129,7 +140,7 @@ class _FastMLStateHolder:
 
     def _fastml_init(self, plan: Any, check_replicas_every: int | None) -> None:
         # -- tuned by the user
-        self._fastml_plan: Plan = resolve_plan(plan)  # ValueError here names the bad FASTML_PLAN
+        self._fastml_plan: Plan = _resolve(plan)  # a bad FASTML_PLAN fails here, on every process
         self._fastml_check_every = _check_every(check_replicas_every)
         # -- internal state
         self._fastml_state: FastMLState | None = None  # set once the DDP model exists
@@ -196,10 +207,10 @@ class _FastMLStateHolder:
         out = {f"{prefix}compression_ratio": float(stats["compression_ratio"])}
         if steps > 0:
             out[f"{prefix}bytes_sent_per_step"] = (int(stats["bytes_sent"]) - sent0) / steps
-        if layers:  # layers sent uncompressed have no error to report (NaN)
+        if layers:  # layers sent as fp32 are exact, and NaN means not measured yet: neither is logged
             for name, layer in stats.get("layers", {}).items():
                 err = float(layer.get("rel_error", float("nan")))
-                if math.isfinite(err):
+                if layer.get("codec") != "fp32" and math.isfinite(err):
                     out[f"{prefix}rel_error/{name}"] = err
         return out
 

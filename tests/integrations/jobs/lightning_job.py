@@ -1,6 +1,6 @@
 """Lightning Trainer runs on 2 CPU processes started by Lightning's own launcher (run as a script).
 
-``python lightning_job.py OUT PART[,PART...]``; every rank writes ``OUT/<part>_rank<r>.json``.
+``python lightning_job.py OUT PART[,PART...]``; every rank writes ``OUT/<part>.rank<r>.json``.
 
 Parts (each a sequence of Trainers in the same two processes):
 
@@ -188,7 +188,7 @@ def main() -> None:
     out, parts = sys.argv[1], sys.argv[2].split(",")
     for part in parts:
         res = {"basic": part_basic, "resume": part_resume, "overflow": part_overflow}[part](out)
-        write_json(os.path.join(out, f"{part}_rank{dist.get_rank()}.json"), res)
+        write_json(os.path.join(out, f"{part}.rank{dist.get_rank()}.json"), res)
 
 
 if __name__ == "__main__":
