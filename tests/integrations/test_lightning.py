@@ -131,6 +131,21 @@ assert issubclass(B["fastml"]["strategy"], pytorch_lightning.strategies.DDPStrat
 fastml_strategy.lightning._register_strategies()  # idempotent
 t2 = lightning.pytorch.Trainer(strategy="fastml", accelerator="cpu", devices=2, logger=False)
 assert type(t2.strategy).__name__ == "FastMLStrategy" and t2.strategy.plan.name == "int2"
+
+# the standalone pytorch_lightning package trains with its own FastML class (one process, gloo)
+import torch
+class M(pytorch_lightning.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(64, 64)
+    def training_step(self, batch, i):
+        return self.net(batch[0]).square().mean()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+t3 = pytorch_lightning.Trainer(strategy="fastml", accelerator="cpu", devices=1, max_steps=3, logger=False,
+                               enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+t3.fit(M(), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 64)), batch_size=8))
+assert t3.strategy.compression_stats()["steps"] == 3
 print("OK")
 """
     res = run([sys.executable, "-c", code], timeout=100, FASTML_PLAN="int2").check()

@@ -9,8 +9,9 @@ Parts (each a sequence of Trainers in the same two processes):
   ``accumulate_grad_batches=2``.
 - ``resume``: 20 steps straight (checkpoint at step 10, an epoch boundary), resume from step 10 to 20,
   and resume from the same checkpoint stripped of its FastML state (must differ).
-- ``overflow``: fp16 autocast with a GradScaler on CPU; rank 1 alone makes its gradients infinite at
-  one step: every rank must skip that step and halve its scale.
+- ``overflow``: fp16 autocast with a GradScaler (on CPU; on CUDA with FASTML_TEST_ACCELERATOR=gpu); the
+  last rank alone makes its gradients infinite at one step: every rank must skip that step and halve
+  its scale.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ class Net(L.LightningModule):
         super().__init__()
         self.net = mlp()
         self.lr = lr
-        self.inject_inf_at = inject_inf_at  # global step at which rank 1 makes its loss infinite
+        self.inject_inf_at = inject_inf_at  # global step at which rank `inject_rank` makes its loss infinite
+        self.inject_rank = 1
         self.trace: list[dict] = []
 
     def forward(self, x):
@@ -51,7 +53,7 @@ class Net(L.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = torch.nn.functional.cross_entropy(self(x).float(), y)
-        if self.global_step == self.inject_inf_at and self.global_rank == 1:
+        if self.global_step == self.inject_inf_at and self.global_rank == self.inject_rank:
             loss = loss * float("inf")
         self.log("train_loss", loss, on_step=True)
         return loss
@@ -162,7 +164,7 @@ def part_resume(out: str) -> dict:
     control = Net()
     L.seed_everything(0)
     t = trainer(max_epochs=2)
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught:  # rank 0 warns that residuals restart at zero
         warnings.simplefilter("always")
         t.fit(control, loader(320), ckpt_path=stripped)
     res["control"] = param_digest(control)
@@ -173,15 +175,20 @@ def part_resume(out: str) -> dict:
 def part_overflow(out: str) -> dict:
     from lightning.pytorch.plugins import MixedPrecision
 
-    # Lightning turns precision="16-mixed" on CPU into bf16; a plugin with a CPU GradScaler keeps fp16.
+    # Lightning turns precision="16-mixed" on CPU into bf16; a plugin with a GradScaler keeps fp16.
+    # FASTML_TEST_ACCELERATOR=gpu (with FASTML_TEST_DEVICES) runs the same on CUDA with NCCL.
+    device = "cuda" if os.environ.get("FASTML_TEST_ACCELERATOR") == "gpu" else "cpu"
+    devices = int(os.environ.get("FASTML_TEST_DEVICES", "2"))
     L.seed_everything(0)
     model = Net(inject_inf_at=3)
-    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
-    t = trainer(max_steps=6, plugins=[plugin])
+    model.inject_rank = devices - 1  # the last rank alone overflows
+    plugin = MixedPrecision("16-mixed", device, scaler=torch.amp.GradScaler(device, init_scale=1024.0))
+    t = trainer(max_steps=6, plugins=[plugin], accelerator="gpu" if device == "cuda" else "cpu", devices=devices)
     t.fit(model, loader(320))
-    return {"trace": model.trace, "digest": param_digest(model),
+    return {"trace": model.trace, "digest": param_digest(model), "world_size": t.world_size,
             "nonfinite_steps": t.strategy.compression_stats().get("nonfinite_steps"),
-            "scale": float(plugin.scaler.get_scale())}
+            "compression_ratio": t.strategy.compression_stats()["compression_ratio"],
+            "scale": float(plugin.scaler.get_scale()), "device": str(model.device)}
 
 
 def main() -> None:
