@@ -257,19 +257,13 @@ class CompressedAllReduce:
             else:
                 self.pending_residuals[name] = t.detach().reshape(-1).clone()
 
-    # -- collectives (world size 1 needs none) --------------------------------------------------------
+    # -- collectives (run at world size 1 too: one code path everywhere) ------------------------------
     def _all_to_all(self, lay: BucketLayout) -> None:
-        if self.world_size == 1:
-            lay.recv.copy_(lay.send)
-            return
         dist.all_to_all_single(lay.recv, lay.send, output_split_sizes=[lay.my_chunk] * self.world_size,
                                input_split_sizes=lay.split_sizes, group=self.group)
         self.bytes_sent += sum(lay.split_sizes) - lay.split_sizes[self.rank]
 
     def _all_gather(self, lay: BucketLayout) -> None:
-        if self.world_size == 1:
-            lay.grecv.copy_(lay.gsend)
-            return
         outs = list(lay.grecv.view(self.world_size, lay.gather_size).unbind(0))
         dist.all_gather(outs, lay.gsend, group=self.group)
         self.bytes_sent += (self.world_size - 1) * lay.gather_size
