@@ -135,7 +135,7 @@ class FastMLState:
 
     def _process(self, job: _Job) -> None:
         eng = self._engine
-        lay = eng.layout_for(job.names, job.offsets, job.numels, job.buffer.device)
+        lay = eng.layout_for(job.names, job.offsets, job.numels, job.buffer.device, job.buffer.dtype)
         every = self.layer_stats_every
         layer_stats = every > 0 and self.step % every == 0
         finite = eng.run(lay, job.buffer, self.step, layer_stats=layer_stats)
