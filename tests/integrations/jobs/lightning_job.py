@@ -80,7 +80,8 @@ class Net(L.LightningModule):
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
         self.trace.append({"global_step": self.global_step, "epoch": self.current_epoch, "batch_idx": batch_idx,
                            "y": batch[1][:4].tolist(), "before": self._before, "after": param_digest(self),
-                           "scale": float(scaler.get_scale()) if scaler is not None else None})
+                           "scale": float(scaler.get_scale()) if scaler is not None else None,
+                           "device": str(self.device)})
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
@@ -188,7 +189,8 @@ def part_overflow(out: str) -> dict:
     return {"trace": model.trace, "digest": param_digest(model), "world_size": t.world_size,
             "nonfinite_steps": t.strategy.compression_stats().get("nonfinite_steps"),
             "compression_ratio": t.strategy.compression_stats()["compression_ratio"],
-            "scale": float(plugin.scaler.get_scale()), "device": str(model.device)}
+            "scale": float(plugin.scaler.get_scale()),
+            "device": model.trace[0]["device"]}  # during training (Lightning moves the model to CPU after fit)
 
 
 def main() -> None:
