@@ -44,9 +44,7 @@ def test_single_process_is_a_harmless_no_op(tmp_path):
     assert one["world_size"] == 1 and one["plan"] is None and one["step"] == 5  # trained, nothing registered
     assert "compression 1.00x" in res.output
     assert not (tmp_path / "state" / "custom_checkpoint_0.pkl").exists()
-    # ... but a bad plan is still reported in one process (a typo shows up before the cluster run)
-    bad = run([sys.executable, RECIPE, "--cpu", "--max-steps", "5"], timeout=90, FASTML_PLAN="int5")
-    assert bad.returncode != 0 and "FASTML_PLAN='int5' is not a usable plan" in bad.output
+    # (that a bad plan is still reported in one process is checked in test_adapter_arguments.py)
 
 
 @pytest.mark.timeout(120)
