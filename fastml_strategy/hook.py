@@ -1,2 +1,342 @@
-class FastMLState: pass
-def register_hook(*a, **k): raise NotImplementedError
+"""The DDP communication hook: FastML's compressed all-reduce inside DDP's backward pass.
+
+How it runs
+-----------
+DDP calls the hook once per bucket, in bucket order, from the autograd thread, as soon as the bucket's
+gradients are ready. The hook only enqueues the bucket and returns a fresh ``torch.futures.Future``; a
+single communication thread per process takes buckets in that order, encodes, runs the bucket's two
+collectives (:mod:`fastml_strategy.collective`) and completes the future. So
+
+- backward keeps computing the next buckets' gradients while earlier buckets are on the wire
+  (communication overlaps backward, as with DDP's own all-reduce);
+- every rank issues every collective in one fixed order. gloo matches collectives by order of issue,
+  and torch's PowerSGD hook, which issues follow-up collectives from future callbacks, aborts on gloo
+  as soon as a model has two buckets ("Received data size doesn't match expected size");
+- the thread uses a process group of its own, so collectives that DDP or the user issue on the main
+  thread (unused-parameter maps, buffer broadcasts, metric syncs) cannot interleave with ours.
+
+Usage::
+
+    model = DDP(model)
+    state = fastml_strategy.register_hook(model, plan="int4")   # or a Plan, a JSON path, a dict
+    ...train as usual...
+    state.stats()["compression_ratio"]
+"""
+
+# No `from __future__ import annotations` here: DDP checks the hook's annotations at registration.
+
+import queue
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from fastml_strategy.collective import CompressedAllReduce, CompressionError
+from fastml_strategy.config import Plan, resolve_plan
+
+__all__ = ["FastMLState", "register_hook", "ReplicaDriftError", "CompressionError"]
+
+STATE_FORMAT_VERSION = 1
+
+
+class ReplicaDriftError(RuntimeError):
+    """Raised on every rank when the periodic replica check finds parameters that differ."""
+
+
+@dataclass
+class _Job:
+    index: int
+    is_last: bool
+    buffer: torch.Tensor
+    names: tuple
+    offsets: tuple
+    numels: tuple
+    future: torch.futures.Future
+    event: Optional[Any] = None
+
+
+def _checksum(params) -> int:
+    """An exact integer checksum of parameters' bits (any bit flip changes it)."""
+    total = 0
+    for p in params:
+        t = p.detach().reshape(-1)
+        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+        total = (total * 1000003 + int(t.view(ints).sum(dtype=torch.int64))) & 0x7FFFFFFFFFFFFFFF
+    return total
+
+
+class FastMLState:
+    """State of the FastML comm hook of one DDP model on one rank.
+
+    Pass it around like torch's ``PowerSGDState``: ``stats()`` for the figures, ``state_dict()`` /
+    ``load_state_dict()`` for checkpoints (residuals, step counter, RNG position, plan).
+    """
+
+    def __init__(self, plan: Plan, process_group, rank: int, world_size: int, names: dict,
+                 params: list, check_replicas_every: int = 0, layer_stats_every: int = 10) -> None:
+        # -- tuned by the user --------------------------------------------------------------------
+        self.plan = plan  # per-layer codecs; equal on every rank (checked at registration)
+        self.check_replicas_every = check_replicas_every  # 0: never; N: checksum params every N steps
+        self.layer_stats_every = layer_stats_every  # per-layer error costs a pass; measured every N steps
+        # -- internal state -------------------------------------------------------------------------
+        self.process_group = process_group  # our own group: nothing else issues collectives on it
+        self.rank = rank
+        self.world_size = world_size
+        self._names = names  # id(param) -> name (as in model.module.named_parameters())
+        self._params = params
+        self._engine = CompressedAllReduce(plan, process_group, rank, world_size)
+        self._queue: "queue.Queue[Optional[_Job]]" = queue.Queue()
+        self._stream = None  # CUDA stream of the comm thread, made on first CUDA bucket
+        self._thread = threading.Thread(target=self._loop, name=f"fastml-comm-r{rank}", daemon=True)
+        self._thread.start()
+        # -- statistics -----------------------------------------------------------------------------
+        self.step = 0  # completed steps (counted at the last bucket; no_sync micro-batches call no hook)
+        self.nonfinite_steps = 0  # buckets whose result held NaN/inf (residuals left unchanged)
+        self._bucket_in_step = 0
+
+    # -- the communication thread -------------------------------------------------------------------------
+    def _submit(self, job: _Job) -> None:
+        if not self._thread.is_alive():
+            job.future.set_exception(RuntimeError("FastML: the communication thread has stopped "
+                                                  "(state.close() was called); register the hook again"))
+            return
+        self._queue.put(job)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                if job.buffer.is_cuda:
+                    if self._stream is None:
+                        self._stream = torch.cuda.Stream(device=job.buffer.device)
+                    with torch.cuda.stream(self._stream):
+                        self._stream.wait_event(job.event)
+                        self._process(job)
+                        job.future.set_result(job.buffer)
+                else:
+                    self._process(job)
+                    job.future.set_result(job.buffer)
+            except BaseException as e:  # noqa: BLE001 - handed to DDP, raised in backward
+                job.future.set_exception(self._explain(e, job))
+
+    def _explain(self, e: BaseException, job: _Job) -> BaseException:
+        if isinstance(e, (CompressionError, ReplicaDriftError, ValueError)):
+            return e
+        return CompressionError(
+            f"FastML: the compressed all-reduce of bucket {job.index} at step {self.step} failed on "
+            f"rank {self.rank} ({type(e).__name__}: {e}). If another rank died or timed out, its log "
+            f"has the cause; restart from the last checkpoint (torchrun --max-restarts does this)."
+        )
+
+    def _process(self, job: _Job) -> None:
+        eng = self._engine
+        lay = eng.layout_for(job.names, job.offsets, job.numels, job.buffer.device)
+        every = self.layer_stats_every
+        layer_stats = every > 0 and self.step % every == 0
+        finite = eng.run(lay, job.buffer, self.step, layer_stats=layer_stats)
+        if not finite:
+            self.nonfinite_steps += 1
+        if job.is_last:
+            self.step += 1
+            n = self.check_replicas_every
+            if n and self.step % n == 0:
+                self._check_replicas()
+
+    def _check_replicas(self) -> None:
+        mine = torch.tensor([_checksum(self._params)], dtype=torch.int64)
+        if self.world_size == 1:
+            return
+        dev = torch.device("cuda", torch.cuda.current_device()) if \
+            dist.get_backend(self.process_group) == "nccl" else torch.device("cpu")
+        out = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(self.world_size)]
+        dist.all_gather(out, mine.to(dev), group=self.process_group)
+        sums = [int(t.item()) for t in out]
+        if len(set(sums)) > 1:
+            raise ReplicaDriftError(
+                f"FastML: model replicas differ at step {self.step} (parameter checksums by rank: "
+                f"{sums}). Something outside the all-reduce changed parameters on some ranks "
+                f"(different seeds or data in the optimizer, a rank-local update, a non-deterministic "
+                f"op); restore from the last checkpoint and make the update identical on every rank."
+            )
+
+    # -- public -----------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Cumulative figures of this rank: bytes on the wire against a ring all-reduce of fp32."""
+        eng = self._engine
+        sent = eng.bytes_sent
+        unc = int(round(eng.bytes_uncompressed))
+        return {
+            "steps": self.step,
+            "world_size": self.world_size,
+            "plan": self.plan.name,
+            "bytes_sent": int(sent),
+            "bytes_uncompressed": unc,
+            "compression_ratio": (unc / sent) if sent > 0 else 1.0,
+            "nonfinite_steps": self.nonfinite_steps,
+            "layers": eng.layer_stats(),
+        }
+
+    def state_dict(self, all_ranks: bool = False) -> dict:
+        """This rank's state; with ``all_ranks=True`` (a collective: call on every rank between steps)
+        every rank's, as ``{"per_rank": [...]}``, for checkpoints that only rank 0 writes."""
+        own = {
+            "format_version": STATE_FORMAT_VERSION,
+            "plan": self.plan.to_dict(),
+            "step": self.step,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "rng": {"seed": self.plan.seed, "step": self.step},
+            "residuals": {k: v.detach().cpu().clone() for k, v in self._engine.residuals().items()},
+        }
+        if not all_ranks:
+            return own
+        if self.world_size == 1:
+            return {"format_version": STATE_FORMAT_VERSION, "per_rank": [own]}
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, own, group=self.process_group)
+        return {"format_version": STATE_FORMAT_VERSION, "per_rank": gathered}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if not isinstance(sd, dict) or "format_version" not in sd:
+            raise ValueError("FastMLState.load_state_dict: not a FastML state (no 'format_version'); "
+                             "pass what state_dict() returned")
+        if sd["format_version"] != STATE_FORMAT_VERSION:
+            raise ValueError(f"FastML state format_version {sd['format_version']!r} is not supported "
+                             f"(this FastML reads {STATE_FORMAT_VERSION})")
+        if "per_rank" in sd:
+            per = sd["per_rank"]
+            if len(per) != self.world_size:
+                raise ValueError(
+                    f"the checkpoint holds FastML state of {len(per)} ranks but this run has "
+                    f"{self.world_size}; resume with the same world size, or drop the 'fastml' entry "
+                    f"from the checkpoint to restart error feedback from zero"
+                )
+            sd = per[self.rank]
+        saved = Plan.from_dict(sd["plan"])
+        if saved.digest() != self.plan.digest():
+            warnings.warn(
+                f"FastML: the checkpoint was made with plan {saved.name!r}, this run uses "
+                f"{self.plan.name!r}; residuals are loaded for layers present in both. Pass the "
+                f"checkpoint's plan to resume exactly.", stacklevel=2)
+        self.step = int(sd["step"])
+        self._engine.load_residuals(sd.get("residuals", {}))
+
+    def wait_idle(self) -> None:
+        """Block until every queued bucket is done (DDP already waits at the end of backward)."""
+        while not self._queue.empty():
+            threading.Event().wait(0.001)
+
+    def close(self) -> None:
+        """Stop the communication thread (the hook then fails any further bucket)."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=30)
+
+    def __getstate__(self) -> dict:
+        # Like PowerSGDState: what cannot be pickled (process group, thread) is dropped.
+        d = dict(self.__dict__)
+        for k in ("process_group", "_thread", "_queue", "_stream", "_engine", "_params"):
+            d.pop(k, None)
+        d["_state_dict"] = self.state_dict()
+        return d
+
+
+def _fastml_hook(state, bucket):
+    buf = bucket.buffer()
+    grads = bucket.gradients()
+    params = bucket.parameters()
+    base = buf.storage_offset()
+    job = _Job(
+        index=bucket.index(),
+        is_last=bucket.is_last(),
+        buffer=buf,
+        names=tuple(state._names[id(p)] for p in params),
+        offsets=tuple(g.storage_offset() - base for g in grads),
+        numels=tuple(g.numel() for g in grads),
+        future=torch.futures.Future(devices=[buf.device] if buf.is_cuda else None),
+    )
+    if buf.is_cuda:
+        job.event = torch.cuda.Event()
+        job.event.record(torch.cuda.current_stream(buf.device))
+    state._submit(job)
+    return job.future
+
+
+def _agree(group, world_size: int, payload: Any) -> list:
+    out: list = [None] * world_size
+    dist.all_gather_object(out, payload, group=group)
+    return out
+
+
+def register_hook(
+    model: torch.nn.parallel.DistributedDataParallel,
+    plan: Any = None,
+    *,
+    process_group: Any = None,
+    check_replicas_every: int = 0,
+    layer_stats_every: int = 10,
+) -> FastMLState:
+    """Register FastML's compressed all-reduce on a DDP model and return its state.
+
+    Call on every rank, after wrapping in DDP and before the first backward. ``plan`` is a
+    :class:`Plan`, a recipe name (``"int4"``...), the path of a plan JSON, a dict, or None (the
+    environment variable ``FASTML_PLAN``, else ``int4``). The plan is checked against the model's
+    parameter names and across ranks before any step: every rank raises the same ValueError if it is
+    invalid on any of them or if ranks hold different plans.
+
+    ``process_group``: the group to all-reduce over; default a new group of all ranks (collective:
+    every process must call ``register_hook``). ``check_replicas_every``: compare a checksum of the
+    parameters across ranks every N steps (0: never). ``layer_stats_every``: measure per-layer
+    compression error every N steps (0: never).
+    """
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(
+            f"register_hook: model is a {type(model).__name__}, not a DistributedDataParallel; wrap it "
+            f"first (model = torch.nn.parallel.DistributedDataParallel(model)) and pass the wrapper"
+        )
+    for argname, val in (("check_replicas_every", check_replicas_every),
+                         ("layer_stats_every", layer_stats_every)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < 0:
+            raise ValueError(f"register_hook: {argname}={val!r}; use a whole number >= 0 (0 turns it off)")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("register_hook: torch.distributed is not initialised; call "
+                           "dist.init_process_group (torchrun sets the environment) before DDP")
+    if process_group is None:
+        # A dedicated group (a collective call on every rank): nothing else issues collectives on it.
+        process_group = dist.new_group(ranks=list(range(dist.get_world_size())))
+    rank = dist.get_rank(process_group)
+    world_size = dist.get_world_size(process_group)
+
+    module = model.module
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    names = {id(p): n for n, p in named}
+
+    # Validate locally, then agree: a rank whose plan is bad must not leave the others waiting.
+    error, digest, plan_obj = None, None, None
+    try:
+        plan_obj = resolve_plan(plan)
+        plan_obj.check_parameters([n for n, _ in named])
+        digest = plan_obj.digest()
+    except ValueError as e:
+        error = str(e)
+    reports = _agree(process_group, world_size, (error, digest, plan_obj.name if plan_obj else None))
+    bad = [(r, rep[0]) for r, rep in enumerate(reports) if rep[0] is not None]
+    if bad:
+        ranks = [r for r, _ in bad]
+        raise ValueError(f"FastML plan rejected on rank(s) {ranks}: {bad[0][1]}")
+    digests = {rep[1] for rep in reports}
+    if len(digests) > 1:
+        desc = ", ".join(f"rank {r}: {rep[2]!r} ({rep[1][:12]})" for r, rep in enumerate(reports))
+        raise ValueError(
+            f"FastML: ranks hold different plans ({desc}); give every rank the same plan (the same "
+            f"file, recipe or FASTML_PLAN), or the ranks' messages would not match"
+        )
+    state = FastMLState(plan_obj, process_group, rank, world_size, names, [p for _, p in named],
+                        check_replicas_every=check_replicas_every, layer_stats_every=layer_stats_every)
+    model.register_comm_hook(state, _fastml_hook)
+    return state

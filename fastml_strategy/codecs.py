@@ -1,0 +1,217 @@
+"""Encode/decode of one flat gradient tensor, as a :class:`~fastml_strategy.config.CodecConfig` says.
+
+Two families, because they reduce differently (see :mod:`fastml_strategy.collective`):
+
+- *dense* codecs (fp32, fp16, bf16, quantize) encode every element; a chunk of a dense message can be
+  decoded, summed with other ranks' chunks, and re-encoded, so they use scatter-reduce-allgather.
+  ``dense_nbytes`` gives a chunk's encoded size (always a multiple of 4 bytes, so the metadata of the
+  next chunk stays aligned in a shared byte buffer).
+- *sparse* top-k sends values (fp32, or quantized) and int32 indices; sums of sparse vectors are not
+  sparse, so top-k messages are all-gathered and scatter-added by every rank in rank order.
+
+The quantized byte layout of one chunk is ``[meta: nblocks x (min, scale) fp32][packed codes]``; the
+codes follow the wire format of :mod:`fastml_strategy.kernels.reference`.
+
+``roundtrip`` and ``wire_bytes`` serve the autotuner: the first applies a codec to one tensor locally
+(no communication), the second predicts a layer's bytes on the wire per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastml_strategy import kernels
+from fastml_strategy.config import Codec, CodecConfig, RECIPES
+
+__all__ = [
+    "dense_nbytes",
+    "encode_dense",
+    "decode_dense",
+    "topk_nbytes",
+    "encode_topk",
+    "decode_topk_add",
+    "effective_config",
+    "wire_bytes",
+    "roundtrip",
+]
+
+
+def _align4(n: int) -> int:
+    return (n + 3) & ~3
+
+
+# -- dense --------------------------------------------------------------------------------------------
+def dense_nbytes(numel: int, cfg: CodecConfig) -> int:
+    """Encoded size in bytes of ``numel`` elements under a dense codec."""
+    c = cfg.codec
+    if c is Codec.FP32:
+        return 4 * numel
+    if c in (Codec.FP16, Codec.BF16):
+        return _align4(2 * numel)
+    if c is Codec.QUANTIZE:
+        nb = kernels.num_blocks(numel, cfg.block_size)
+        return 8 * nb + _align4(kernels.packed_nbytes(numel, cfg.bits))
+    raise ValueError(f"{c} is not a dense codec")
+
+
+def encode_dense(
+    x: torch.Tensor,
+    cfg: CodecConfig,
+    out: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+    seed: int = 0,
+) -> None:
+    """Encode flat ``x`` into the uint8 tensor ``out`` (exactly ``dense_nbytes`` long).
+
+    With ``residual`` (quantize only), encodes ``x + residual`` and writes the new residual to
+    ``residual_out`` (error feedback). fp16/bf16 casts are not error-fed: their error is tiny.
+    """
+    n = x.numel()
+    c = cfg.codec
+    if c is Codec.FP32:
+        out.view(torch.float32).copy_(x)
+    elif c in (Codec.FP16, Codec.BF16):
+        dt = torch.float16 if c is Codec.FP16 else torch.bfloat16
+        out[: 2 * n].view(dt).copy_(x)
+    else:
+        nb = kernels.num_blocks(n, cfg.block_size)
+        packed, meta = kernels.quantize(
+            x, cfg.bits, cfg.block_size, cfg.stochastic, seed, residual, residual_out
+        )
+        out[: 8 * nb].view(torch.float32).copy_(meta.reshape(-1))
+        out[8 * nb: 8 * nb + packed.numel()].copy_(packed)
+
+
+def decode_dense(
+    buf: torch.Tensor, numel: int, cfg: CodecConfig, out: torch.Tensor, accumulate: bool = False
+) -> None:
+    """Decode ``numel`` elements from the uint8 ``buf`` into fp32 ``out`` (``+=`` when accumulating)."""
+    c = cfg.codec
+    if c is Codec.QUANTIZE:
+        nb = kernels.num_blocks(numel, cfg.block_size)
+        meta = buf[: 8 * nb].view(torch.float32).view(nb, 2)
+        packed = buf[8 * nb: 8 * nb + kernels.packed_nbytes(numel, cfg.bits)]
+        kernels.dequantize(packed, meta, numel, cfg.bits, cfg.block_size, out=out, accumulate=accumulate)
+        return
+    if c is Codec.FP32:
+        y = buf[: 4 * numel].view(torch.float32)
+    else:
+        y = buf[: 2 * numel].view(torch.float16 if c is Codec.FP16 else torch.bfloat16)
+    if accumulate:
+        out.add_(y)
+    else:
+        out.copy_(y)
+
+
+# -- sparse (top-k) ---------------------------------------------------------------------------------
+def _topk_value_cfg(cfg: CodecConfig) -> CodecConfig | None:
+    if cfg.bits is None:
+        return None
+    return CodecConfig(codec=Codec.QUANTIZE, bits=cfg.bits, block_size=cfg.block_size,
+                       stochastic=cfg.stochastic)
+
+
+def topk_nbytes(numel: int, cfg: CodecConfig) -> int:
+    """Bytes of one rank's top-k message for a tensor of ``numel`` elements: values then indices."""
+    k = cfg.topk_k(numel)
+    vcfg = _topk_value_cfg(cfg)
+    vbytes = 4 * k if vcfg is None else dense_nbytes(k, vcfg)
+    return vbytes + 4 * k
+
+
+def encode_topk(
+    v: torch.Tensor, cfg: CodecConfig, out: torch.Tensor, seed: int = 0
+) -> torch.Tensor:
+    """Select the ``k`` largest-magnitude entries of fp32 ``v``; write values + int32 indices to ``out``.
+
+    Returns what the message decodes to at the selected indices (the values as the receiver sees
+    them), so the caller can form the error-feedback residual ``v - decoded`` in place. A non-finite
+    ``v`` poisons the first value with NaN, so every rank sees it.
+    """
+    n = v.numel()
+    k = cfg.topk_k(n)
+    idx = torch.topk(v.abs(), k, sorted=False).indices
+    vals = v[idx]
+    if not bool(torch.isfinite(vals).all()) or not bool(torch.isfinite(v).all()):
+        vals[0] = float("nan")
+    vcfg = _topk_value_cfg(cfg)
+    if vcfg is None:
+        vbytes = 4 * k
+        out[:vbytes].view(torch.float32).copy_(vals)
+        sent = vals
+    else:
+        vbytes = dense_nbytes(k, vcfg)
+        encode_dense(vals, vcfg, out[:vbytes], seed=seed)
+        sent = torch.empty(k, dtype=torch.float32, device=v.device)
+        decode_dense(out[:vbytes], k, vcfg, sent)
+    out[vbytes: vbytes + 4 * k].view(torch.int32).copy_(idx)
+    return idx, sent
+
+
+def decode_topk_add(buf: torch.Tensor, numel: int, cfg: CodecConfig, out: torch.Tensor) -> None:
+    """Scatter-add one rank's top-k message into fp32 ``out``."""
+    k = cfg.topk_k(numel)
+    vcfg = _topk_value_cfg(cfg)
+    if vcfg is None:
+        vbytes = 4 * k
+        vals = buf[:vbytes].view(torch.float32)
+    else:
+        vbytes = dense_nbytes(k, vcfg)
+        vals = torch.empty(k, dtype=torch.float32, device=out.device)
+        decode_dense(buf[:vbytes], k, vcfg, vals)
+    idx = buf[vbytes: vbytes + 4 * k].view(torch.int32).to(torch.int64)
+    out.index_add_(0, idx, vals)
+
+
+# -- planning helpers -------------------------------------------------------------------------------
+def _dense_rank_bytes(numel: int, cfg: CodecConfig, world_size: int) -> float:
+    return 2.0 * (world_size - 1) / world_size * dense_nbytes(numel, cfg)
+
+
+def effective_config(cfg: CodecConfig, numel: int, world_size: int) -> CodecConfig:
+    """The codec a layer really uses at ``world_size``: top-k falls back to its dense codec where its
+    all_gather traffic ((W-1) messages per rank) would exceed a scatter-reduce-allgather's."""
+    if cfg.codec is not Codec.TOPK or world_size <= 1:
+        return cfg
+    if cfg.fallback_bits is None:
+        dense = RECIPES["none"]
+    else:
+        dense = CodecConfig(codec=Codec.QUANTIZE, bits=cfg.fallback_bits, block_size=cfg.block_size,
+                            stochastic=cfg.stochastic, error_feedback=cfg.error_feedback)
+    sparse_bytes = (world_size - 1) * topk_nbytes(numel, cfg)
+    if sparse_bytes > _dense_rank_bytes(numel, dense, world_size):
+        return dense
+    return cfg
+
+
+def wire_bytes(numel: int, cfg: CodecConfig, world_size: int) -> int:
+    """Bytes this rank sends per step for one tensor (as counted in ``state.stats()['bytes_sent']``)."""
+    if world_size <= 1:
+        return 0
+    cfg = effective_config(cfg, numel, world_size)
+    if cfg.codec is Codec.TOPK:
+        return (world_size - 1) * topk_nbytes(numel, cfg)
+    return int(round(_dense_rank_bytes(numel, cfg, world_size)))
+
+
+@torch.no_grad()
+def roundtrip(x: torch.Tensor, cfg: CodecConfig, seed: int = 0) -> tuple[torch.Tensor, int]:
+    """Encode and decode one tensor locally: ``(decoded fp32 tensor shaped like x, encoded bytes)``.
+
+    No error feedback and no communication: this measures the codec's own error on a real gradient.
+    """
+    flat = x.detach().reshape(-1).to(torch.float32)
+    n = flat.numel()
+    out = torch.zeros(n, dtype=torch.float32, device=flat.device)
+    if cfg.codec is Codec.TOPK:
+        nbytes = topk_nbytes(n, cfg)
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=flat.device)
+        encode_topk(flat, cfg, buf, seed=seed)
+        decode_topk_add(buf, n, cfg, out)
+    else:
+        nbytes = dense_nbytes(n, cfg)
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=flat.device)
+        encode_dense(flat, cfg, buf, seed=seed)
+        decode_dense(buf, n, cfg, out)
+    return out.view_as(x), nbytes

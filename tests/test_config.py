@@ -1,0 +1,101 @@
+"""Plan and CodecConfig: look-up order, recipes, JSON round trip, and errors that name the fix."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fastml_strategy import RECIPES, Codec, CodecConfig, Plan
+from fastml_strategy.config import PLAN_FORMAT_VERSION, resolve_plan
+
+
+def test_lookup_order_exact_then_regex_then_default():
+    plan = Plan(
+        default=RECIPES["int4"],
+        layers={"re:.*weight": RECIPES["int8"], "fc.weight": RECIPES["topk1"], "re:fc\\..*": RECIPES["fp16"]},
+    )
+    assert plan.for_parameter("fc.weight") == RECIPES["topk1"]  # exact beats earlier regex
+    assert plan.for_parameter("head.weight") == RECIPES["int8"]  # first matching regex
+    assert plan.for_parameter("fc.bias") == RECIPES["fp16"]
+    assert plan.for_parameter("head.bias") == RECIPES["int4"]  # default
+    # small tensors travel uncompressed whatever the plan says
+    assert plan.for_parameter("fc.weight", numel=10).codec is Codec.FP32
+
+
+@pytest.mark.parametrize("name", ["none", "fp16", "bf16", "int8", "int4", "int2", "topk1", "topk1-int4"])
+def test_recipes_exist_and_validate(name):
+    plan = Plan.from_recipe(name)
+    plan.validate()
+    assert plan.name == name
+
+
+def test_uniform():
+    assert Plan.uniform(bits=3).default == CodecConfig(codec=Codec.QUANTIZE, bits=3)
+    p = Plan.uniform(bits=4, topk=0.05, error_feedback=False, stochastic=True, min_numel=10)
+    assert p.default.codec is Codec.TOPK and p.default.bits == 4 and p.default.topk == 0.05
+    assert not p.default.error_feedback and p.default.stochastic and p.min_numel == 10
+
+
+def test_save_load_roundtrip(tmp_path):
+    plan = Plan.from_recipe("int4").with_layers({"re:.*bias": RECIPES["fp16"], "a.weight": RECIPES["topk1-int4"]})
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert json.loads(path.read_text())["format_version"] == PLAN_FORMAT_VERSION
+    back = Plan.load(path)
+    assert back == plan and back.digest() == plan.digest()
+    assert resolve_plan(str(path)) == plan
+    assert resolve_plan(plan.to_dict()) == plan
+    assert not list(tmp_path.glob(".*tmp")), "no temporary file left behind"
+
+
+@pytest.mark.parametrize(
+    "cfg,field",
+    [
+        (dict(codec="quantize", bits=0), "bits"),
+        (dict(codec="quantize", bits=9), "bits"),
+        (dict(codec="quantize", bits=None), "bits"),
+        (dict(codec="topk", topk=0.0), "topk"),
+        (dict(codec="topk", topk=1.5), "topk"),
+        (dict(codec="topk"), "topk"),
+        (dict(codec="quantize", bits=4, block_size=100), "block_size"),
+        (dict(codec="int5"), "codec"),
+        (dict(codec="quantize", bits=4, colour="red"), "colour"),
+    ],
+)
+def test_invalid_codec_settings_name_the_field(cfg, field):
+    with pytest.raises(ValueError, match=field):
+        Plan.from_dict({"format_version": 1, "default": cfg})
+
+
+def test_unknown_recipe_and_version():
+    with pytest.raises(ValueError, match="unknown recipe 'int5'"):
+        Plan.from_recipe("int5")
+    with pytest.raises(ValueError, match="format_version 99"):
+        Plan.from_dict({"format_version": 99, "default": {"codec": "fp16"}})
+    with pytest.raises(ValueError, match="neither a recipe"):
+        resolve_plan("int5")
+
+
+def test_plan_file_errors(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        Plan.load(bad)
+    with pytest.raises(ValueError, match="does not exist"):
+        Plan.load(tmp_path / "missing.json")
+
+
+def test_check_parameters_names_unknown():
+    plan = Plan.from_recipe("int4").with_layers({"enc.weight": RECIPES["int8"], "re:dec\\..*": RECIPES["int2"]})
+    with pytest.raises(ValueError, match="enc.weight") as e:
+        plan.check_parameters(["fc.weight", "fc.bias"])
+    assert "re:dec" in str(e.value)
+    plan.check_parameters(["enc.weight", "dec.bias"])
+
+
+def test_env_plan(monkeypatch):
+    monkeypatch.setenv("FASTML_PLAN", "int2")
+    assert resolve_plan(None).default.bits == 2
+    monkeypatch.delenv("FASTML_PLAN")
+    assert resolve_plan(None).name == "int4"

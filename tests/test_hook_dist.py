@@ -1,0 +1,257 @@
+"""The compressed all-reduce in real DDP runs: W gloo processes, real buckets, real optimizer steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from _dist import run_workers
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _mlp(width: int = 128, depth: int = 3, dtype=torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = [torch.nn.Linear(32, width), torch.nn.ReLU()]
+    for _ in range(depth - 1):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    layers.append(torch.nn.Linear(width, 10))
+    return torch.nn.Sequential(*layers).to(dtype)
+
+
+def _flat_params(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+
+
+def _gather_equal(model, world_size: int) -> bool:
+    flat = _flat_params(model)
+    out = [torch.zeros_like(flat) for _ in range(world_size)]
+    dist.all_gather(out, flat)
+    return all(torch.equal(out[0], o) for o in out[1:])
+
+
+def _train(rank, world_size, plan, steps=20, ddp_kwargs=None, accumulate=1, dtype=torch.float32,
+           width=128, unused=False, min_numel=None):
+    import fastml_strategy as fm
+
+    model = _mlp(width, dtype=dtype)
+    if unused:
+        model = _WithUnused(model, width)
+    ddp = DDP(model, bucket_cap_mb=0.02, **(ddp_kwargs or {}))
+    if min_numel is not None:
+        plan = fm.Plan.from_recipe(plan, min_numel=min_numel)
+    state = fm.register_hook(ddp, plan=plan)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    nbuckets = set()
+    for _ in range(steps):
+        for micro in range(accumulate):
+            x = torch.randn(16, 32, generator=gen).to(dtype)
+            y = torch.randint(0, 10, (16,), generator=gen)
+            ctx = ddp.no_sync() if micro < accumulate - 1 else _nullcontext()
+            with ctx:
+                loss = torch.nn.functional.cross_entropy(ddp(x).float(), y)
+                loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        nbuckets.add(len(state._engine.layouts))
+    stats = state.stats()
+    return {
+        "identical": _gather_equal(model, world_size),
+        "ratio": stats["compression_ratio"],
+        "steps": stats["steps"],
+        "buckets": max(nbuckets),
+        "finite": bool(torch.isfinite(_flat_params(model)).all()),
+        "loss": float(loss),
+        "layers": stats["layers"],
+    }
+
+
+class _WithUnused(torch.nn.Module):
+    def __init__(self, body, width):
+        super().__init__()
+        self.body = body
+        self.unused = torch.nn.Linear(width, width)  # never used in forward
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _train_case(rank, world_size, case):
+    return _train(rank, world_size, "int4", 8, **case)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("plan", ["int4", "topk1"])
+def test_replicas_bit_identical(world_size, plan):
+    results = run_workers(_train, world_size, plan, 20)
+    for r in results:
+        assert r["identical"], f"{plan} replicas diverged at W={world_size}"
+        assert r["steps"] == 20
+        assert r["buckets"] >= 3, "the model must span at least 3 DDP buckets"
+        assert r["finite"]
+        assert r["ratio"] > 1.0
+
+
+def test_world_size_one_runs_the_codec():
+    (r,) = run_workers(_train, 1, "int4", 5)
+    assert r["steps"] == 5 and r["finite"]
+    assert r["ratio"] == 1.0  # no bytes on the wire at W=1
+
+
+def _ratio_run(rank, world_size, plan):
+    import fastml_strategy as fm
+
+    torch.manual_seed(0)
+    # Dominated by large layers: 3 x (512 x 512) weights; biases go uncompressed.
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
+                                torch.nn.ReLU(), torch.nn.Linear(512, 512))
+    ddp = DDP(model, bucket_cap_mb=1)
+    state = fm.register_hook(ddp, plan=plan)
+    for _ in range(3):
+        ddp(torch.randn(8, 512)).square().mean().backward()
+    s = state.stats()
+    return s["compression_ratio"], s["bytes_sent"], s["bytes_uncompressed"]
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_compression_ratio_quantized(world_size):
+    r4 = run_workers(_ratio_run, world_size, "int4")
+    r2 = run_workers(_ratio_run, world_size, "int2")
+    for ratio, sent, unc in r4:
+        assert ratio >= 7.0, ratio
+        numel = 3 * (512 * 512 + 512)
+        assert unc == round(3 * 2 * (world_size - 1) / world_size * 4 * numel)
+    for ratio, _, _ in r2:
+        assert ratio >= 13.0, ratio
+
+
+def test_compression_ratio_topk_two_ranks():
+    for ratio, _, _ in run_workers(_ratio_run, 2, "topk1"):
+        assert ratio >= 40.0, ratio
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(ddp_kwargs={"find_unused_parameters": True}, unused=True),
+        dict(ddp_kwargs={"static_graph": True}),
+        dict(ddp_kwargs={"gradient_as_bucket_view": True}),
+        dict(accumulate=3),
+        dict(dtype=torch.bfloat16),
+        dict(dtype=torch.float16),
+    ],
+    ids=["find_unused", "static_graph", "grad_as_bucket_view", "no_sync_accum", "bf16", "fp16"],
+)
+def test_ddp_features(case):
+    for r in run_workers(_train_case, 2, case):
+        assert r["identical"] and r["finite"] and r["steps"] == 8
+
+
+def _uneven(rank, world_size):
+    # Sizes not divisible by the world size or the block: 1000003-ish odd layers.
+    import fastml_strategy as fm
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(97, 1013), torch.nn.Tanh(), torch.nn.Linear(1013, 7))
+    ddp = DDP(model, bucket_cap_mb=0.2)
+    plan = fm.Plan.uniform(bits=3, block_size=64)
+    fm.register_hook(ddp, plan=plan)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for i in range(6):
+        torch.manual_seed(rank * 100 + i)
+        ddp(torch.randn(5, 97)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return _gather_equal(model, world_size)
+
+
+def test_odd_sizes_three_ranks():
+    assert all(run_workers(_uneven, 3))
+
+
+def _fp32_vs_plain(rank, world_size):
+    # recipe "none" matches DDP's own all-reduce to fp32 rounding.
+    import fastml_strategy as fm
+
+    outs = []
+    for use in (False, True):
+        model = _mlp(64)
+        ddp = DDP(model, bucket_cap_mb=0.02)
+        if use:
+            fm.register_hook(ddp, plan="none")
+        torch.manual_seed(rank)
+        ddp(torch.randn(8, 32)).square().mean().backward()
+        outs.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    return float((outs[0] - outs[1]).abs().max()), float(outs[0].abs().max())
+
+
+def test_none_recipe_matches_ddp():
+    for diff, scale in run_workers(_fp32_vs_plain, 2):
+        assert diff <= 1e-6 * max(scale, 1.0)
+
+
+def _quantized_grad_error(rank, world_size, recipe):
+    # One step: the all-reduced gradient vs DDP's exact mean, against the int4 error bound.
+    import fastml_strategy as fm
+
+    grads = {}
+    for use in (False, True):
+        model = _mlp(256)
+        ddp = DDP(model, bucket_cap_mb=0.05)
+        if use:
+            fm.register_hook(ddp, plan=fm.Plan.from_recipe(recipe))
+        torch.manual_seed(rank)
+        ddp(torch.randn(8, 32)).square().mean().backward()
+        grads[use] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    rel = {n: float((grads[True][n] - grads[False][n]).norm() / grads[False][n].norm())
+           for n in grads[False] if grads[False][n].numel() >= 4096}
+    return rel
+
+
+def test_one_step_error_is_small():
+    for rel in run_workers(_quantized_grad_error, 2, "int8"):
+        assert rel and max(rel.values()) < 0.02, rel
+
+
+def _bad_plan(rank, world_size, kind):
+    import fastml_strategy as fm
+
+    ddp = DDP(_mlp(64), bucket_cap_mb=0.02)
+    if kind == "bits":
+        plan = {"format_version": 1, "default": {"codec": "quantize", "bits": 9}}
+    elif kind == "missing_param":
+        plan = fm.Plan.from_recipe("int4").with_layers({"encoder.weight": fm.RECIPES["int8"]})
+    elif kind == "one_rank_bad":
+        plan = "int4" if rank == 0 else "int99"
+    elif kind == "different":
+        plan = "int4" if rank == 0 else "int8"
+    else:
+        raise AssertionError(kind)
+    try:
+        fm.register_hook(ddp, plan=plan)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("kind,needle", [
+    ("bits", "bits"),
+    ("missing_param", "encoder.weight"),
+    ("one_rank_bad", "int99"),
+    ("different", "different plans"),
+])
+def test_bad_plan_fails_on_every_rank(kind, needle):
+    msgs = run_workers(_bad_plan, 2, kind, timeout=90)
+    assert msgs[0] == msgs[1], "every rank must raise the same error"
+    assert needle in msgs[0], msgs[0]
