@@ -195,7 +195,7 @@ def inner(args: argparse.Namespace) -> None:
            "-m", "fastml_strategy.autotune.cli", f"{Path(__file__).resolve()}:digits_workload",
            "--out", str(tune), "--trials", str(args.trials),
            "--calibration-trials", str(args.calibration_trials),
-           "--calibration-steps", str(args.calibration_steps), "--measure-steps", "20",
+           "--calibration-steps", str(args.calibration_steps), "--measure-steps", "40",
            "--max-accuracy-loss", "0.01", "--quiet"]
     print("$", " ".join(cmd), flush=True)
     t0 = time.perf_counter()
@@ -276,8 +276,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=str(REPO / "benchmarks" / "out" / "autotune"))
     p.add_argument("--rate", default="1gbit", help="tc tbf rate of the emulated link")
-    p.add_argument("--target-acc", type=float, default=0.95)
-    p.add_argument("--max-steps", type=int, default=1500)
+    p.add_argument("--target-acc", type=float, default=0.97)
+    p.add_argument("--max-steps", type=int, default=1000)
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--trials", type=int, default=200)
     p.add_argument("--calibration-trials", type=int, default=6)

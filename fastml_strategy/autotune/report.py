@@ -137,7 +137,12 @@ def figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) -> dict[str
     fig = _fig(5.5, 4.2)
     ax = fig.add_subplot(111)
     if len(st):
-        ax.scatter(1e3 * st["measured_s"], 1e3 * st["predicted_s"], color="#3b75af")
+        fit = st["used_in_fit"].astype(bool) if "used_in_fit" in st else pd.Series(False, index=st.index)
+        ax.scatter(1e3 * st["measured_s"][~fit], 1e3 * st["predicted_s"][~fit], color="#3b75af",
+                   label="checks (never fitted)")
+        if fit.any():
+            ax.scatter(1e3 * st["measured_s"][fit], 1e3 * st["predicted_s"][fit], facecolors="none",
+                       edgecolors="#3b75af", label="recipes used to fit codec speed")
         for _, r in st.iterrows():
             ax.annotate(r["plan"], (1e3 * r["measured_s"], 1e3 * r["predicted_s"]), fontsize=7,
                         xytext=(3, 3), textcoords="offset points")

@@ -79,6 +79,10 @@ def test_plan_covers_every_parameter_and_loads(tuned):
     assert meta["hardware_option"] == "local" and meta["predicted"]["step_s"] > 0
     for p in (out / "plans").iterdir():
         Plan.load(p).check_parameters(params)
+    # what FASTML_PLAN / FastMLStrategy(plan=...) / register_hook(plan=...) do with a path
+    from fastml_strategy.config import resolve_plan
+
+    assert resolve_plan(str(out / "plan.json")) == plan
 
 
 @pytest.mark.timeout(200)
