@@ -78,9 +78,10 @@ def digits_workload():
 # All plans train side by side in the same 2 processes, taking turns in chunks of ``eval_every`` steps
 # (each plan has its own model, optimizer, data stream and hook): on a shared machine a burst of load
 # from other processes then hits every plan alike, instead of whichever plan happened to be running.
-# A plan's clock is the sum of its own steps; evaluation (every chunk) is not timed.
+# A plan's clock is the sum of its own steps up to the target; evaluation (every chunk) is not timed.
+# Plans keep training past the target until --timing-steps steps are timed, for a steadier median.
 def _train_worker(rank: int, world: int, port: int, plans, target: float, max_steps: int,
-                  eval_every: int, q) -> None:
+                  eval_every: int, timing_steps: int, q) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -115,16 +116,18 @@ def _train_worker(rank: int, world: int, port: int, plans, target: float, max_st
                     r["opt"].step()
                     r["times"].append(time.perf_counter() - t0)
                 r["acc"] = accuracy(r["model"].module, xt, yt)  # replicas identical: ranks agree
-                if r["acc"] >= target:
+                if r["acc"] >= target and r["reached"] is None:
                     r["reached"] = len(r["times"])
-                if r["reached"] or len(r["times"]) >= max_steps:
+                # keep going past the target until timing_steps steps are timed: a steadier median
+                if (r["reached"] and len(r["times"]) >= timing_steps) or len(r["times"]) >= max_steps:
                     active.remove(label)
         dist.barrier()
         out = {}
         for label, r in runs.items():
             steady = sorted(r["times"][5:] or r["times"])
             out[label] = {
-                "steps": r["reached"], "seconds": sum(r["times"]) if r["reached"] else None,
+                "steps": r["reached"],
+                "seconds": sum(r["times"][: r["reached"]]) if r["reached"] else None,
                 "final_acc": r["acc"], "ms_per_step": 1e3 * steady[len(steady) // 2],
                 "compression_ratio": r["state"].stats()["compression_ratio"] if r["state"] else 1.0,
             }
@@ -136,8 +139,8 @@ def _train_worker(rank: int, world: int, port: int, plans, target: float, max_st
             dist.destroy_process_group()
 
 
-def train_to_target(plans, target: float, max_steps: int, eval_every: int, world: int = 2,
-                    timeout: float = 1500) -> dict:
+def train_to_target(plans, target: float, max_steps: int, eval_every: int, timing_steps: int = 100,
+                    world: int = 2, timeout: float = 1500) -> dict:
     """{label: result} for ``plans`` = [(label, recipe name | plan.json path | None for plain DDP)]."""
     import torch.multiprocessing as mp
 
@@ -145,7 +148,7 @@ def train_to_target(plans, target: float, max_steps: int, eval_every: int, world
     q = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_train_worker,
-                         args=(r, world, port, plans, target, max_steps, eval_every, q))
+                         args=(r, world, port, plans, target, max_steps, eval_every, timing_steps, q))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -214,7 +217,8 @@ def inner(args: argparse.Namespace) -> None:
         plans[0] = ("tuned", None)
     load_before = os.getloadavg()[0]
     print(f"training {len(plans)} plans side by side to {args.target_acc} test accuracy...", flush=True)
-    results = train_to_target(plans, args.target_acc, args.max_steps, args.eval_every)
+    results = train_to_target(plans, args.target_acc, args.max_steps, args.eval_every,
+                              args.timing_steps)
     load = round(max(load_before, os.getloadavg()[0]), 2)
     rows = []
     for label, _ in plans:
@@ -279,6 +283,8 @@ def main() -> None:
     p.add_argument("--target-acc", type=float, default=0.97)
     p.add_argument("--max-steps", type=int, default=1000)
     p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--timing-steps", type=int, default=150,
+                   help="each plan trains at least this many steps (timed), also past the target")
     p.add_argument("--trials", type=int, default=200)
     p.add_argument("--calibration-trials", type=int, default=6)
     p.add_argument("--calibration-steps", type=int, default=120)
