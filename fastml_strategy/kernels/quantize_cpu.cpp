@@ -308,10 +308,13 @@ void encode_blocks(const EncodeArgs& a, int64_t b0, int64_t b1) {
       if (HAS_RES && a.rout != a.r) std::memcpy(a.rout + start, rb, sizeof(float) * len);
       continue;
     }
-    float scale = (mx - mn) / L;
-    if (std::isinf(scale)) {
-      scale = mx / L - mn / L;
-      if (std::isinf(scale)) scale = FLT_MAX;
+    const float diff = mx - mn;
+    float scale;
+    if (std::isinf(diff)) {  // finite block whose range overflows: halve, divide, double, cap
+      scale = ((mx * 0.5f - mn * 0.5f) / L) * 2.0f;
+      if (scale > FLT_MAX) scale = FLT_MAX;
+    } else {
+      scale = diff / L;
     }
     const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
     mb[0] = mn;
