@@ -184,7 +184,7 @@ inline uint64_t expand8(uint64_t x) {
 }
 
 // Pack `ngroups` groups of 8 codes from q into dst (BITS bytes per group). `room` = bytes writable
-// at dst (>= ngroups * BITS); 8-byte stores overlap the next group while they fit.
+// at dst (the block's payload); 8-byte stores overlap the next group while they fit in it.
 template <int BITS>
 void pack(const uint8_t* q, int64_t ngroups, uint8_t* dst, int64_t room) {
   int64_t g = 0;
@@ -257,7 +257,6 @@ void encode_blocks(const EncodeArgs& a, int64_t b0, int64_t b1) {
   const int64_t bs = a.bs;
   const int bits = a.bits;
   const float L = static_cast<float>((1 << bits) - 1);
-  const int64_t nbytes = (a.n * bits + 7) / 8;
   const PackFn packf = pack_fn(bits);
   std::vector<float> vbuf_(bs + kLanes);
   std::vector<uint8_t> qbuf_(bs + 8);
@@ -300,7 +299,9 @@ void encode_blocks(const EncodeArgs& a, int64_t b0, int64_t b1) {
     float* mb = a.meta + 2 * blk;
     uint8_t* pb = a.packed + start * bits / 8;
     const int64_t groups = (len + 7) / 8;
-    const int64_t room = nbytes - start * bits / 8;
+    // This block's bytes only: a wider overlapping store would race with the thread that owns the
+    // next block.
+    const int64_t room = (len * bits + 7) / 8;
     if (!finite) {
       mb[0] = NAN;
       mb[1] = NAN;
