@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -66,15 +67,19 @@ class _Param:
 
 @dataclass
 class _DenseGroup:
+    """One segment of the dense message: a single parameter (read from and decoded straight into the
+    bucket buffer when that is fp32), or all the bucket's fp32 parameters gathered into one vector."""
+
     cfg: CodecConfig
     params: list[_Param]
-    length: int  # padded length of the flat vector
+    length: int  # elements
     bounds: list[int]  # W + 1 chunk boundaries (elements)
     nbytes: list[int]  # encoded bytes of chunk j
+    direct: bool = False  # True: operate on the bucket buffer's slice, no copy
     send_off: list[int] = field(default_factory=list)  # offset of chunk j in the all_to_all buffer
     recv_off: int = 0  # offset inside this rank's chunk message
     gather_off: list[int] = field(default_factory=list)  # offset in rank j's all_gather message
-    x: torch.Tensor | None = None  # flat fp32 input
+    x: torch.Tensor | None = None  # flat fp32 staging vector (not direct)
     res_cur: torch.Tensor | None = None
     res_next: torch.Tensor | None = None
     acc: torch.Tensor | None = None  # this rank's chunk sum
@@ -82,6 +87,19 @@ class _DenseGroup:
     @property
     def ef(self) -> bool:
         return self.cfg.codec is Codec.QUANTIZE and self.cfg.error_feedback
+
+    @property
+    def key(self) -> int:
+        """A seed component that depends on the layer, not on its position in a bucket (buckets are
+        rebuilt after the first iteration; stochastic rounding must not change with them)."""
+        return zlib.crc32(self.params[0].name.encode())
+
+    def view(self, buf: torch.Tensor) -> torch.Tensor:
+        """The fp32 vector this segment encodes from and decodes into."""
+        if self.direct:
+            p = self.params[0]
+            return buf[p.boff: p.boff + p.numel]
+        return self.x
 
 
 @dataclass
@@ -99,7 +117,7 @@ class BucketLayout:
     shape; DDP's bucket rebuild after iteration 1 builds a new one)."""
 
     def __init__(self, names, offsets, numels, plan: Plan, world_size: int, rank: int,
-                 device: torch.device) -> None:
+                 device: torch.device, dtype: torch.dtype = torch.float32) -> None:
         self.names = tuple(names)
         self.total_numel = int(sum(numels))
         W = world_size
@@ -116,19 +134,26 @@ class BucketLayout:
                 key = cfg if cfg.codec is Codec.QUANTIZE else CodecConfig(codec=cfg.codec)
                 dense.setdefault(key, []).append(p)
         self.dense: list[_DenseGroup] = []
+        fp32_buffer = dtype == torch.float32
+        segments: list[tuple[CodecConfig, list[_Param]]] = []
         for cfg, params in dense.items():
+            if cfg.codec is Codec.FP32:
+                segments.append((cfg, params))  # small tensors: one batched segment
+            else:
+                segments.extend((cfg, [p]) for p in params)  # one segment per compressed layer
+        for cfg, params in segments:
             unit = cfg.block_size if cfg.codec is Codec.QUANTIZE else 16
             pos = 0
             for p in params:
                 p.goff = pos
-                pos += p.numel if cfg.codec is not Codec.QUANTIZE else \
-                    math.ceil(p.numel / unit) * unit
+                pos += p.numel
             length = pos
             units = math.ceil(length / unit)
             bounds = [min(length, (j * units // W) * unit) for j in range(W)] + [length]
             nbytes = [codecs.dense_nbytes(bounds[j + 1] - bounds[j], cfg) for j in range(W)]
-            g = _DenseGroup(cfg, params, length, bounds, nbytes)
-            g.x = torch.zeros(length, dtype=torch.float32, device=device)
+            g = _DenseGroup(cfg, params, length, bounds, nbytes, direct=fp32_buffer and len(params) == 1)
+            if not g.direct:
+                g.x = torch.zeros(length, dtype=torch.float32, device=device)
             g.acc = torch.empty(bounds[rank + 1] - bounds[rank], dtype=torch.float32, device=device)
             if g.ef:
                 g.res_cur = torch.zeros(length, dtype=torch.float32, device=device)
@@ -202,16 +227,20 @@ class CompressedAllReduce:
         self.layer_codec: dict[str, str] = {}
 
     # -- layouts and residuals ----------------------------------------------------------------------
-    def layout_for(self, names, offsets, numels, device) -> BucketLayout:
-        key = (tuple(names), tuple(offsets), tuple(numels))
+    def layout_for(self, names, offsets, numels, device, dtype=torch.float32) -> BucketLayout:
+        key = (tuple(names), tuple(offsets), tuple(numels), dtype)
         lay = self.layouts.get(key)
         if lay is not None:
             return lay
-        lay = BucketLayout(names, offsets, numels, self.plan, self.world_size, self.rank, device)
+        lay = BucketLayout(names, offsets, numels, self.plan, self.world_size, self.rank, device, dtype)
         new = set(names)
         old = self.residuals()
+        # Layouts sharing a parameter with the new one are stale (DDP rebuilt its buckets). Their
+        # other parameters' residuals wait in pending_residuals for the layout that will own them.
         for k in [k for k, v in self.layouts.items() if new & set(v.names)]:
-            del self.layouts[k]
+            for name, view in self.layouts.pop(k).residual_views().items():
+                if name not in new:
+                    self.pending_residuals[name] = view
         for name, view in lay.residual_views().items():
             src = self.pending_residuals.pop(name, None)
             if src is None:
@@ -239,19 +268,13 @@ class CompressedAllReduce:
             else:
                 self.pending_residuals[name] = t.detach().reshape(-1).clone()
 
-    # -- collectives (world size 1 needs none) --------------------------------------------------------
+    # -- collectives (run at world size 1 too: one code path everywhere) ------------------------------
     def _all_to_all(self, lay: BucketLayout) -> None:
-        if self.world_size == 1:
-            lay.recv.copy_(lay.send)
-            return
         dist.all_to_all_single(lay.recv, lay.send, output_split_sizes=[lay.my_chunk] * self.world_size,
                                input_split_sizes=lay.split_sizes, group=self.group)
         self.bytes_sent += sum(lay.split_sizes) - lay.split_sizes[self.rank]
 
     def _all_gather(self, lay: BucketLayout) -> None:
-        if self.world_size == 1:
-            lay.grecv.copy_(lay.gsend)
-            return
         outs = list(lay.grecv.view(self.world_size, lay.gather_size).unbind(0))
         dist.all_gather(outs, lay.gsend, group=self.group)
         self.bytes_sent += (self.world_size - 1) * lay.gather_size
@@ -302,7 +325,7 @@ class CompressedAllReduce:
         self._check_headers(headers, "encoding")
 
         try:
-            for gi, g in enumerate(lay.dense):
+            for g in lay.dense:
                 n_me = g.bounds[r + 1] - g.bounds[r]
                 for src in range(W):
                     off = src * lay.my_chunk + g.recv_off
@@ -311,7 +334,7 @@ class CompressedAllReduce:
                 g.acc.div_(W)
                 off = g.gather_off[r]
                 codecs.encode_dense(g.acc, g.cfg, lay.gsend[off: off + g.nbytes[r]],
-                                    seed=_mix(base, 1, gi, 0xA11))
+                                    seed=_mix(base, 1, g.key))
         except Exception as e:  # noqa: BLE001
             local_error = e
         self._write_header(lay.gsend, local_error)
@@ -332,28 +355,29 @@ class CompressedAllReduce:
         return finite
 
     def _encode(self, lay: BucketLayout, buf: torch.Tensor, base: int, layer_stats: bool) -> None:
-        for gi, g in enumerate(lay.dense):
-            x = g.x
-            for p in g.params:
-                x[p.goff: p.goff + p.numel].copy_(buf[p.boff: p.boff + p.numel])
+        for g in lay.dense:
+            x = g.view(buf)
+            if not g.direct:
+                for p in g.params:
+                    x[p.goff: p.goff + p.numel].copy_(buf[p.boff: p.boff + p.numel])
             for j in range(self.world_size):
                 a, b = g.bounds[j], g.bounds[j + 1]
                 out = lay.send[g.send_off[j]: g.send_off[j] + g.nbytes[j]]
-                seed = _mix(base, 0, gi, j)
+                seed = _mix(base, 0, g.key, j)
                 if g.ef:
                     codecs.encode_dense(x[a:b], g.cfg, out, residual=g.res_cur[a:b],
                                         residual_out=g.res_next[a:b], seed=seed)
                 else:
                     codecs.encode_dense(x[a:b], g.cfg, out, seed=seed)
             if layer_stats:
-                self._dense_layer_error(lay, g)
-        for ti, t in enumerate(lay.topk):
+                self._dense_layer_error(lay, g, x)
+        for t in lay.topk:
             p = t.param
             v = buf[p.boff: p.boff + p.numel].to(torch.float32, copy=True)
             if t.cfg.error_feedback:
                 v += t.residual
             out = lay.gsend[t.gather_off: t.gather_off + t.nbytes]
-            idx, sent = codecs.encode_topk(v, t.cfg, out, seed=_mix(base, 2, ti))
+            idx, sent = codecs.encode_topk(v, t.cfg, out, seed=_mix(base, 2, zlib.crc32(p.name.encode())))
             if t.cfg.error_feedback or layer_stats:
                 vn = float(v.norm()) if layer_stats else 0.0
                 v[idx] -= sent  # v becomes the new residual
@@ -361,17 +385,17 @@ class CompressedAllReduce:
                     self.layer_error[p.name] = float(v.norm()) / vn if vn > 0 else 0.0
                 t.pending = v if t.cfg.error_feedback else None
 
-    def _dense_layer_error(self, lay: BucketLayout, g: _DenseGroup) -> None:
+    def _dense_layer_error(self, lay: BucketLayout, g: _DenseGroup, x: torch.Tensor) -> None:
         # Relative error ||decoded - input|| / ||input|| of the first-stage encoding, per parameter.
         if g.ef:
-            err, inp = g.res_next, g.x + g.res_cur
+            err, inp = g.res_next, x + g.res_cur
         else:
-            dec = torch.empty_like(g.x)
+            dec = torch.empty(g.length, dtype=torch.float32, device=x.device)
             for j in range(self.world_size):
                 a, b = g.bounds[j], g.bounds[j + 1]
                 codecs.decode_dense(lay.send[g.send_off[j]: g.send_off[j] + g.nbytes[j]], b - a,
                                     g.cfg, dec[a:b])
-            err, inp = dec - g.x, g.x
+            err, inp = dec - x, x
         for p in g.params:
             s = slice(p.goff, p.goff + p.numel)
             vn = float(inp[s].norm())
@@ -382,7 +406,7 @@ class CompressedAllReduce:
         finite = True
         grecv = lay.grecv.view(W, lay.gather_size)
         for g in lay.dense:
-            x = g.x
+            x = g.view(buf)
             for j in range(W):
                 a, b = g.bounds[j], g.bounds[j + 1]
                 off = g.gather_off[j]
@@ -393,8 +417,9 @@ class CompressedAllReduce:
                     finite = finite and bool(torch.isfinite(chunk[: 8 * nb].view(torch.float32)).all())
             if g.cfg.codec is not Codec.QUANTIZE:
                 finite = finite and bool(torch.isfinite(x).all())
-            for p in g.params:
-                buf[p.boff: p.boff + p.numel].copy_(x[p.goff: p.goff + p.numel])
+            if not g.direct:
+                for p in g.params:
+                    buf[p.boff: p.boff + p.numel].copy_(x[p.goff: p.goff + p.numel])
         for t in lay.topk:
             p = t.param
             acc = lay.topk_acc[p.name]

@@ -1,0 +1,180 @@
+"""Step time of DDP with and without gradient compression, side by side, on an emulated 1 Gbit/s link.
+
+    sudo python benchmarks/bench_allreduce.py                 # 1 Gbit/s link and no limit, all methods
+    python benchmarks/bench_allreduce.py --links none         # no root: only the unlimited loopback
+    python benchmarks/bench_allreduce.py --methods ddp-fp32 fastml-int4 --steps 5
+
+Model: the 25.2M-parameter MLP of DESIGN.md (1024 -> 4096 -> 4096 -> 1024, batch 8), 2 ranks x 1
+thread, gloo. Methods: DDP's fp32 all-reduce, torch's fp16 hook, torch's PowerSGD (rank 4, one bucket:
+with two buckets it aborts on gloo), and FastML int8 / int4 / int2 / topk1.
+
+The link: as root, each link setting gets a private network namespace whose loopback is rate-limited
+with ``tc qdisc add dev lo root tbf rate 1gbit burst 512kb latency 100ms``; all ranks run inside it,
+so they share one 1 Gbit/s link, like nodes behind a commodity switch port. Without root the link
+cannot be shaped and only ``--links none`` runs. Prints a table and writes CSV (``--csv``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+METHODS = ["ddp-fp32", "torch-fp16", "torch-powersgd-r4", "fastml-int8", "fastml-int4", "fastml-int2",
+           "fastml-topk1"]
+
+
+# -- one method, 2 ranks (runs inside the namespace) ---------------------------------------------------
+def _worker(rank: int, world: int, method: str, steps: int, warmup: int, port: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 4096),
+                                torch.nn.ReLU(), torch.nn.Linear(4096, 1024))
+    nparams = sum(p.numel() for p in model.parameters())
+    state = None
+    if method == "torch-powersgd-r4":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+
+        ddp = DDP(model, bucket_cap_mb=1024)  # one bucket: PowerSGD aborts on gloo with more
+        ps_state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2)
+        ddp.register_comm_hook(ps_state, ps.powerSGD_hook)
+    else:
+        ddp = DDP(model)
+        if method == "torch-fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif method.startswith("fastml-"):
+            import fastml_strategy as fm
+
+            state = fm.register_hook(ddp, plan=method[len("fastml-"):], layer_stats_every=0)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(rank))
+    times = []
+    for i in range(warmup + steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = ddp(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        times.append(time.perf_counter() - t0)
+    res = {"method": method, "ms": [t * 1000 for t in times[warmup:]], "params": nparams}
+    if state is not None:
+        s = state.stats()
+        res["ratio"] = s["compression_ratio"]
+        res["mb_per_step"] = s["bytes_sent"] / 1e6 / s["steps"]
+    else:
+        res["ratio"] = {"ddp-fp32": 1.0, "torch-fp16": 2.0}.get(method, float("nan"))
+    dist.barrier()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(res, f)
+    dist.destroy_process_group()
+
+
+def _run_method(method: str, steps: int, warmup: int, out: str) -> None:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(2, method, steps, warmup, port, out), nprocs=2, join=True)
+
+
+# -- the driver ------------------------------------------------------------------------------------------------
+def _sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _setup_ns(name: str, rate: str | None) -> None:
+    subprocess.run(["ip", "netns", "del", name], stderr=subprocess.DEVNULL)
+    _sh("ip", "netns", "add", name)
+    _sh("ip", "-n", name, "link", "set", "lo", "up")
+    if rate:
+        _sh("ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate,
+            "burst", "512kb", "latency", "100ms")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    ap.add_argument("--links", nargs="+", default=["1gbit", "none"],
+                    help="tc rates to emulate ('none': no limit); anything but 'none' needs root")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--csv", default="benchmarks/out/bench_allreduce.csv")
+    ap.add_argument("--_run", help=argparse.SUPPRESS)
+    ap.add_argument("--_out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args._run:
+        _run_method(args._run, args.steps, args.warmup, args._out)
+        return
+
+    root = os.geteuid() == 0
+    rows = []
+    for link in args.links:
+        ns = None
+        if root:
+            ns = f"fastml-bench-{os.getpid()}"
+            _setup_ns(ns, None if link == "none" else link)
+        elif link != "none":
+            print(f"skipping link {link}: shaping the loopback needs root (ip netns + tc); run as root, "
+                  f"or pass --links none", file=sys.stderr)
+            continue
+        try:
+            for method in args.methods:
+                with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+                    out = f.name
+                cmd = [sys.executable, os.path.abspath(__file__), "--_run", method, "--_out", out,
+                       "--steps", str(args.steps), "--warmup", str(args.warmup)]
+                if ns:
+                    cmd = ["ip", "netns", "exec", ns] + cmd
+                subprocess.run(cmd, check=True, timeout=900)
+                with open(out) as f:
+                    res = json.load(f)
+                os.unlink(out)
+                med = statistics.median(res["ms"])
+                rows.append({"link": link, "method": method, "ms_per_step": med,
+                             "ms_min": min(res["ms"]), "ms_max": max(res["ms"]),
+                             "compression_ratio": res["ratio"], "params": res["params"]})
+                print(f"{link:6s} {method:20s} {med:9.1f} ms/step  (ratio {res['ratio']:.2f})", flush=True)
+        finally:
+            if ns:
+                subprocess.run(["ip", "netns", "del", ns], stderr=subprocess.DEVNULL)
+
+    import pandas as pd
+
+    df = pd.DataFrame(rows)
+    os.makedirs(os.path.dirname(args.csv) or ".", exist_ok=True)
+    df.to_csv(args.csv, index=False)
+    table = df.pivot(index="method", columns="link", values="ms_per_step").reindex(args.methods)
+    for link in table.columns:
+        base = table.loc["ddp-fp32", link] if "ddp-fp32" in table.index else float("nan")
+        table[f"x vs fp32 ({link})"] = base / table[link]
+        if "torch-fp16" in table.index:
+            table[f"x vs fp16 ({link})"] = table.loc["torch-fp16", link] / table[link]
+    if "none" in table.columns and "ddp-fp32" in table.index:
+        floor = table.loc["ddp-fp32", "none"]
+        for link in [c for c in args.links if c != "none" and c in table.columns]:
+            table[f"/ floor ({link})"] = table[link] / floor
+    print(f"\n2 ranks x 1 thread, gloo, MLP of {rows[0]['params'] / 1e6:.1f}M parameters, batch 8, "
+          f"median of {args.steps} steps (ms/step); floor = ddp-fp32 with no rate limit")
+    print(table.to_markdown(floatfmt=".2f"))
+    print(f"\nCSV: {args.csv}")
+
+
+if __name__ == "__main__":
+    main()
