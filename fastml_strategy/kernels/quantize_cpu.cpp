@@ -1,16 +1,18 @@
 // CPU kernels of FastML's quantization codec, bit-exact with fastml_strategy/kernels/reference.py.
 //
-// Plain C ABI (no torch or Python headers: it compiles in about a second and is loaded with ctypes,
+// Plain C ABI (no torch or Python headers: it compiles in about two seconds and is loaded with ctypes,
 // which releases the GIL for the call). Built by fastml_strategy/kernels/cpu.py with
-//   g++ -O3 -march=native -ffp-contract=off -fno-fast-math -shared -fPIC
+//   g++ -O3 -march=native -ffp-contract=off -fno-fast-math -fno-trapping-math -shared -fPIC
 // -ffp-contract=off matters: the format is IEEE fp32 with one rounding per operation, and a fused
 // multiply-add in (v - mn) * inv + u or mn + q * scale would change bytes.
 //
 // Encoder, per block of `bs` elements (the block lives in L1):
-//   pass 1: v = float(x) + r into a block buffer; lane-wise min / max / (v * 0) accumulators that the
-//           compiler vectorises (a NaN or inf makes v * 0 a NaN: the block's non-finite flag);
+//   pass 1: v = float(x) + r into a block buffer, with 16-lane min / max / (v * 0) accumulators
+//           (GCC vector extensions, so vectorisation does not hang on the optimiser's mood; a NaN
+//           or inf makes v * 0 a NaN: the block's non-finite flag);
 //   per block: scale, inverse, exactly as the reference;
-//   pass 2: codes q = clamp(floor((v - mn) * inv + u), 0, L) into a byte buffer, and the new residual
+//   pass 2: codes q = trunc(clamp((v - mn) * inv + u, 0, L)) (= the reference's clamp(floor(.)) for
+//           these non-negative values; NaN -> 0) into a byte buffer, and the new residual
 //           v - (mn + q * scale);
 //   pack:   8 one-byte codes (a uint64) -> 8*BITS bits by three shift/mask/or stages, stored as BITS
 //           bytes.

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from fastml_strategy.kernels.reference import FLT_MAX, HASH_GOLDEN, num_blocks, packed_nbytes
 
-__all__ = ["quantize", "dequantize", "dequantize_scatter_add", "scatter_add", "is_available"]
+__all__ = ["quantize", "dequantize", "dequantize_scatter_add", "scatter_add"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # CUDA launch shape: 1024 elements per program on 1 warp (32 per thread). Read from the sm_90 PTX and
@@ -56,13 +56,6 @@ _INTERP_ELEMS_PER_PROGRAM = 1 << 16
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FMAX = tl.constexpr(FLT_MAX)  # a kernel may read a module global only when it is a constexpr
-
-
-def is_available(t: torch.Tensor | None = None) -> bool:
-    """Whether the kernels can run on ``t``'s device: CUDA with a working driver, or the interpreter."""
-    if _INTERPRET:
-        return True
-    return t is not None and t.is_cuda
 
 
 @triton.jit
@@ -259,8 +252,9 @@ def _words_ok(bits: int, packed: torch.Tensor) -> bool:
 
 
 def _seed_word(seed: int) -> int:
+    """``seed * golden mod 2**32`` as a signed 32-bit value (the kernel bitcasts it back to uint32)."""
     s = (int(seed) * HASH_GOLDEN) & 0xFFFFFFFF
-    return s
+    return s - (1 << 32) if s >= 1 << 31 else s
 
 
 def quantize(
@@ -299,8 +293,6 @@ def quantize(
         r = rout = x  # unused
     g, nfull, opts = _plan(n, block_size)
     seed_s = _seed_word(seed)
-    if seed_s >= 1 << 31:  # pass as a signed 32-bit value; the kernel works on its bits as uint32
-        seed_s -= 1 << 32
     consts = dict(BITS=bits, BS=block_size, G=g, HAS_RES=has_res, STOCH=bool(stochastic), **opts)
     if nfull:
         _quantize_kernel[(nfull // (g * block_size),)](
