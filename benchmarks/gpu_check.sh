@@ -18,6 +18,7 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/out/gpu}
 mkdir -p "$OUT"
+PY=${PY:-python3}   # the device image has python3, not always python
 export TRITON_INTERPRET=0 FASTML_TEST_DEVICE=cuda
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/fastml-triton-cache}"   # not under $OUT: no cache comes back
@@ -27,7 +28,7 @@ T0=$(date +%s)
 {
   date -u +"%Y-%m-%dT%H:%M:%SZ"
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv 2>&1
-  python - <<'EOF'
+  "$PY" - <<'EOF'
 import torch, triton, platform
 print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
       "triton", triton.__version__)
@@ -46,7 +47,14 @@ timeout 160 python -m pytest tests/kernels -q -rfE -p no:cacheprovider --duratio
     > "$OUT/tests_cuda.txt" 2>&1
 TEST_RC=$?
 
+# 3. End to end: the hook on CUDA/NCCL (one GPU, so one rank), DDP vs FastML recipes, 25.2M MLP.
+timeout 90 "$PY" -m torch.distributed.run --nproc_per_node 1 benchmarks/gpu_e2e.py \
+    --csv "$OUT/gpu_e2e.csv" > "$OUT/e2e.txt" 2>&1
+E2E_RC=$?
+
 {
+  echo "e2e exit $E2E_RC"
+  tail -8 "$OUT/e2e.txt"
   echo "bench exit $BENCH_RC (124 = timed out), tests exit $TEST_RC (124 = timed out), $(( $(date +%s) - T0 )) s"
   grep -E "verify|copy:|clone:" "$OUT/bench_cuda.txt"
   grep -E "passed|failed|error" "$OUT/tests_cuda.txt" | tail -3
