@@ -37,13 +37,13 @@ EOF
 } > "$OUT/env.txt" 2>&1
 
 # 1. Benchmark (the figures the issue asks for), with the launch-shape sweep and a full-size check.
-timeout 90 python benchmarks/bench_codecs.py --device cuda --size-mb 1024 --reps 20 --budget-s 1 \
+timeout 90 "$PY" benchmarks/bench_codecs.py --device cuda --size-mb 1024 --reps 20 --budget-s 1 \
     --backends triton,torch --sweep --verify --csv "$OUT/bench_codecs_cuda.csv" \
     > "$OUT/bench_cuda.txt" 2>&1
 BENCH_RC=$?
 
 # 2. Kernel tests on the GPU (compiles ~220 kernel variants; the runtime itself is seconds).
-timeout 160 python -m pytest tests/kernels -q -rfE -p no:cacheprovider --durations=5 \
+timeout 140 "$PY" -m pytest tests/kernels -q -rfE -p no:cacheprovider --durations=5 \
     > "$OUT/tests_cuda.txt" 2>&1
 TEST_RC=$?
 
