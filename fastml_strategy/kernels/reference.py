@@ -6,9 +6,11 @@ A 1-D tensor ``x`` of ``n`` elements (fp32, fp16 or bf16; computed in fp32) is c
 ``block_size`` elements (a power of two >= 8; the last block may be partial). With ``L = 2**bits - 1``:
 
 1. ``v = x + residual`` (fp32) when a residual is given, else ``v = x``.
-2. Per block: ``mn = min(v)``, ``mx = max(v)``; ``scale = (mx - mn) / L``; if that overflows to inf
-   while ``mn`` and ``mx`` are finite, ``scale = mx / L - mn / L``, and if that is still inf (possible
-   only for ``bits = 1``), ``scale = FLT_MAX``. ``inv = 1 / scale`` if ``scale > 0`` else ``0``.
+2. Per block: ``mn = min(v)``, ``mx = max(v)``; ``scale = (mx - mn) / L``. If ``mx - mn`` overflows
+   to inf while ``mn`` and ``mx`` are finite, ``scale = min(2 * ((mx * 0.5 - mn * 0.5) / L), FLT_MAX)``
+   (halving is exact there; the cap only bites for ``bits = 1``). ``inv = 1 / scale`` if
+   ``scale > 0`` else ``0``. (One division for the scale in either case: kernels compute
+   ``(overflow ? mx * 0.5 - mn * 0.5 : mx - mn) / L``.)
 3. ``q = clamp(floor((v - mn) * inv + u), 0, L)`` with ``u = 0.5`` (round to nearest) or, for
    stochastic rounding, ``u = uniform(seed, i)`` of the element's index ``i`` in ``x`` (see
    :func:`uniform`), so the same seed gives the same bytes on every backend. A NaN there (``0 * inf``
@@ -153,11 +155,15 @@ def _padded_blocks(
 def _block_meta(v2: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     mn, mx = torch.aminmax(v2, dim=1)
     finite = torch.isfinite(mn) & torch.isfinite(mx)
-    scale = (mx - mn) / levels
-    overflow = torch.isinf(scale) & finite
+    diff = mx - mn
+    # Divide by a tensor, not a Python number: CUDA torch turns division by a CPU scalar into a
+    # multiplication by its reciprocal, which rounds differently from the IEEE division of the format.
+    lv = torch.full((), float(levels), dtype=torch.float32, device=v2.device)
+    scale = diff / lv
+    overflow = torch.isinf(diff) & finite
     if bool(overflow.any()):
-        scale = torch.where(overflow, mx / levels - mn / levels, scale)
-        scale = torch.where(overflow, scale.clamp(max=FLT_MAX), scale)  # bits = 1: still inf
+        wide = ((mx * 0.5 - mn * 0.5) / lv * 2).clamp_(max=FLT_MAX)
+        scale = torch.where(overflow, wide, scale)
     return mn, scale, finite
 
 
