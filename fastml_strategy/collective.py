@@ -350,7 +350,7 @@ class CompressedAllReduce:
                     g.res_cur, g.res_next = g.res_next, g.res_cur
             for t in lay.topk:
                 if t.cfg.error_feedback and t.pending is not None:
-                    t.residual.copy_(t.pending)
+                    t.residual, t.pending = t.pending, None  # v was a fresh tensor: no copy
         self.bytes_uncompressed += 2.0 * (W - 1) / W * 4 * lay.total_numel
         return finite
 
@@ -373,9 +373,9 @@ class CompressedAllReduce:
                 self._dense_layer_error(lay, g, x)
         for t in lay.topk:
             p = t.param
-            v = buf[p.boff: p.boff + p.numel].to(torch.float32, copy=True)
-            if t.cfg.error_feedback:
-                v += t.residual
+            g = buf[p.boff: p.boff + p.numel]
+            # v = grad + residual in one pass (a fresh fp32 tensor: it becomes the new residual)
+            v = torch.add(g, t.residual) if t.cfg.error_feedback else g.to(torch.float32, copy=True)
             out = lay.gsend[t.gather_off: t.gather_off + t.nbytes]
             idx, sent = codecs.encode_topk(v, t.cfg, out, seed=_mix(base, 2, zlib.crc32(p.name.encode())))
             if t.cfg.error_feedback or layer_stats:
@@ -425,10 +425,9 @@ class CompressedAllReduce:
             acc = lay.topk_acc[p.name]
             acc.zero_()
             for j in range(W):
-                codecs.decode_topk_add(grecv[j, t.gather_off: t.gather_off + t.nbytes], p.numel,
-                                       t.cfg, acc)
+                checks.append(codecs.decode_topk_add(
+                    grecv[j, t.gather_off: t.gather_off + t.nbytes], p.numel, t.cfg, acc))
             acc.div_(W)
-            checks.append(torch.isfinite(acc).all())
             buf[p.boff: p.boff + p.numel].copy_(acc)
         return bool(torch.stack(checks).all()) if checks else True
 
