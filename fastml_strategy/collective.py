@@ -22,7 +22,8 @@ layer costs (W-1) messages, which is why :func:`fastml_strategy.codecs.effective
 a dense codec past the world size where that stops paying.
 
 Every message starts with a 64-byte header. A rank whose encoder raises still takes part in the
-collective with an error header, so every rank raises the same error instead of hanging.
+collective with an error header, so every rank (that one included) raises the same
+:class:`CompressionError`, naming the lowest failing rank, instead of hanging.
 """
 
 from __future__ import annotations
@@ -287,16 +288,21 @@ class CompressedAllReduce:
         h[8: 8 + len(text)].copy_(torch.frombuffer(bytearray(text), dtype=torch.uint8))
 
     @staticmethod
-    def _check_headers(headers: list[torch.Tensor], stage: str) -> None:
+    def _check_headers(headers: list[torch.Tensor], stage: str,
+                       cause: BaseException | None = None) -> None:
+        # Headers are read in rank order, so every rank reports the same (lowest) failing rank with
+        # the same text; the failing rank itself reads its own header too and chains its exception.
         for h in headers:
-            h = h.cpu()
+            h = h[:HEADER].cpu()  # the callers pass the rest of the message: read the header only
             if int(h[:4].view(torch.int32)[0]) != _STATUS_OK:
                 rank = int(h[4:8].view(torch.int32)[0])
                 text = bytes(h[8:].tolist()).rstrip(b"\0").decode("utf-8", "replace")
                 raise CompressionError(
                     f"FastML: compression failed on rank {rank} during {stage} ({text}); every rank "
                     f"stops here so none hangs. See rank {rank}'s log for the traceback."
-                )
+                ) from cause
+        if cause is not None:  # unreachable: this rank's own header carries its error
+            raise CompressionError(f"FastML: compression failed during {stage}") from cause
 
     # -- the all-reduce --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -315,9 +321,7 @@ class CompressedAllReduce:
             self._write_header(lay.send[start:], local_error)
         self._all_to_all(lay)
         headers = [lay.recv[j * lay.my_chunk:] for j in range(W)]
-        if local_error is not None:
-            raise local_error
-        self._check_headers(headers, "encoding")
+        self._check_headers(headers, "encoding", local_error)
 
         try:
             for gi, g in enumerate(lay.dense):
@@ -334,9 +338,8 @@ class CompressedAllReduce:
             local_error = e
         self._write_header(lay.gsend, local_error)
         self._all_gather(lay)
-        if local_error is not None:
-            raise local_error
-        self._check_headers([lay.grecv[j * lay.gather_size:] for j in range(W)], "reduction")
+        self._check_headers([lay.grecv[j * lay.gather_size:] for j in range(W)], "reduction",
+                            local_error)
 
         finite = self._decode(lay, buf)
         if finite:

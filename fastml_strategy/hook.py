@@ -28,7 +28,7 @@ Usage::
 import queue
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -56,6 +56,7 @@ class _Job:
     numels: tuple
     future: torch.futures.Future
     event: Optional[Any] = None
+    done: threading.Event = field(default_factory=threading.Event)  # set once the future is complete
 
 
 def _checksum(params) -> int:
@@ -96,13 +97,16 @@ class FastMLState:
         self.step = 0  # completed steps (counted at the last bucket; no_sync micro-batches call no hook)
         self.nonfinite_steps = 0  # buckets whose result held NaN/inf (residuals left unchanged)
         self._bucket_in_step = 0
+        # The first error of the comm thread (a peer died, a collective timed out, an encoder raised,
+        # replicas drifted). Sticky: the process group may be unusable, so no further collective is
+        # issued and every later bucket fails with this error (a restart from a checkpoint is the fix).
+        self._failure: Optional[BaseException] = None
 
     # -- the communication thread -------------------------------------------------------------------------
     def _submit(self, job: _Job) -> None:
         if not self._thread.is_alive():
-            job.future.set_exception(RuntimeError("FastML: the communication thread has stopped "
-                                                  "(state.close() was called); register the hook again"))
-            return
+            raise RuntimeError("FastML: the communication thread has stopped (state.close() was "
+                               "called); register the hook on a new DDP model to train again")
         self._queue.put(job)
 
     def _loop(self) -> None:
@@ -111,6 +115,8 @@ class FastMLState:
             if job is None:
                 return
             try:
+                if self._failure is not None:
+                    raise self._failure
                 if job.buffer.is_cuda:
                     if self._stream is None:
                         self._stream = torch.cuda.Stream(device=job.buffer.device)
@@ -121,17 +127,24 @@ class FastMLState:
                 else:
                     self._process(job)
                     job.future.set_result(job.buffer)
-            except BaseException as e:  # noqa: BLE001 - handed to DDP, raised in backward
-                job.future.set_exception(self._explain(e, job))
+            except BaseException as e:  # noqa: BLE001 - raised in backward by the hook
+                err = self._explain(e, job)
+                if self._failure is None:
+                    self._failure = err
+                job.future.set_exception(err)
+            finally:
+                job.done.set()
 
     def _explain(self, e: BaseException, job: _Job) -> BaseException:
         if isinstance(e, (CompressionError, ReplicaDriftError, ValueError)):
             return e
-        return CompressionError(
+        err = CompressionError(
             f"FastML: the compressed all-reduce of bucket {job.index} at step {self.step} failed on "
             f"rank {self.rank} ({type(e).__name__}: {e}). If another rank died or timed out, its log "
             f"has the cause; restart from the last checkpoint (torchrun --max-restarts does this)."
         )
+        err.__cause__ = e
+        return err
 
     def _process(self, job: _Job) -> None:
         eng = self._engine
@@ -247,6 +260,11 @@ class FastMLState:
 
 
 def _fastml_hook(state, bucket):
+    # Errors are raised from the hook itself, in the autograd thread: that way loss.backward() raises
+    # FastML's own exception type (CompressionError, ReplicaDriftError). A future completed with an
+    # exception would reach the user only as DDP's "RuntimeError: Unable to cast ... to Tensor".
+    if state._failure is not None:
+        raise state._failure
     buf = bucket.buffer()
     grads = bucket.gradients()
     params = bucket.parameters()
@@ -264,6 +282,12 @@ def _fastml_hook(state, bucket):
         job.event = torch.cuda.Event()
         job.event.record(torch.cuda.current_stream(buf.device))
     state._submit(job)
+    if job.is_last:
+        # All the step's gradients are ready and DDP is about to wait for every future anyway; wait
+        # here instead, so that an error of any bucket of this step is raised with its own type.
+        job.done.wait()
+        if state._failure is not None:
+            raise state._failure
     return job.future
 
 
@@ -306,6 +330,9 @@ def register_hook(
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("register_hook: torch.distributed is not initialised; call "
                            "dist.init_process_group (torchrun sets the environment) before DDP")
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"register_hook: process_group is a {type(process_group).__name__}; pass a "
+                        f"torch.distributed ProcessGroup (from dist.new_group) or None for all ranks")
     if process_group is None:
         # A dedicated group (a collective call on every rank): nothing else issues collectives on it.
         process_group = dist.new_group(ranks=list(range(dist.get_world_size())))
@@ -322,8 +349,8 @@ def register_hook(
         plan_obj = resolve_plan(plan)
         plan_obj.check_parameters([n for n, _ in named])
         digest = plan_obj.digest()
-    except ValueError as e:
-        error = str(e)
+    except Exception as e:  # noqa: BLE001 - any local failure must reach every rank, or they hang
+        error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
     reports = _agree(process_group, world_size, (error, digest, plan_obj.name if plan_obj else None))
     bad = [(r, rep[0]) for r, rep in enumerate(reports) if rep[0] is not None]
     if bad:

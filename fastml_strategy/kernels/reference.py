@@ -8,13 +8,16 @@ A 1-D tensor ``x`` of ``n`` elements (fp32, fp16 or bf16; computed in fp32) is c
 1. ``v = x + residual`` (fp32) when a residual is given, else ``v = x``.
 2. Per block: ``mn = min(v)``, ``mx = max(v)``; ``scale = (mx - mn) / L``; if that overflows to inf
    while ``mn`` and ``mx`` are finite, ``scale = mx / L - mn / L``. ``inv = 1 / scale`` if
-   ``scale > 0`` else ``0``.
+   ``scale > 0`` else ``0``. The block is *representable* if its top code decodes to a finite
+   number: ``mn + L * scale`` (fp32, as in step 7) is finite. A block whose range exceeds fp32
+   (max - min > 3.4e38, e.g. -3e38 and 3e38) is not: step 7 would decode its largest values to inf
+   while its metadata looks finite, so it is treated as non-finite (step 4).
 3. ``q = clamp(floor((v - mn) * inv + u), 0, L)`` with ``u = 0.5`` (round to nearest) or, for
    stochastic rounding, ``u = uniform(seed, i)`` of the element's index ``i`` in ``x`` (see
    :func:`uniform`), so the same seed gives the same bytes on every backend.
-4. A block holding a NaN or an inf is *non-finite*: its metadata is ``(nan, nan)``, its codes are 0,
-   and it decodes to NaN everywhere, so a non-finite gradient reaches every rank (GradScaler then skips
-   the step on all of them). Its residual is left unchanged.
+4. A block holding a NaN or an inf, or not representable (step 2), is *non-finite*: its metadata
+   is ``(nan, nan)``, its codes are 0, and it decodes to NaN everywhere, so a non-finite gradient
+   reaches every rank (GradScaler then skips the step on all of them). Its residual is left unchanged.
 5. Metadata: fp32 tensor of shape ``(nblocks, 2)``: ``[:, 0] = mn``, ``[:, 1] = scale``.
 6. Packing: the codes form a little-endian bit stream: element ``i`` occupies stream bits
    ``[i*bits, (i+1)*bits)``, byte ``k`` holds stream bits ``[8k, 8k+8)`` (bit 0 = least significant).
@@ -136,6 +139,10 @@ def _block_meta(v2: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tens
     overflow = torch.isinf(scale) & finite
     if bool(overflow.any()):
         scale = torch.where(overflow, mx / levels - mn / levels, scale)
+    # Representable: the top code decodes (mn + L * scale, step 7 of the format) to a finite number.
+    # Without this, a block spanning more than fp32's range decoded its largest values to inf under
+    # finite metadata, and error feedback stored -inf residuals.
+    finite = finite & torch.isfinite(mn + float(levels) * scale)
     return mn, scale, finite
 
 
