@@ -8,8 +8,8 @@ Algorithm (per bucket, on every rank; W ranks, this one ``r``)
    each parameter padded to whole quantization blocks so a block never mixes two layers' scales, and
    cut into W chunks on block boundaries. Small tensors (under ``plan.min_numel``) form an fp32 group.
 2. Error feedback: the quantizer reads ``grad + residual`` and writes the new residual into a second
-   buffer; the two are swapped only when the bucket's result is finite, so a step that GradScaler will
-   skip (NaN/inf anywhere) leaves every residual untouched. Residuals are keyed by parameter name and
+   buffer; the two are swapped only when the result is finite (the hook waits for the whole step: a
+   NaN/inf in any bucket, which makes GradScaler skip the step, leaves every residual untouched). Residuals are keyed by parameter name and
    migrate when DDP rebuilds its buckets after the first iteration.
 3. ``all_to_all_single``: rank j receives every rank's encoded chunk j. Each rank decodes the W copies
    of its chunk in rank order, sums them in fp32, divides by W, and re-encodes the mean.
@@ -306,9 +306,12 @@ class CompressedAllReduce:
 
     # -- the all-reduce --------------------------------------------------------------------------------
     @torch.no_grad()
-    def run(self, lay: BucketLayout, buf: torch.Tensor, step: int, layer_stats: bool = False) -> bool:
+    def run(self, lay: BucketLayout, buf: torch.Tensor, step: int, layer_stats: bool = False,
+            commit: bool = True) -> bool:
         """Replace flat bucket ``buf`` (any float dtype) by the mean over ranks of the compressed
-        gradients. Returns whether the result is finite (residuals were committed only then)."""
+        gradients. Returns whether the result is finite; the new residuals are committed only then
+        (with ``commit=False`` not at all: the caller calls :meth:`commit` once the whole step is
+        known to be finite, so a step that GradScaler skips leaves every bucket's residuals alone)."""
         W, r = self.world_size, self.rank
         base = _mix(self.plan.seed, step, r)
         local_error: BaseException | None = None
@@ -342,15 +345,21 @@ class CompressedAllReduce:
                             local_error)
 
         finite = self._decode(lay, buf)
-        if finite:
-            for g in lay.dense:
-                if g.ef:
-                    g.res_cur, g.res_next = g.res_next, g.res_cur
-            for t in lay.topk:
-                if t.cfg.error_feedback and t.pending is not None:
-                    t.residual.copy_(t.pending)
+        if finite and commit:
+            self.commit(lay)
         self.bytes_uncompressed += 2.0 * (W - 1) / W * 4 * lay.total_numel
         return finite
+
+    @staticmethod
+    def commit(lay: BucketLayout) -> None:
+        """Make the residuals computed by the last :meth:`run` of ``lay`` the current ones."""
+        for g in lay.dense:
+            if g.ef:
+                g.res_cur, g.res_next = g.res_next, g.res_cur
+        for t in lay.topk:
+            if t.cfg.error_feedback and t.pending is not None:
+                t.residual.copy_(t.pending)
+                t.pending = None
 
     def _encode(self, lay: BucketLayout, buf: torch.Tensor, base: int, layer_stats: bool) -> None:
         for gi, g in enumerate(lay.dense):

@@ -95,8 +95,12 @@ class FastMLState:
         self._thread.start()
         # -- statistics -----------------------------------------------------------------------------
         self.step = 0  # completed steps (counted at the last bucket; no_sync micro-batches call no hook)
-        self.nonfinite_steps = 0  # buckets whose result held NaN/inf (residuals left unchanged)
+        self.nonfinite_steps = 0  # steps whose result held NaN/inf (residuals left unchanged)
         self._bucket_in_step = 0
+        # Buckets of the current step waiting for their residuals to be committed, and whether every
+        # bucket so far was finite: residuals move on only when the whole step is finite.
+        self._uncommitted: list = []
+        self._step_finite = True
         # The first error of the comm thread (a peer died, a collective timed out, an encoder raised,
         # replicas drifted). Sticky: the process group may be unusable, so no further collective is
         # issued and every later bucket fails with this error (a restart from a checkpoint is the fix).
@@ -151,10 +155,16 @@ class FastMLState:
         lay = eng.layout_for(job.names, job.offsets, job.numels, job.buffer.device, job.buffer.dtype)
         every = self.layer_stats_every
         layer_stats = every > 0 and self.step % every == 0
-        finite = eng.run(lay, job.buffer, self.step, layer_stats=layer_stats)
-        if not finite:
-            self.nonfinite_steps += 1
+        finite = eng.run(lay, job.buffer, self.step, layer_stats=layer_stats, commit=False)
+        self._uncommitted.append(lay)
+        self._step_finite = self._step_finite and finite
         if job.is_last:
+            if self._step_finite:
+                for done in self._uncommitted:
+                    eng.commit(done)
+            else:
+                self.nonfinite_steps += 1
+            self._uncommitted, self._step_finite = [], True
             self.step += 1
             n = self.check_replicas_every
             if n and self.step % n == 0:
@@ -291,6 +301,20 @@ def _fastml_hook(state, bucket):
     return job.future
 
 
+def _default_group_timeout():
+    """The timeout the user gave ``init_process_group`` (None, torch's default, if unreadable)."""
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+    except Exception:  # noqa: BLE001
+        return None
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout
+        except Exception:  # noqa: BLE001 - no backend for this device, or a torch without the field
+            continue
+    return None
+
+
 def _agree(group, world_size: int, payload: Any) -> list:
     out: list = [None] * world_size
     dist.all_gather_object(out, payload, group=group)
@@ -335,7 +359,10 @@ def register_hook(
                         f"torch.distributed ProcessGroup (from dist.new_group) or None for all ranks")
     if process_group is None:
         # A dedicated group (a collective call on every rank): nothing else issues collectives on it.
-        process_group = dist.new_group(ranks=list(range(dist.get_world_size())))
+        # It keeps the default group's timeout: dist.new_group would otherwise give it torch's default
+        # (30 minutes), and a dead peer would stall the others that long whatever the user set.
+        process_group = dist.new_group(ranks=list(range(dist.get_world_size())),
+                                       timeout=_default_group_timeout())
     rank = dist.get_rank(process_group)
     world_size = dist.get_world_size(process_group)
 
