@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -87,6 +88,12 @@ class _DenseGroup:
     @property
     def ef(self) -> bool:
         return self.cfg.codec is Codec.QUANTIZE and self.cfg.error_feedback
+
+    @property
+    def key(self) -> int:
+        """A seed component that depends on the layer, not on its position in a bucket (buckets are
+        rebuilt after the first iteration; stochastic rounding must not change with them)."""
+        return zlib.crc32(self.params[0].name.encode())
 
     def view(self, buf: torch.Tensor) -> torch.Tensor:
         """The fp32 vector this segment encodes from and decodes into."""
@@ -229,8 +236,12 @@ class CompressedAllReduce:
         lay = BucketLayout(names, offsets, numels, self.plan, self.world_size, self.rank, device, dtype)
         new = set(names)
         old = self.residuals()
+        # Layouts sharing a parameter with the new one are stale (DDP rebuilt its buckets). Their
+        # other parameters' residuals wait in pending_residuals for the layout that will own them.
         for k in [k for k, v in self.layouts.items() if new & set(v.names)]:
-            del self.layouts[k]
+            for name, view in self.layouts.pop(k).residual_views().items():
+                if name not in new:
+                    self.pending_residuals[name] = view
         for name, view in lay.residual_views().items():
             src = self.pending_residuals.pop(name, None)
             if src is None:
@@ -258,19 +269,13 @@ class CompressedAllReduce:
             else:
                 self.pending_residuals[name] = t.detach().reshape(-1).clone()
 
-    # -- collectives (world size 1 needs none) --------------------------------------------------------
+    # -- collectives (run at world size 1 too: one code path everywhere) ------------------------------
     def _all_to_all(self, lay: BucketLayout) -> None:
-        if self.world_size == 1:
-            lay.recv.copy_(lay.send)
-            return
         dist.all_to_all_single(lay.recv, lay.send, output_split_sizes=[lay.my_chunk] * self.world_size,
                                input_split_sizes=lay.split_sizes, group=self.group)
         self.bytes_sent += sum(lay.split_sizes) - lay.split_sizes[self.rank]
 
     def _all_gather(self, lay: BucketLayout) -> None:
-        if self.world_size == 1:
-            lay.grecv.copy_(lay.gsend)
-            return
         outs = list(lay.grecv.view(self.world_size, lay.gather_size).unbind(0))
         dist.all_gather(outs, lay.gsend, group=self.group)
         self.bytes_sent += (self.world_size - 1) * lay.gather_size
@@ -327,7 +332,7 @@ class CompressedAllReduce:
         self._check_headers(headers, "encoding", local_error)
 
         try:
-            for gi, g in enumerate(lay.dense):
+            for g in lay.dense:
                 n_me = g.bounds[r + 1] - g.bounds[r]
                 for src in range(W):
                     off = src * lay.my_chunk + g.recv_off
@@ -336,7 +341,7 @@ class CompressedAllReduce:
                 g.acc.div_(W)
                 off = g.gather_off[r]
                 codecs.encode_dense(g.acc, g.cfg, lay.gsend[off: off + g.nbytes[r]],
-                                    seed=_mix(base, 1, gi, 0xA11))
+                                    seed=_mix(base, 1, g.key))
         except Exception as e:  # noqa: BLE001
             local_error = e
         self._write_header(lay.gsend, local_error)
@@ -362,7 +367,7 @@ class CompressedAllReduce:
                 t.pending = None
 
     def _encode(self, lay: BucketLayout, buf: torch.Tensor, base: int, layer_stats: bool) -> None:
-        for gi, g in enumerate(lay.dense):
+        for g in lay.dense:
             x = g.view(buf)
             if not g.direct:
                 for p in g.params:
@@ -370,7 +375,7 @@ class CompressedAllReduce:
             for j in range(self.world_size):
                 a, b = g.bounds[j], g.bounds[j + 1]
                 out = lay.send[g.send_off[j]: g.send_off[j] + g.nbytes[j]]
-                seed = _mix(base, 0, gi, j)
+                seed = _mix(base, 0, g.key, j)
                 if g.ef:
                     codecs.encode_dense(x[a:b], g.cfg, out, residual=g.res_cur[a:b],
                                         residual_out=g.res_next[a:b], seed=seed)
@@ -378,13 +383,13 @@ class CompressedAllReduce:
                     codecs.encode_dense(x[a:b], g.cfg, out, seed=seed)
             if layer_stats:
                 self._dense_layer_error(lay, g, x)
-        for ti, t in enumerate(lay.topk):
+        for t in lay.topk:
             p = t.param
             v = buf[p.boff: p.boff + p.numel].to(torch.float32, copy=True)
             if t.cfg.error_feedback:
                 v += t.residual
             out = lay.gsend[t.gather_off: t.gather_off + t.nbytes]
-            idx, sent = codecs.encode_topk(v, t.cfg, out, seed=_mix(base, 2, ti))
+            idx, sent = codecs.encode_topk(v, t.cfg, out, seed=_mix(base, 2, zlib.crc32(p.name.encode())))
             if t.cfg.error_feedback or layer_stats:
                 vn = float(v.norm()) if layer_stats else 0.0
                 v[idx] -= sent  # v becomes the new residual

@@ -123,6 +123,8 @@ class FastMLState:
                     raise self._failure
                 if job.buffer.is_cuda:
                     if self._stream is None:
+                        # The current device is per thread: NCCL must see this rank's GPU here too.
+                        torch.cuda.set_device(job.buffer.device)
                         self._stream = torch.cuda.Stream(device=job.buffer.device)
                     with torch.cuda.stream(self._stream):
                         self._stream.wait_event(job.event)

@@ -1,11 +1,27 @@
 """Encode/decode kernels of FastML's codecs, each beside its pure-torch reference.
 
 ``quantize`` / ``dequantize`` implement the wire format documented in
-:mod:`fastml_strategy.kernels.reference`. ``backend=None`` picks Triton for CUDA tensors (where Triton
-works) and the torch reference otherwise; ``"triton"`` and ``"torch"`` force one.
+:mod:`fastml_strategy.kernels.reference`; every backend produces exactly the same bytes.
+
+Backends (``backend=``):
+
+- ``None`` (automatic): ``"triton"`` for CUDA tensors when Triton works, ``"cpu"`` for CPU tensors
+  when the compiled CPU path is available, else ``"torch"``;
+- ``"triton"``: :mod:`~fastml_strategy.kernels.quantize_triton` (CUDA; CPU tensors too under
+  ``TRITON_INTERPRET=1``, which the tests use);
+- ``"cpu"``: :mod:`~fastml_strategy.kernels.cpu`, a C++ kernel compiled on first use (about 1.5 s,
+  cached); ``FASTML_CPU_KERNEL=0`` disables it;
+- ``"torch"``: the pure-torch reference (any device; the test oracle).
+
+Top-k helpers (selection, gather with error feedback, scatter-add decode) are in
+:mod:`fastml_strategy.kernels.topk`.
+
+Not public: the modules' launch constants and private helpers.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -17,17 +33,73 @@ from fastml_strategy.kernels.reference import (
     uniform,
 )
 
-__all__ = ["quantize", "dequantize", "packed_nbytes", "num_blocks", "uniform", "resolve_backend"]
+__all__ = [
+    # codec
+    "quantize",
+    "dequantize",
+    # sizes
+    "packed_nbytes",
+    "num_blocks",
+    # backends
+    "resolve_backend",
+    "available_backends",
+    # stochastic rounding's counter-based uniform numbers
+    "uniform",
+]
 
-_BACKENDS = ("torch", "triton")
+_BACKENDS = ("torch", "triton", "cpu")
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_triton_ok: bool | None = None
+
+
+def _triton_works() -> bool:
+    """Triton imports and has an active driver (checked once; never initialises CUDA by itself)."""
+    global _triton_ok
+    if _triton_ok is None:
+        try:
+            import triton  # noqa: F401
+            from triton.runtime import driver
+
+            driver.active.get_current_device()
+            _triton_ok = True
+        except Exception:  # noqa: BLE001 - no triton, no driver, no GPU: not usable
+            _triton_ok = False
+    return _triton_ok
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def resolve_backend(t: torch.Tensor, backend: str | None) -> str:
+    """The backend that will process ``t``: ``backend`` when given, else the automatic choice."""
     if backend is not None and backend not in _BACKENDS:
-        raise ValueError(f"backend={backend!r}; use None (automatic), 'torch' or 'triton'")
+        raise ValueError(f"backend={backend!r}; use None (automatic), 'torch', 'cpu' or 'triton'")
     if backend is not None:
         return backend
+    if t.is_cuda:
+        return "triton" if _triton_works() else "torch"
+    if t.device.type == "cpu":
+        from fastml_strategy.kernels import cpu
+
+        return "cpu" if cpu.available() else "torch"
     return "torch"
+
+
+def available_backends(device: str | torch.device = "cpu") -> list[str]:
+    """Backends that can run on ``device`` here (``"torch"`` always)."""
+    dev = torch.device(device)
+    out = ["torch"]
+    if dev.type == "cpu":
+        from fastml_strategy.kernels import cpu
+
+        if cpu.available():
+            out.append("cpu")
+        if _interpreting():
+            out.append("triton")
+    elif dev.type == "cuda" and _triton_works():
+        out.append("triton")
+    return out
 
 
 def quantize(
@@ -39,14 +111,33 @@ def quantize(
     residual: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
     backend: str | None = None,
+    packed_out: torch.Tensor | None = None,
+    meta_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``x`` to ``bits`` per element: returns ``(packed uint8, meta fp32[nblocks, 2])``."""
+    """Quantize ``x`` (fp32/fp16/bf16, flattened) to ``bits`` (1-8) per element, in blocks of
+    ``block_size`` (a power of two >= 8).
+
+    Returns ``(packed uint8[packed_nbytes(n, bits)], meta fp32[num_blocks(n, block_size), 2])``.
+    With ``residual`` (fp32, n elements): encodes ``x + residual`` and writes the new residual
+    (``x + residual - decoded``) to ``residual_out``, default ``residual`` in place; a non-finite block
+    leaves its residual unchanged. ``stochastic`` rounds with the counter-based hash of ``seed``
+    (same seed, same bytes on every backend). ``packed_out`` / ``meta_out``: contiguous tensors of
+    those sizes to write into (e.g. views of a send buffer); they are returned.
+    """
+    _check_args(bits, block_size)
     be = resolve_backend(x, backend)
+    if backend is None and x.dtype not in _KERNEL_DTYPES:
+        be = "torch"  # e.g. float64: only the reference converts it
+    args = (x, bits, block_size, stochastic, seed, residual, residual_out, packed_out, meta_out)
     if be == "triton":
         from fastml_strategy.kernels import quantize_triton
 
-        return quantize_triton.quantize(x, bits, block_size, stochastic, seed, residual, residual_out)
-    return quantize_reference(x, bits, block_size, stochastic, seed, residual, residual_out)
+        return quantize_triton.quantize(*args)
+    if be == "cpu":
+        from fastml_strategy.kernels import cpu
+
+        return cpu.quantize(*args)
+    return quantize_reference(*args)
 
 
 def dequantize(
@@ -59,10 +150,25 @@ def dequantize(
     accumulate: bool = False,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """Decode ``numel`` fp32 values (into ``out``, added to it when ``accumulate``)."""
+    """Decode ``numel`` fp32 values; into ``out`` (contiguous fp32) when given, added to it when
+    ``accumulate`` (the reduce step of scatter-reduce-allgather, with no temporary per peer)."""
+    _check_args(bits, block_size)
     be = resolve_backend(packed, backend)
+    args = (packed, meta, numel, bits, block_size, out, accumulate)
     if be == "triton":
         from fastml_strategy.kernels import quantize_triton
 
-        return quantize_triton.dequantize(packed, meta, numel, bits, block_size, out, accumulate)
-    return dequantize_reference(packed, meta, numel, bits, block_size, out, accumulate)
+        return quantize_triton.dequantize(*args)
+    if be == "cpu":
+        from fastml_strategy.kernels import cpu
+
+        return cpu.dequantize(*args)
+    return dequantize_reference(*args)
+
+
+def _check_args(bits: int, block_size: int) -> None:
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits={bits}: the codec packs 1 to 8 bits per element")
+    if block_size < 8 or block_size & (block_size - 1):
+        raise ValueError(
+            f"block_size={block_size}: must be a power of two >= 8, so every block starts on a byte")

@@ -1,4 +1,4 @@
-"""Pure-torch reference of the quantization codec: the CPU path and the test oracle of every kernel.
+"""Pure-torch reference of the quantization codec: the CPU fallback and the test oracle of every kernel.
 
 The wire format (every backend must produce and read exactly these bytes)
 ------------------------------------------------------------------------
@@ -6,27 +6,37 @@ A 1-D tensor ``x`` of ``n`` elements (fp32, fp16 or bf16; computed in fp32) is c
 ``block_size`` elements (a power of two >= 8; the last block may be partial). With ``L = 2**bits - 1``:
 
 1. ``v = x + residual`` (fp32) when a residual is given, else ``v = x``.
-2. Per block: ``mn = min(v)``, ``mx = max(v)``; ``scale = (mx - mn) / L``; if that overflows to inf
-   while ``mn`` and ``mx`` are finite, ``scale = mx / L - mn / L``. ``inv = 1 / scale`` if
-   ``scale > 0`` else ``0``. The block is *representable* if its top code decodes to a finite
-   number: ``mn + L * scale`` (fp32, as in step 7) is finite. A block whose range exceeds fp32
-   (max - min > 3.4e38, e.g. -3e38 and 3e38) is not: step 7 would decode its largest values to inf
-   while its metadata looks finite, so it is treated as non-finite (step 4).
+2. Per block: ``mn = min(v)``, ``mx = max(v)``; ``scale = (mx - mn) / L``; ``inv = 1 / scale`` if
+   ``scale > 0`` else ``0``. The block is *representable* if its top code decodes to a finite number:
+   ``mn + L * scale`` (fp32, a multiply then an add, as in step 7) is finite. It is not for a block
+   holding a NaN or an inf, nor for one whose range exceeds fp32 (``max - min > FLT_MAX``, as in
+   ``[-3e38, 3e38]``): no ``(mn, scale)`` can decode such a block's largest values to finite numbers.
 3. ``q = clamp(floor((v - mn) * inv + u), 0, L)`` with ``u = 0.5`` (round to nearest) or, for
    stochastic rounding, ``u = uniform(seed, i)`` of the element's index ``i`` in ``x`` (see
-   :func:`uniform`), so the same seed gives the same bytes on every backend.
-4. A block holding a NaN or an inf, or not representable (step 2), is *non-finite*: its metadata
-   is ``(nan, nan)``, its codes are 0, and it decodes to NaN everywhere, so a non-finite gradient
-   reaches every rank (GradScaler then skips the step on all of them). Its residual is left unchanged.
+   :func:`uniform`), so the same seed gives the same bytes on every backend. A NaN there (``0 * inf``
+   when ``scale`` is subnormal and ``inv`` overflows) gives ``q = 0``.
+4. A block that is not representable (a NaN, an inf, or a range beyond fp32) is *non-finite*: its
+   metadata is ``(nan, nan)``, its codes are 0, and it decodes to NaN everywhere, so a non-finite
+   gradient reaches every rank (GradScaler then skips the step on all of them). Its residual is left
+   unchanged.
 5. Metadata: fp32 tensor of shape ``(nblocks, 2)``: ``[:, 0] = mn``, ``[:, 1] = scale``.
 6. Packing: the codes form a little-endian bit stream: element ``i`` occupies stream bits
    ``[i*bits, (i+1)*bits)``, byte ``k`` holds stream bits ``[8k, 8k+8)`` (bit 0 = least significant).
-   The payload is ``ceil(n * bits / 8)`` uint8 bytes.
+   The payload is ``ceil(n * bits / 8)`` uint8 bytes; the bits after element ``n - 1`` are 0.
+   Each block starts on a byte boundary (``block_size * bits`` is a multiple of 8).
 7. Decoding: ``y = mn + q * scale`` in fp32 (a multiply, then an add: no fused multiply-add).
 8. Error feedback: ``residual_new = v - y`` for finite blocks.
 
 Round to nearest errs by at most ``scale / 2`` per element (plus fp32 rounding of the subtraction);
 stochastic rounding by less than ``scale`` and is unbiased.
+
+Every step is IEEE fp32 with one rounding per operation, so the kernels (Triton, the compiled CPU
+path) reproduce these bytes exactly: they must not contract ``a * b + c`` into a fused multiply-add,
+and must divide with correct rounding (Triton's ``div_rn``, not its approximate ``/``).
+
+This module favours clarity over speed, but avoids needless passes (in-place chains, no per-element
+masks unless a block is non-finite): about 2x the naive version's speed; the compiled path
+(:mod:`fastml_strategy.kernels.cpu`) is the fast one on CPU.
 """
 
 from __future__ import annotations
@@ -48,6 +58,7 @@ _M32 = 0xFFFFFFFF
 HASH_GOLDEN = 0x9E3779B9
 HASH_M1 = 0x7FEB352D
 HASH_M2 = 0x846CA68B
+FLT_MAX = 3.4028234663852886e38
 
 
 def packed_nbytes(numel: int, bits: int) -> int:
@@ -120,29 +131,35 @@ def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     return ((word[:, None] >> shifts) & mask).to(torch.uint8).reshape(-1)
 
 
-def _padded_blocks(v: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``v`` as a (nblocks, block_size) view; a partial last block is padded with its first element."""
-    n = v.numel()
+def _padded_blocks(
+    x: torch.Tensor, residual: torch.Tensor | None, block_size: int
+) -> tuple[torch.Tensor, bool]:
+    """``v = x + residual`` in fp32 as a (nblocks, block_size) tensor, and whether it is a fresh buffer.
+
+    A partial last block is padded with its first element (so min and max are unchanged).
+    """
+    n = x.numel()
     nb = num_blocks(n, block_size)
     if n == nb * block_size:
-        return v.view(nb, block_size)
-    vp = torch.empty(nb * block_size, dtype=v.dtype, device=v.device)
-    vp[:n] = v
-    vp[n:] = v[(nb - 1) * block_size]
-    return vp.view(nb, block_size)
+        if residual is not None:
+            return torch.add(x, residual.reshape(-1)).view(nb, block_size), True  # fp32 out
+        v = x.to(torch.float32)
+        return v.view(nb, block_size), v.data_ptr() != x.data_ptr()
+    vp = torch.empty(nb * block_size, dtype=torch.float32, device=x.device)
+    vp[:n] = x
+    if residual is not None:
+        vp[:n] += residual.reshape(-1)
+    vp[n:] = vp[(nb - 1) * block_size]
+    return vp.view(nb, block_size), True
 
 
 def _block_meta(v2: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     mn, mx = torch.aminmax(v2, dim=1)
-    finite = torch.isfinite(mn) & torch.isfinite(mx)
     scale = (mx - mn) / levels
-    overflow = torch.isinf(scale) & finite
-    if bool(overflow.any()):
-        scale = torch.where(overflow, mx / levels - mn / levels, scale)
-    # Representable: the top code decodes (mn + L * scale, step 7 of the format) to a finite number.
-    # Without this, a block spanning more than fp32's range decoded its largest values to inf under
-    # finite metadata, and error feedback stored -inf residuals.
-    finite = finite & torch.isfinite(mn + float(levels) * scale)
+    # Representable (step 2): the top code decodes to a finite number. A block spanning more than
+    # fp32's range would otherwise decode its largest values to inf under finite-looking metadata
+    # (and error feedback would store -inf residuals).
+    finite = torch.isfinite(mn) & torch.isfinite(mx) & torch.isfinite(mn + scale * float(levels))
     return mn, scale, finite
 
 
@@ -154,46 +171,70 @@ def quantize_reference(
     seed: int = 0,
     residual: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
+    packed_out: torch.Tensor | None = None,
+    meta_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode ``x`` (1-D) as ``(packed uint8[ceil(n*bits/8)], meta fp32[nblocks, 2])``.
 
     With ``residual`` (fp32, same length), encodes ``x + residual`` and writes the new residual to
-    ``residual_out`` (default: ``residual`` itself, in place). See the module docstring for the format.
+    ``residual_out`` (default: ``residual`` itself, in place). ``packed_out`` / ``meta_out``, when
+    given, receive the payload and metadata (and are returned). See the module docstring for the format.
     """
+    _check_args(bits, block_size)
     x = x.reshape(-1)
     n = x.numel()
     levels = (1 << bits) - 1
-    v = x.to(torch.float32)
-    if residual is not None:
-        v = v + residual.reshape(-1)
-    elif v.data_ptr() == x.data_ptr():
-        v = v.clone()
+    nb = num_blocks(n, block_size)
     if n == 0:
-        return torch.empty(0, dtype=torch.uint8, device=x.device), torch.empty(
-            0, 2, dtype=torch.float32, device=x.device)
-    v2 = _padded_blocks(v, block_size)
+        packed = packed_out if packed_out is not None else torch.empty(0, dtype=torch.uint8, device=x.device)
+        meta = meta_out if meta_out is not None else torch.empty(0, 2, dtype=torch.float32, device=x.device)
+        return packed, meta
+    v2, _ = _padded_blocks(x, residual, block_size)
     mn, scale, finite = _block_meta(v2, levels)
+    all_finite = bool(finite.all())
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    mn_q = torch.where(finite, mn, torch.zeros_like(mn))
-    inv = torch.where(finite, inv, torch.zeros_like(inv))
-    qf = (v2 - mn_q[:, None]) * inv[:, None]
+    if all_finite:
+        mn_q = mn
+    else:
+        mn_q = torch.where(finite, mn, torch.zeros_like(mn))
+        inv = torch.where(finite, inv, torch.zeros_like(inv))
+    qf = torch.sub(v2, mn_q[:, None]).mul_(inv[:, None])
     if stochastic:
-        idx = torch.arange(v2.numel(), device=x.device)
-        qf += uniform(seed, idx).view_as(qf)
+        qf += uniform(seed, torch.arange(v2.numel(), device=x.device)).view_as(qf)
     else:
         qf += 0.5
     qf.floor_().clamp_(0, levels).nan_to_num_(0.0)
-    qf[~finite] = 0
+    if not all_finite:
+        qf.mul_(finite[:, None])  # codes of non-finite blocks are 0 (qf is finite here)
+    qf.view(-1)[n:] = 0  # padding codes: the bits after element n - 1 are 0
     q = qf.to(torch.uint8).reshape(-1)
-    nan = torch.full_like(mn, float("nan"))
-    meta = torch.stack([torch.where(finite, mn, nan), torch.where(finite, scale, nan)], dim=1)
+    meta = meta_out if meta_out is not None else torch.empty(nb, 2, dtype=torch.float32, device=x.device)
+    if all_finite:
+        meta[:, 0] = mn
+        meta[:, 1] = scale
+    else:
+        meta[:, 0] = torch.where(finite, mn, float("nan"))
+        meta[:, 1] = torch.where(finite, scale, float("nan"))
     packed = pack_bits(q, bits, n)
+    if packed_out is not None:
+        packed = packed_out.copy_(packed)
     if residual is not None:
-        y = (mn_q[:, None] + qf * scale[:, None]).reshape(-1)[:n]
-        fin_el = finite.repeat_interleave(block_size)[:n]
-        new = torch.where(fin_el, v - y, residual.reshape(-1))
-        (residual if residual_out is None else residual_out).reshape(-1).copy_(new)
+        y = qf.mul_(scale[:, None]).add_(mn_q[:, None]).view(-1)[:n]  # mn + q * scale
+        dst = (residual if residual_out is None else residual_out).reshape(-1)
+        if all_finite:
+            torch.sub(v2.view(-1)[:n], y, out=dst)
+        else:
+            fin_el = finite.repeat_interleave(block_size)[:n]
+            dst.copy_(torch.where(fin_el, v2.view(-1)[:n] - y, residual.reshape(-1)))
     return packed, meta
+
+
+def _check_args(bits: int, block_size: int) -> None:
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits={bits}: the codec packs 1 to 8 bits per element")
+    if block_size < 8 or block_size & (block_size - 1):
+        raise ValueError(
+            f"block_size={block_size}: must be a power of two >= 8, so every block starts on a byte")
 
 
 def dequantize_reference(
@@ -214,9 +255,10 @@ def dequantize_reference(
         return out
     q = unpack_bits(packed.reshape(-1), bits, nb * block_size).view(nb, block_size)
     meta = meta.reshape(nb, 2)
-    y = (meta[:, 0:1] + q.to(torch.float32) * meta[:, 1:2]).reshape(-1)[:numel]
+    y = q.to(torch.float32).mul_(meta[:, 1:2]).add_(meta[:, 0:1]).view(-1)[:numel]  # mn + q * scale
+    dst = out.view(-1)
     if accumulate:
-        out.add_(y)
+        dst.add_(y)
     else:
-        out.copy_(y)
+        dst.copy_(y)
     return out

@@ -1,0 +1,324 @@
+"""Every quantize backend against the torch reference, bit-exactly (atol=0, rtol=0), plus the
+properties the format promises: round-trip bound, stochastic rounding unbiased, error feedback,
+accumulate mode, NaN/inf propagation."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fastml_strategy.kernels import dequantize, packed_nbytes, quantize, resolve_backend
+from fastml_strategy.kernels.reference import (
+    FLT_MAX,
+    dequantize_reference,
+    num_blocks,
+    quantize_reference,
+    uniform,
+)
+
+SIZES = [1, 13, 1000, 1024, 30011]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+EPS = 2.0**-23  # fp32 ulp of 1
+
+
+def assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Exactly equal (NaN == NaN; -0 == +0: a GPU may produce either zero for a block's min)."""
+    a, b = a.cpu(), b.cpu()
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
+    if a.dtype == torch.uint8:
+        assert torch.equal(a, b), f"{(a != b).sum()} of {a.numel()} bytes differ"
+    else:
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def make_input(n: int, dtype: torch.dtype, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=g) * scale).to(dtype)
+
+
+def encode_both(x, bits, backend, device, block_size=512, stochastic=False, seed=0, residual=None):
+    """(reference on CPU, backend on ``device``) results: packed, meta, new residual."""
+    r_ref = residual.clone() if residual is not None else None
+    p_ref, m_ref = quantize_reference(x, bits, block_size, stochastic, seed, r_ref)
+    r_dev = residual.to(device) if residual is not None else None
+    p, m = quantize(x.to(device), bits, block_size, stochastic, seed, r_dev, backend=backend)
+    return (p_ref, m_ref, r_ref), (p, m, r_dev)
+
+
+# ---- bit-exactness -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", SIZES)
+def test_encode_decode_match_reference(backend, device, n, dtype, bits):
+    x = make_input(n, dtype, seed=n * 8 + bits)
+    residual = torch.randn(n, generator=torch.Generator().manual_seed(1)) * 0.1
+    for res in (None, residual):
+        ref, got = encode_both(x, bits, backend, device, residual=res)
+        assert_same(got[0], ref[0])
+        assert_same(got[1], ref[1])
+        if res is not None:
+            assert_same(got[2], ref[2])
+    p_ref, m_ref, _ = ref
+    y_ref = dequantize_reference(p_ref, m_ref, n, bits)
+    assert_same(dequantize(p_ref.to(device), m_ref.to(device), n, bits, backend=backend), y_ref)
+
+
+@pytest.mark.parametrize("block_size", [8, 64, 4096])
+@pytest.mark.parametrize("bits", [1, 3, 4, 8])
+def test_block_sizes(backend, device, block_size, bits):
+    n = 5003
+    x = make_input(n, torch.float32, seed=block_size + bits)
+    r = torch.randn(n) * 0.01
+    ref, got = encode_both(x, bits, backend, device, block_size=block_size, residual=r)
+    for a, b in zip(got, ref):
+        assert_same(a, b)
+    y = dequantize(ref[0].to(device), ref[1].to(device), n, bits, block_size, backend=backend)
+    assert_same(y, dequantize_reference(ref[0], ref[1], n, bits, block_size))
+
+
+def special_input() -> torch.Tensor:
+    """Blocks of 64 (block_size=64), each exercising one edge case."""
+    blocks = [
+        torch.zeros(64),                                  # all zero
+        torch.full((64,), 3.25),                          # constant: scale 0
+        torch.randn(64).index_fill_(0, torch.tensor([5]), float("nan")),
+        torch.randn(64).index_fill_(0, torch.tensor([0]), float("inf")),
+        torch.randn(64).index_fill_(0, torch.tensor([63]), float("-inf")),
+        torch.linspace(-3e38, 3e38, 64),                  # max - min overflows: mx/L - mn/L
+        torch.randn(64) * 1e-42,                          # subnormal: 1/scale overflows to inf
+        torch.tensor([0.0, -0.0] * 32),                   # signed zeros
+        torch.randn(64),                                  # an ordinary block after the odd ones
+        torch.full((64,), float("nan")),
+        torch.tensor([FLT_MAX, -FLT_MAX] * 32),           # bits=1: even mx/L - mn/L overflows
+        torch.randn(37),                                  # partial last block
+    ]
+    return torch.cat(blocks)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_special_values(backend, device, bits):
+    x = special_input()
+    n = x.numel()
+    r = torch.randn(n) * 0.01
+    ref, got = encode_both(x, bits, backend, device, block_size=64, residual=r.clone())
+    for a, b in zip(got, ref):
+        assert_same(a, b)
+    # without a residual too, and with residual_out apart from the residual
+    ref2, got2 = encode_both(x, bits, backend, device, block_size=64)
+    assert_same(got2[0], ref2[0])
+    assert_same(got2[1], ref2[1])
+    r_dev, r_out = r.clone().to(device), torch.full((n,), 7.0, device=device)
+    quantize(x.to(device), bits, 64, residual=r_dev, residual_out=r_out, backend=backend)
+    assert_same(r_dev, r)  # untouched
+    assert_same(r_out, ref[2])
+    y = dequantize(ref[0].to(device), ref[1].to(device), n, bits, 64, backend=backend)
+    assert_same(y, dequantize_reference(ref[0], ref[1], n, bits, 64))
+
+
+@pytest.mark.parametrize("bits", [1, 4, 8])
+def test_nonfinite_blocks_propagate(backend, device, bits):
+    """NaN/inf: meta (nan, nan), codes 0, decodes to NaN, residual unchanged; other blocks unaffected."""
+    bs = 64
+    x = torch.randn(4 * bs)
+    x[bs + 3] = float("nan")
+    x[2 * bs + 10] = float("-inf")
+    r = torch.randn(4 * bs) * 0.01
+    r_dev = r.clone().to(device)
+    p, m = quantize(x.to(device), bits, bs, residual=r_dev, backend=backend)
+    p, m, r_new = p.cpu(), m.cpu(), r_dev.cpu()
+    assert torch.isnan(m[1:3]).all() and torch.isfinite(m[[0, 3]]).all()
+    per_block = bs * bits // 8
+    assert (p[per_block:3 * per_block] == 0).all()
+    y = dequantize(p.to(device), m.to(device), 4 * bs, bits, bs, backend=backend).cpu()
+    assert torch.isnan(y[bs:3 * bs]).all() and torch.isfinite(y[:bs]).all() and torch.isfinite(y[3 * bs:]).all()
+    assert torch.equal(r_new[bs:3 * bs], r[bs:3 * bs])
+    assert not torch.equal(r_new[:bs], r[:bs])
+
+
+def test_padding_bits_are_zero(backend, device):
+    """Bits after the last element are 0 whatever the padding value would quantize to."""
+    x = torch.arange(13, dtype=torch.float32).flip(0)  # the last block starts with its maximum
+    for bits in range(1, 9):
+        p, _ = quantize(x.to(device), bits, 8, backend=backend)
+        used = 13 * bits - 8 * (packed_nbytes(13, bits) - 1)
+        assert int(p[-1]) >> used == 0, (bits, hex(int(p[-1])))
+
+
+def test_format_bit_stream():
+    """The reference's packing against a bit-by-bit little-endian stream written out by hand."""
+    g = torch.Generator().manual_seed(3)
+    for bits in range(1, 9):
+        n = 77
+        x = torch.rand(n, generator=g)
+        p, m = quantize_reference(x, bits, 8)
+        mn, sc = m[:, 0].repeat_interleave(8)[:n], m[:, 1].repeat_interleave(8)[:n]
+        inv = torch.where(sc > 0, 1.0 / sc, torch.zeros_like(sc))
+        q = ((x - mn) * inv + 0.5).floor().clamp(0, 2**bits - 1).to(torch.int64).tolist()
+        stream = 0
+        for i, c in enumerate(q):
+            stream |= c << (i * bits)
+        expected = stream.to_bytes(packed_nbytes(n, bits), "little")
+        assert bytes(p.tolist()) == expected
+
+
+# ---- properties ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_round_trip_bound(backend, device, bits):
+    """Round to nearest: |decoded - v| <= scale / 2 per element, plus fp32 rounding."""
+    n, bs = 30011, 512
+    v = make_input(n, torch.float32, seed=bits) * torch.linspace(0.01, 100, n)
+    p, m = quantize(v.to(device), bits, bs, backend=backend)
+    y = dequantize(p, m, n, bits, bs, backend=backend).cpu()
+    m = m.cpu()
+    scale = m[:, 1].repeat_interleave(bs)[:n]
+    mag = v.abs() + m[:, 0].abs().repeat_interleave(bs)[:n] + scale * (2**bits - 1)
+    assert ((y - v).abs() <= scale / 2 + 4 * EPS * mag).all()
+
+
+def test_stochastic_unbiased(backend, device):
+    """E[decoded] = v: the mean over S seeds is within 6 standard errors (scale / (2 sqrt S))."""
+    n, bs, bits, draws = 1000, 256, 2, 400
+    v = make_input(n, torch.float32, seed=5).to(device)
+    acc = torch.zeros(n, dtype=torch.float64)
+    for s in range(draws):
+        p, m = quantize(v, bits, bs, stochastic=True, seed=s, backend=backend)
+        y = dequantize(p, m, n, bits, bs, backend=backend).cpu()
+        scale = m.cpu()[:, 1].repeat_interleave(bs)[:n]
+        assert ((y - v.cpu()).abs() < scale * (1 + 1e-5)).all()
+        acc += y.double()
+    mean_err = acc / draws - v.cpu().double()
+    se = scale.double() / (2 * math.sqrt(draws))
+    assert (mean_err.abs() <= 6 * se).all()
+    assert abs(float(mean_err.mean())) <= 6 * float(se.mean()) / math.sqrt(n)  # no overall drift
+
+
+@pytest.mark.parametrize("bits", [1, 3, 4, 8])
+def test_stochastic_same_seed_same_bytes(backend, device, bits):
+    n = 30011
+    x = make_input(n, torch.float32, seed=11)
+    r = torch.randn(n) * 0.05
+    ref, got = encode_both(x, bits, backend, device, stochastic=True, seed=1234567, residual=r)
+    for a, b in zip(got, ref):
+        assert_same(a, b)
+    other, _ = quantize(x.to(device), bits, stochastic=True, seed=1234568, backend=backend)
+    assert not torch.equal(other.cpu(), ref[0])
+
+
+def test_uniform_hash_values():
+    """Known values of the counter-based hash (a change here breaks the wire format)."""
+    u = uniform(42, torch.tensor([0, 1, 2, 3, 2**32 - 1, 2**32]))
+    # lowbias32 of (i + 42 * 0x9E3779B9) mod 2**32, top 24 bits, computed by hand with Python ints
+    assert (u * 2**24).long().tolist() == [382687, 6826439, 4198248, 788507, 2758842, 382687]
+    h = uniform(0, torch.arange(1 << 16))
+    assert abs(float(h.mean()) - 0.5) < 0.01 and len(set(h.tolist())) > 60000
+    assert uniform(42 + 2**32, torch.arange(4)).tolist() == u[:4].tolist()  # seed taken mod 2**32
+
+
+@pytest.mark.parametrize("bits", [1, 4, 7])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_error_feedback_identity(backend, device, bits, dtype):
+    """decode(encode(x + r)) + r_new == x + r, up to the rounding of r_new = v - y and of the sum."""
+    n, bs = 10007, 512
+    x = make_input(n, dtype, seed=bits)
+    r = torch.randn(n) * 0.1
+    r_dev = r.clone().to(device)
+    p, m = quantize(x.to(device), bits, bs, residual=r_dev, backend=backend)
+    y = dequantize(p, m, n, bits, bs, backend=backend).cpu()
+    v = x.float() + r
+    lhs = y + r_dev.cpu()
+    assert ((lhs - v).abs() <= 2 * EPS * (v.abs() + (v - y).abs())).all()
+
+
+def test_accumulate(backend, device):
+    """Decode-and-add: out + decoded, bit-exactly, and several messages added in order."""
+    n, bits = 30011, 4
+    msgs = [quantize_reference(make_input(n, torch.float32, seed=s), bits) for s in range(3)]
+    out = torch.randn(n)
+    expected = out.clone()
+    got = out.to(device)
+    for p, m in msgs:
+        expected += dequantize_reference(p, m, n, bits)
+        dequantize(p.to(device), m.to(device), n, bits, out=got, accumulate=True, backend=backend)
+    assert_same(got, expected)
+    fresh = dequantize(msgs[0][0].to(device), msgs[0][1].to(device), n, bits, accumulate=True, backend=backend)
+    assert_same(fresh, dequantize_reference(msgs[0][0], msgs[0][1], n, bits))
+
+
+def test_write_into_send_buffer_views(backend, device):
+    """packed_out / meta_out: views of one buffer, as the collective lays out its message."""
+    n, bits, bs = 5000, 3, 512
+    x = make_input(n, torch.float32).to(device)
+    nbytes, nb = packed_nbytes(n, bits), num_blocks(n, bs)
+    buf = torch.zeros(8 * nb + nbytes + 16, dtype=torch.uint8, device=device)
+    meta_view = buf[: 8 * nb].view(torch.float32).view(nb, 2)
+    packed_view = buf[8 * nb: 8 * nb + nbytes]
+    p, m = quantize(x, bits, bs, backend=backend, packed_out=packed_view, meta_out=meta_view)
+    assert p.data_ptr() == packed_view.data_ptr() and m.data_ptr() == meta_view.data_ptr()
+    p_ref, m_ref = quantize_reference(x.cpu(), bits, bs)
+    assert_same(packed_view, p_ref)
+    assert_same(meta_view, m_ref)
+    assert (buf[8 * nb + nbytes:] == 0).all()  # nothing written past the payload
+
+
+def test_empty_tensor(backend, device):
+    p, m = quantize(torch.empty(0, device=device), 4, backend=backend)
+    assert p.numel() == 0 and m.shape == (0, 2)
+    assert dequantize(p, m, 0, 4, backend=backend).numel() == 0
+
+
+# ---- dispatch -----------------------------------------------------------------------------------
+
+
+def test_invalid_arguments():
+    x = torch.randn(100)
+    with pytest.raises(ValueError, match="1 to 8"):
+        quantize(x, 9)
+    with pytest.raises(ValueError, match="power of two"):
+        quantize(x, 4, block_size=100)
+    with pytest.raises(ValueError, match="backend"):
+        quantize(x, 4, backend="numpy")
+
+
+def test_automatic_backend_on_cpu(monkeypatch):
+    from fastml_strategy.kernels import cpu
+
+    x = torch.randn(10)
+    assert resolve_backend(x, "torch") == "torch"
+    assert resolve_backend(x, None) == ("cpu" if cpu.available() else "torch")
+    monkeypatch.setenv("FASTML_CPU_KERNEL", "0")
+    assert resolve_backend(x, None) == "torch"
+    assert quantize(x.double(), 4)[0].numel() == 5  # float64: the reference converts it
+
+
+def test_cpu_build_failure_falls_back(monkeypatch, tmp_path):
+    """No compiler: one warning that says how to fix it, then the reference."""
+    from fastml_strategy.kernels import cpu
+
+    monkeypatch.setattr(cpu, "_lib", None)
+    monkeypatch.setattr(cpu, "_tried", False)
+    monkeypatch.setattr(cpu, "_info", {})
+    monkeypatch.setattr(cpu, "_compiler", lambda: None)
+    monkeypatch.setenv("FASTML_CACHE_DIR", str(tmp_path))
+    with pytest.warns(RuntimeWarning, match="FASTML_CPU_KERNEL=0"):
+        assert not cpu.available()
+    assert resolve_backend(torch.zeros(1), None) == "torch"
+    p, m = quantize(torch.randn(100), 4)
+    assert p.numel() == 50
+
+
+def test_import_is_lean():
+    """Importing the kernels package pulls in neither triton nor the compiled path."""
+    code = ("import sys, fastml_strategy.kernels, fastml_strategy.kernels.topk; "
+            "print('triton' in sys.modules, 'fastml_strategy.kernels.cpu' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.split() == ["False", "False"]
