@@ -391,7 +391,13 @@ def resolve_plan(plan: Any) -> Plan:
     None reads the environment variable ``FASTML_PLAN``, and falls back to the ``int4`` recipe.
     """
     if plan is None:
-        plan = os.environ.get("FASTML_PLAN") or "int4"
+        env = os.environ.get("FASTML_PLAN")
+        if not env:
+            return Plan.from_recipe("int4")
+        try:
+            return resolve_plan(env)
+        except ValueError as e:
+            raise ValueError(f"FASTML_PLAN={env!r} is not usable: {e}") from None
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, Mapping):

@@ -216,6 +216,8 @@ class FastMLState:
             "rank": self.rank,
             "world_size": self.world_size,
             "rng": {"seed": self.plan.seed, "step": self.step},
+            "counters": {"bytes_sent": self._engine.bytes_sent,
+                         "bytes_uncompressed": self._engine.bytes_uncompressed},
             "residuals": {k: v.detach().cpu().clone() for k, v in self._engine.residuals().items()},
         }
         if not all_ranks:
@@ -238,7 +240,7 @@ class FastMLState:
             if len(per) != self.world_size:
                 raise ValueError(
                     f"the checkpoint holds FastML state of {len(per)} ranks but this run has "
-                    f"{self.world_size}; resume with the same world size, or drop the 'fastml' entry "
+                    f"{self.world_size}; resume with the same world size, or drop the FastML entry "
                     f"from the checkpoint to restart error feedback from zero"
                 )
             sd = per[self.rank]
@@ -249,6 +251,9 @@ class FastMLState:
                 f"{self.plan.name!r}; residuals are loaded for layers present in both. Pass the "
                 f"checkpoint's plan to resume exactly.", stacklevel=2)
         self.step = int(sd["step"])
+        counters = sd.get("counters", {})
+        self._engine.bytes_sent = int(counters.get("bytes_sent", 0))
+        self._engine.bytes_uncompressed = float(counters.get("bytes_uncompressed", 0.0))
         self._engine.load_residuals(sd.get("residuals", {}))
 
     def wait_idle(self) -> None:

@@ -105,9 +105,9 @@ def pack_bits(q: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
             out |= g[:, i] << (bits * i)
     else:
         g = q.view(-1, 8).to(torch.int64)
-        shifts = torch.arange(0, 8 * bits, bits, dtype=torch.int64)
+        shifts = torch.arange(0, 8 * bits, bits, dtype=torch.int64, device=q.device)
         word = (g << shifts).sum(dim=1)  # 8 codes -> one 8*bits-bit word (<= 56 bits)
-        byte_shifts = torch.arange(0, 8 * bits, 8, dtype=torch.int64)
+        byte_shifts = torch.arange(0, 8 * bits, 8, dtype=torch.int64, device=q.device)
         out = ((word[:, None] >> byte_shifts) & 0xFF).to(torch.uint8).reshape(-1)
     return out[: packed_nbytes(numel, bits)]
 
@@ -122,12 +122,12 @@ def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     if bits == 8:
         return packed
     if bits in (1, 2, 4):
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
         return ((packed[:, None] >> shifts) & mask).reshape(-1)
     b = packed.view(-1, bits).to(torch.int64)
-    byte_shifts = torch.arange(0, 8 * bits, 8, dtype=torch.int64)
+    byte_shifts = torch.arange(0, 8 * bits, 8, dtype=torch.int64, device=packed.device)
     word = (b << byte_shifts).sum(dim=1)
-    shifts = torch.arange(0, 8 * bits, bits, dtype=torch.int64)
+    shifts = torch.arange(0, 8 * bits, bits, dtype=torch.int64, device=packed.device)
     return ((word[:, None] >> shifts) & mask).to(torch.uint8).reshape(-1)
 
 

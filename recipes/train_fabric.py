@@ -1,0 +1,126 @@
+"""Lightning Fabric + FastML: your own training loop, ``Fabric(strategy="fastml")``.
+
+``import fastml_strategy`` registers the name with Fabric; ``fabric.setup(model, optimizer)`` wraps
+the model in DDP and registers FastML's hook; ``fabric.save``/``fabric.load`` carry the FastML state of
+every rank automatically (under the key ``"fastml_strategy"``).
+
+Run (Fabric starts the processes itself)::
+
+    python recipes/train_fabric.py --accelerator cpu --devices 2 --max-steps 50
+    python recipes/train_fabric.py --devices 8 --precision bf16-mixed
+    FASTML_PLAN=int2 python recipes/train_fabric.py --accelerator cpu --devices 2
+
+Two nodes: ``torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST0:29400
+--rdzv_id digits recipes/train_fabric.py --num-nodes 2 --devices 8``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+
+import torch
+from torch import nn
+
+import lightning.fabric as LF
+from lightning.fabric.loggers import CSVLogger
+
+import fastml_strategy  # noqa: F401  registers strategy="fastml"
+from fastml_strategy.lightning import FastMLFabricStrategy
+
+
+def digits_split():
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x = torch.tensor(x, dtype=torch.float32) / 16.0
+    y = torch.tensor(y, dtype=torch.long)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    x, y = x[perm], y[perm]
+    return torch.utils.data.TensorDataset(x[:1500], y[:1500]), torch.utils.data.TensorDataset(x[1500:], y[1500:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--plan", default=None, help="recipe name or plan JSON (default: $FASTML_PLAN or int4)")
+    ap.add_argument("--accelerator", default="auto")
+    ap.add_argument("--devices", default="auto")
+    ap.add_argument("--num-nodes", type=int, default=1)
+    ap.add_argument("--precision", default="32-true")
+    ap.add_argument("--max-steps", type=int, default=300)
+    ap.add_argument("--batch-size", type=int, default=32, help="per process")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--out", default="fabric_logs")
+    ap.add_argument("--ckpt", default=None, help="save a checkpoint here at the end")
+    ap.add_argument("--resume", default=None, help="resume from this checkpoint")
+    ap.add_argument("--summary", default=None, help="write final figures to SUMMARY.rank<R>.json")
+    args = ap.parse_args()
+
+    devices = int(args.devices) if args.devices.isdigit() else args.devices
+    fabric = LF.Fabric(strategy=FastMLFabricStrategy(plan=args.plan),  # or strategy="fastml"
+                       accelerator=args.accelerator, devices=devices, num_nodes=args.num_nodes,
+                       precision=args.precision, loggers=CSVLogger(args.out, name="digits"))
+    fabric.launch()
+    fabric.seed_everything(0)
+
+    train, val = digits_split()
+    # Our own DistributedSampler (not fabric.setup_dataloaders, which sets the sampler's epoch to the
+    # number of passes made in THIS process), so that a resumed run sees the batches it would have seen.
+    sampler = torch.utils.data.DistributedSampler(train, num_replicas=fabric.world_size, rank=fabric.global_rank,
+                                                  shuffle=True, seed=0, drop_last=True)
+    loader = torch.utils.data.DataLoader(train, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+    model = nn.Sequential(nn.Linear(64, args.hidden), nn.ReLU(), nn.Linear(args.hidden, args.hidden), nn.ReLU(),
+                          nn.Linear(args.hidden, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    model, optimizer = fabric.setup(model, optimizer)  # DDP + FastML hook
+
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    if args.resume:
+        fabric.load(args.resume, state)  # restores the FastML state too
+    strategy = fabric.strategy
+    first_step = step = state["step"]
+    epoch = step // len(loader)
+    while step < args.max_steps:
+        sampler.set_epoch(epoch)
+        for i, batch in enumerate(loader):
+            if epoch * len(loader) + i < step:  # resuming mid-epoch: skip what was already seen
+                continue
+            x, y = fabric.to_device(batch)
+            loss = nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            fabric.backward(loss)
+            optimizer.step()
+            step += 1
+            if step % 10 == 0:
+                fabric.log_dict({"train_loss": loss.item(), **strategy.compression_metrics()}, step=step)
+            if step >= args.max_steps:
+                break
+        epoch += 1
+
+    model.eval()
+    with torch.no_grad():
+        xv, yv = (t.to(fabric.device) for t in val.tensors)
+        acc = (model(xv).argmax(-1) == yv).float().mean().item()
+    stats = strategy.compression_stats()
+    fabric.print(f"compression {stats['compression_ratio']:.2f}x over {step - first_step} steps, "
+                 f"validation accuracy {acc:.3f}")
+    if args.ckpt:
+        state["step"] = step
+        fabric.save(args.ckpt, state)  # every rank calls it; rank 0 writes, atomically
+    if args.summary:
+        h = hashlib.sha256()
+        for name, p in sorted(model.state_dict().items()):
+            h.update(name.encode() + p.detach().cpu().contiguous().numpy().tobytes())
+        os.makedirs(os.path.dirname(os.path.abspath(args.summary)), exist_ok=True)
+        with open(f"{args.summary}.rank{fabric.global_rank}.json", "w") as f:
+            json.dump({"rank": fabric.global_rank, "world_size": fabric.world_size, "step": step, "val_acc": acc,
+                       "params_sha256": h.hexdigest(), "plan": stats["plan"], "fastml_step": stats["steps"],
+                       "compression_ratio": stats["compression_ratio"]}, f)
+    fabric.logger.finalize("success")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""The small real task every integration job trains: scikit-learn's bundled 8x8 digits, an MLP.
+
+Sizes are chosen so the plan has something to compress: the two hidden weight matrices (8192 and
+16384 elements) are over the plan's ``min_numel`` (4096) and get quantized; the output layer (1280)
+and the biases travel uncompressed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import torch
+from torch import nn
+
+
+def digits(n: int | None = None) -> torch.utils.data.TensorDataset:
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x = torch.tensor(x, dtype=torch.float32) / 16.0
+    y = torch.tensor(y, dtype=torch.long)
+    if n is not None:
+        x, y = x[:n], y[:n]
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+def param_digest(module: nn.Module) -> str:
+    """sha256 of every parameter's bytes, in name order: equal iff the replicas are bit-identical."""
+    h = hashlib.sha256()
+    for name, p in sorted(module.state_dict().items()):
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def write_json(path: str, obj: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1, default=float)
+    os.replace(path + ".tmp", path)

@@ -1,0 +1,67 @@
+"""In-process checks of the adapters' arguments and errors (no process group needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastml_strategy import Plan
+
+
+def test_strategy_rejects_comm_hook_arguments_and_bad_settings(monkeypatch):
+    from fastml_strategy.lightning import FastMLFabricStrategy, FastMLStrategy
+
+    with pytest.raises(ValueError, match="registers FastML's own DDP comm hook.*ddp_comm_hook"):
+        FastMLStrategy(ddp_comm_hook=lambda s, b: None)
+    with pytest.raises(ValueError, match="model_averaging_period"):
+        FastMLStrategy(model_averaging_period=4)
+    with pytest.raises(ValueError, match="check_replicas_every=-1"):
+        FastMLStrategy(check_replicas_every=-1)
+    monkeypatch.setenv("FASTML_CHECK_REPLICAS_EVERY", "often")
+    with pytest.raises(ValueError, match="FASTML_CHECK_REPLICAS_EVERY='often' is not a whole number"):
+        FastMLFabricStrategy()
+    monkeypatch.delenv("FASTML_CHECK_REPLICAS_EVERY")
+    with pytest.raises(ValueError, match="unknown recipe|neither a recipe"):
+        FastMLStrategy(plan="int5")  # an explicit plan: the message does not blame FASTML_PLAN
+    monkeypatch.setenv("FASTML_PLAN", "int2")
+    s = FastMLStrategy(static_graph=True, log_every_n_steps=5)
+    assert s.plan == Plan.from_recipe("int2") and s._ddp_kwargs == {"static_graph": True}
+    assert FastMLStrategy(plan=Plan.uniform(bits=3)).plan.default.bits == 3  # the argument wins
+
+
+def test_compression_stats_before_fit_says_when_they_exist():
+    from fastml_strategy.lightning import FastMLStrategy
+
+    with pytest.raises(RuntimeError, match="during or after fit"):
+        FastMLStrategy(plan="int4").compression_stats()
+
+
+def test_strategy_class_names_the_supported_packages():
+    from fastml_strategy import lightning
+
+    with pytest.raises(ValueError, match="lightning.pytorch"):
+        lightning.strategy_class("keras")
+    assert lightning.strategy_class("lightning.fabric") is lightning.FastMLFabricStrategy
+    with pytest.raises(AttributeError):
+        lightning.NoSuchThing  # noqa: B018
+
+
+def test_accelerate_setup_in_one_process_is_a_no_op_but_checks_the_plan(monkeypatch):
+    from accelerate import Accelerator
+
+    import fastml_strategy.accelerate as fa
+
+    acc = Accelerator(cpu=True)
+    model, opt = acc.prepare(torch.nn.Linear(64, 64), torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
+    assert fa.setup(acc, model) is None
+    assert acc._custom_objects == []  # nothing registered for checkpointing
+    bad = Plan.from_recipe("int4").with_layers({"encoder.weight": Plan.from_recipe("int8").default})
+    with pytest.raises(ValueError, match=r"\['encoder.weight'\].*no such parameter"):
+        fa.setup(acc, model, bad)
+    monkeypatch.setenv("FASTML_PLAN", "int9")
+    with pytest.raises(ValueError, match="FASTML_PLAN='int9' is not a usable plan"):
+        fa.setup(acc, model)
+    monkeypatch.setenv("FASTML_PLAN", "int4")
+    monkeypatch.setenv("FASTML_LAYER_STATS_EVERY", "-3")
+    with pytest.raises(ValueError, match="layer_stats_every=-3"):
+        fa.setup(acc, model)
