@@ -1,8 +1,11 @@
 """A small compressed DDP job that survives losing a rank: torchrun restarts it, it resumes from its
 last checkpoint, and ends bit-identical to a run that never failed.
 
-    torchrun --standalone --nproc_per_node 2 --max-restarts 1 tests/faults/elastic_train.py \\
-        --dir /tmp/job --steps 10 --every 2 --kill-at 3
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node 2 --max-restarts 1 \\
+        tests/faults/elastic_train.py --dir /tmp/job --steps 10 --every 2 --kill-at 3
+
+(``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with torch 2.13 and gloo, a restarted attempt otherwise
+reads the dead attempt's addresses from torchrun's shared store and fails to connect.)
 
 Every ``--every`` steps rank 0 writes one checkpoint (model, optimizer, and FastML's state of every
 rank: error-feedback residuals, step counter) atomically, so a crash mid-write leaves the previous
