@@ -130,7 +130,10 @@ class CodecConfig:
         return self.error_feedback and self.codec in (Codec.QUANTIZE, Codec.TOPK)
 
     def topk_k(self, numel: int) -> int:
-        """How many entries top-k keeps of a tensor of ``numel`` elements (at least 1)."""
+        """How many entries top-k keeps of a tensor of ``numel`` elements (at least 1, unless the
+        tensor is empty)."""
+        if numel <= 0:
+            return 0
         if self.topk_count is not None:
             return max(1, min(int(self.topk_count), numel))
         return max(1, min(numel, int(-(-numel * float(self.topk) // 1))))
@@ -261,7 +264,7 @@ class Plan:
                 f"{where}: missing 'format_version'; plans written by this FastML have "
                 f"format_version {PLAN_FORMAT_VERSION}"
             )
-        if version != PLAN_FORMAT_VERSION:
+        if not _is_int(version) or version != PLAN_FORMAT_VERSION:
             raise ValueError(
                 f"{where}: format_version {version!r} is not supported (this FastML reads "
                 f"{PLAN_FORMAT_VERSION}); re-create the plan with this version's fastml-autotune or "
@@ -291,14 +294,24 @@ class Plan:
     def load(cls, path: str | os.PathLike) -> "Plan":
         p = Path(path)
         try:
-            text = p.read_text()
+            text = p.read_text(encoding="utf-8")
         except FileNotFoundError:
             raise ValueError(f"plan file {str(p)!r} does not exist; give a recipe name ({sorted(RECIPES)}) "
                              f"or the path of a plan JSON") from None
+        except IsADirectoryError:
+            raise ValueError(f"plan file {str(p)!r} is a directory; give the path of a plan JSON file "
+                             f"inside it") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"plan file {str(p)!r} is not UTF-8 text ({e}); it is corrupted or not a "
+                             f"plan: re-create it with Plan.save or fastml-autotune") from None
+        except OSError as e:
+            raise ValueError(f"plan file {str(p)!r} cannot be read ({e.strerror or e}); check the path "
+                             f"and its permissions") from None
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"plan file {str(p)!r} is not valid JSON ({e}); re-create it with "
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, the int-digits limit, deep nesting
+            reason = str(e) if isinstance(e, ValueError) else "nested too deeply"
+            raise ValueError(f"plan file {str(p)!r} is not valid JSON ({reason}); re-create it with "
                              f"Plan.save or fastml-autotune") from None
         return cls.from_dict(data, where=f"plan file {str(p)!r}")
 
