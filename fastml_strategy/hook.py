@@ -354,6 +354,12 @@ def register_hook(
             f"register_hook: model is a {type(model).__name__}, not a DistributedDataParallel; wrap it "
             f"first (model = torch.nn.parallel.DistributedDataParallel(model)) and pass the wrapper"
         )
+    if getattr(model, "_comm_hooks", None):
+        raise ValueError(
+            "register_hook: this DistributedDataParallel model already has a comm hook (register_hook "
+            "was called on it before, or another hook was registered); register FastML once per DDP "
+            "model and keep the state it returned"
+        )
     for argname, val in (("check_replicas_every", check_replicas_every),
                          ("layer_stats_every", layer_stats_every)):
         if not isinstance(val, int) or isinstance(val, bool) or val < 0:
