@@ -9,7 +9,7 @@ Backends (``backend=``):
   when the compiled CPU path is available, else ``"torch"``;
 - ``"triton"``: :mod:`~fastml_strategy.kernels.quantize_triton` (CUDA; CPU tensors too under
   ``TRITON_INTERPRET=1``, which the tests use);
-- ``"cpu"``: :mod:`~fastml_strategy.kernels.cpu`, a C++ kernel compiled on first use (about 1.5 s,
+- ``"cpu"``: :mod:`~fastml_strategy.kernels.cpu`, a C++ kernel compiled on first use (about 2 s,
   cached); ``FASTML_CPU_KERNEL=0`` disables it;
 - ``"torch"``: the pure-torch reference (any device; the test oracle).
 

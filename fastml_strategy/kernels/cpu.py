@@ -8,11 +8,11 @@ so it runs at a large fraction of the memory bandwidth (see ``benchmarks/RESULTS
 
 How it is built: plain C ABI (no torch headers, no ninja, no Python.h), compiled with the system's
 C++ compiler (``$CXX``, else ``g++``, else ``c++``) as
-``-O3 -march=native -ffp-contract=off -fno-fast-math`` into a cache directory
+``-O3 -march=native -ffp-contract=off -fno-fast-math -fno-trapping-math`` into a cache directory
 (``$FASTML_CACHE_DIR``, else ``$XDG_CACHE_HOME/fastml_strategy``, else ``~/.cache/fastml_strategy``),
 keyed by a hash of the source, the flags, the compiler's version and the CPU's model and flags (the
 ``-march=native`` build of one machine never runs on another), and loaded with ctypes, which releases
-the GIL during a call. Compiling takes about 1.5 s, once per machine. Several processes compiling at
+the GIL during a call. Compiling takes about 2 s, once per machine. Several processes compiling at
 once are safe (each writes a private file, then renames it into place).
 
 Bit-exact with the reference: the same IEEE fp32 operations in the same order, and
@@ -45,8 +45,10 @@ from fastml_strategy.kernels.reference import HASH_GOLDEN, num_blocks, packed_nb
 __all__ = ["available", "quantize", "dequantize", "dequantize_scatter_add", "build_info"]
 
 _SRC = Path(__file__).with_name("quantize_cpu.cpp")
-_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC",
-          "-pthread")
+# -ffp-contract=off: no fused multiply-add (bit-exactness). -fno-trapping-math changes no value, only
+# whether FP exception flags may be raised: without it gcc does not vectorise the clamp-and-convert.
+_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math", "-std=c++17",
+          "-shared", "-fPIC", "-pthread")
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _MIN_ELEMS_PER_THREAD = 1 << 18
 
@@ -143,7 +145,7 @@ def _load() -> ctypes.CDLL | None:
             _info["error"] = f"{type(e).__name__}: {e}"
             warnings.warn(
                 "FastML's compiled CPU codec could not be built, so CPU tensors use the pure-torch "
-                f"reference (about 5x slower). This happened because {_info['error']}. Install a C++ "
+                f"reference (20x slower or more). This happened because {_info['error']}. Install a C++ "
                 "compiler (e.g. `apt-get install g++`) or point $CXX at one; set FASTML_CPU_KERNEL=0 "
                 "to use the reference without trying (and without this warning).",
                 RuntimeWarning, stacklevel=3)

@@ -1,16 +1,18 @@
 // CPU kernels of FastML's quantization codec, bit-exact with fastml_strategy/kernels/reference.py.
 //
-// Plain C ABI (no torch or Python headers: it compiles in about a second and is loaded with ctypes,
+// Plain C ABI (no torch or Python headers: it compiles in about two seconds and is loaded with ctypes,
 // which releases the GIL for the call). Built by fastml_strategy/kernels/cpu.py with
-//   g++ -O3 -march=native -ffp-contract=off -fno-fast-math -shared -fPIC
+//   g++ -O3 -march=native -ffp-contract=off -fno-fast-math -fno-trapping-math -shared -fPIC
 // -ffp-contract=off matters: the format is IEEE fp32 with one rounding per operation, and a fused
 // multiply-add in (v - mn) * inv + u or mn + q * scale would change bytes.
 //
 // Encoder, per block of `bs` elements (the block lives in L1):
-//   pass 1: v = float(x) + r into a block buffer; lane-wise min / max / (v * 0) accumulators that the
-//           compiler vectorises (a NaN or inf makes v * 0 a NaN: the block's non-finite flag);
+//   pass 1: v = float(x) + r into a block buffer, with 16-lane min / max / (v * 0) accumulators
+//           (GCC vector extensions, so vectorisation does not hang on the optimiser's mood; a NaN
+//           or inf makes v * 0 a NaN: the block's non-finite flag);
 //   per block: scale, inverse, exactly as the reference;
-//   pass 2: codes q = clamp(floor((v - mn) * inv + u), 0, L) into a byte buffer, and the new residual
+//   pass 2: codes q = trunc(clamp((v - mn) * inv + u, 0, L)) (= the reference's clamp(floor(.)) for
+//           these non-negative values; NaN -> 0) into a byte buffer, and the new residual
 //           v - (mn + q * scale);
 //   pack:   8 one-byte codes (a uint64) -> 8*BITS bits by three shift/mask/or stages, stored as BITS
 //           bytes.
@@ -184,7 +186,7 @@ inline uint64_t expand8(uint64_t x) {
 }
 
 // Pack `ngroups` groups of 8 codes from q into dst (BITS bytes per group). `room` = bytes writable
-// at dst (>= ngroups * BITS); 8-byte stores overlap the next group while they fit.
+// at dst (the block's payload); 8-byte stores overlap the next group while they fit in it.
 template <int BITS>
 void pack(const uint8_t* q, int64_t ngroups, uint8_t* dst, int64_t room) {
   int64_t g = 0;
@@ -257,7 +259,6 @@ void encode_blocks(const EncodeArgs& a, int64_t b0, int64_t b1) {
   const int64_t bs = a.bs;
   const int bits = a.bits;
   const float L = static_cast<float>((1 << bits) - 1);
-  const int64_t nbytes = (a.n * bits + 7) / 8;
   const PackFn packf = pack_fn(bits);
   std::vector<float> vbuf_(bs + kLanes);
   std::vector<uint8_t> qbuf_(bs + 8);
@@ -295,15 +296,24 @@ void encode_blocks(const EncodeArgs& a, int64_t b0, int64_t b1) {
       mx = vmx[j] > mx ? vmx[j] : mx;
       z = z + vz[j];
     }
-    // Representable (format step 2): no NaN or inf (v * 0 is NaN for those), and the top code
-    // decodes to a finite number (false when max - min exceeds fp32's range).
-    const float scale = (mx - mn) / L;
-    const bool finite = (z == 0.0f) && std::isfinite(mn + L * scale);
+    // v * 0 is NaN for a NaN or an inf. The block must also be representable (format step 2): a
+    // finite range, and a top code that decodes to a finite number.
+    const float diff = mx - mn;
+    float scale;
+    if (std::isinf(diff)) {  // finite block whose range overflows: halve, divide, double, cap
+      scale = ((mx * 0.5f - mn * 0.5f) / L) * 2.0f;
+      if (scale > FLT_MAX) scale = FLT_MAX;
+    } else {
+      scale = diff / L;
+    }
+    const bool finite = (z == 0.0f) && std::isfinite(diff) && std::isfinite(mn + L * scale);
 
     float* mb = a.meta + 2 * blk;
     uint8_t* pb = a.packed + start * bits / 8;
     const int64_t groups = (len + 7) / 8;
-    const int64_t room = nbytes - start * bits / 8;
+    // This block's bytes only: a wider overlapping store would race with the thread that owns the
+    // next block.
+    const int64_t room = (len * bits + 7) / 8;
     if (!finite) {
       mb[0] = NAN;
       mb[1] = NAN;

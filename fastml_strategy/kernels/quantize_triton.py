@@ -7,11 +7,12 @@ that every group of 8 codes fills exactly ``bits`` bytes):
 
 1. load ``x`` (any float dtype, converted to fp32 at once: the interpreter's bf16 arithmetic is wrong)
    and the residual, ``v = x + r``;
-2. per block: ``min``, ``max`` and a non-finite flag (a NaN slips through ``tl.min``/``tl.max``, so it is
-   counted separately), the scale and its inverse with correctly rounded division (``div_rn``: Triton's
-   ``/`` may lower to an approximate division);
-3. per element: ``q = clamp(floor((v - mn) * inv + u), 0, L)`` (``u`` = 0.5, or the reference's
-   counter-based hash in uint32 arithmetic), then ``y = mn + q * scale`` and the new residual ``v - y``;
+2. per block: ``min`` and ``max`` (a NaN counts as +inf for the max: ``tl.max`` skips NaN), so a
+   NaN or an inf leaves them non-finite: the block's non-finite flag; then the scale and its inverse
+   with correctly rounded division (``div_rn``: Triton's ``/`` may lower to an approximate one);
+3. per element: ``q = trunc(clamp((v - mn) * inv + u, 0, L))`` (equal to the reference's
+   clamp-after-floor for these non-negative values; ``u`` = 0.5, or the reference's counter-based
+   hash in uint32 arithmetic), then ``y = mn + q * scale`` and the new residual ``v - y``;
 4. 8 codes are OR-ed into one word (``bits * 8`` <= 64 bits) and its low ``bits`` bytes stored.
 
 One pass reads ``x`` and the residual and writes the payload, the metadata and the new residual: for
@@ -22,11 +23,11 @@ Bit-exactness needs IEEE fp32 with one rounding per operation: kernels are launc
 ``enable_fp_fusion=False`` (Triton contracts ``a * b + c`` into an FMA by default) and divide with
 ``tl.math.div_rn``.
 
-Launch parameters (no ``@triton.autotune``: it needs a driver, so it fails in the interpreter): on
-CUDA, ``G * BS`` = 2048 elements per program and 4 warps (16 fp32 per thread: a few 16-byte loads
-in flight per thread, enough programs to fill an H200's 132 SMs from 10 MB up); under the
-interpreter (about 1.4 ms per program whatever its size, numpy doing the work) 64 Ki elements per
-program. ``benchmarks/bench_codecs.py --device cuda --sweep`` measures the alternatives.
+Full tiles and the tail are two launches: the first has no masks at all (and stores 1/2/4/8-bit
+groups as one word), the second covers the last partial tile with masks. Launch parameters are
+picked by hand (``@triton.autotune`` needs a driver, so it fails in the interpreter); see
+``_CUDA_ELEMS_PER_PROGRAM``. Under the interpreter (about 1.4 ms per program, numpy doing the work)
+programs are as large as 64 Ki elements.
 """
 
 from __future__ import annotations
@@ -37,30 +38,30 @@ import torch
 import triton
 import triton.language as tl
 
-from fastml_strategy.kernels.reference import HASH_GOLDEN, HASH_M1, HASH_M2, FLT_MAX, num_blocks, packed_nbytes
+from fastml_strategy.kernels.reference import FLT_MAX, HASH_GOLDEN, num_blocks, packed_nbytes
 
-__all__ = ["quantize", "dequantize", "dequantize_scatter_add", "scatter_add", "is_available"]
+__all__ = ["quantize", "dequantize", "dequantize_scatter_add", "scatter_add"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-# Elements per program. CUDA: 2048 (see module docstring); interpreter: as few programs as possible.
-_CUDA_ELEMS_PER_PROGRAM = int(os.environ.get("FASTML_TRITON_ELEMS", "2048"))
-_CUDA_NUM_WARPS = int(os.environ.get("FASTML_TRITON_WARPS", "4"))
+# CUDA launch shape: 1024 elements per program on 1 warp (32 per thread). Read from the sm_90 PTX and
+# ptxas -v (int4, block 512; see benchmarks/RESULTS.md): 19.9 PTX instructions per element to encode,
+# 28.7 with error feedback, 10.2 to decode-and-add, 61/96/64 registers, no spills; 2048 elements on 4
+# warps (the usual shape) take 31.1/39.5/11.9, because every thread recomputes the per-block scale
+# and inverse (two correctly rounded divisions) of all the program's blocks and the reductions cross
+# warps; 2048 on 1 warp spills with error feedback. Override with FASTML_TRITON_ELEMS and
+# FASTML_TRITON_WARPS; `benchmarks/bench_codecs.py --device cuda --sweep` measures the alternatives.
+_CUDA_ELEMS_PER_PROGRAM = int(os.environ.get("FASTML_TRITON_ELEMS", "1024"))
+_CUDA_NUM_WARPS = int(os.environ.get("FASTML_TRITON_WARPS", "1"))
 _INTERP_ELEMS_PER_PROGRAM = 1 << 16
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def is_available(t: torch.Tensor | None = None) -> bool:
-    """Whether the kernels can run on ``t``'s device: CUDA with a working driver, or the interpreter."""
-    if _INTERPRET:
-        return True
-    return t is not None and t.is_cuda
+_FMAX = tl.constexpr(FLT_MAX)  # a kernel may read a module global only when it is a constexpr
 
 
 @triton.jit
 def _hash_uniform(idx, seed_s):
     # The reference's uniform(seed, idx): lowbias32 of (idx + seed * golden) mod 2**32, top 24 bits.
-    h = idx.to(tl.uint32) + seed_s
+    h = idx.to(tl.uint32) + seed_s.to(tl.uint32, bitcast=True)
     h = h ^ (h >> 16)
     h = h * tl.full([1], 0x7FEB352D, tl.uint32)
     h = h ^ (h >> 15)
@@ -69,13 +70,15 @@ def _hash_uniform(idx, seed_s):
     return (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "nbytes", "base", "seed_s"])
 def _quantize_kernel(
     x_ptr, r_ptr, rout_ptr, packed_ptr, meta_ptr,
-    n, nblocks, nbytes, seed_s,
-    BITS: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
-    HAS_RES: tl.constexpr, RES_INPLACE: tl.constexpr, STOCH: tl.constexpr,
+    n, nbytes, base, seed_s,
+    BITS: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr, WORDS: tl.constexpr,
+    HAS_RES: tl.constexpr, STOCH: tl.constexpr,
 ):
+    # EVEN: every block of this launch is full (no masks; 1/2/4/8-bit groups stored as one word when
+    # WORDS). Otherwise (the tail launch): n elements, masked, byte stores.
     LF: tl.constexpr = (1 << BITS) - 1
     WORD: tl.constexpr = tl.uint32 if BITS <= 4 else tl.uint64
     pid = tl.program_id(0)
@@ -83,23 +86,36 @@ def _quantize_kernel(
     grp = tl.arange(0, BS // 8)
     lane = tl.arange(0, 8)
     offs = blk[:, None, None] * BS + grp[None, :, None] * 8 + lane[None, None, :]  # [G, BS/8, 8]
-    mask = offs < n
 
-    v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RES:
-        r = tl.load(r_ptr + offs, mask=mask, other=0.0)
-        v = v + r
+    if EVEN:
+        v = tl.load(x_ptr + offs).to(tl.float32)
+        if HAS_RES:
+            r = tl.load(r_ptr + offs)
+            v = v + r
+        vlo = v
+        vhi = tl.where(v == v, v, float("inf"))  # a NaN counts as +inf for the max
+    else:
+        mask = offs < n
+        v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            r = tl.load(r_ptr + offs, mask=mask, other=0.0)
+            v = v + r
+        vlo = tl.where(mask, v, float("inf"))
+        vhi = tl.where(mask, tl.where(v == v, v, float("inf")), float("-inf"))
 
-    # Block statistics. NaN is invisible to min/max here, so count non-finite elements apart.
-    bad_el = mask & ~(tl.abs(v) <= FLT_MAX)
-    bad = tl.max(tl.max(bad_el.to(tl.int32), axis=2), axis=1) > 0  # [G]
-    mn = tl.min(tl.min(tl.where(mask, v, float("inf")), axis=2), axis=1)
-    mx = tl.max(tl.max(tl.where(mask, v, float("-inf")), axis=2), axis=1)
-    scale = tl.math.div_rn(mx - mn, LF * 1.0)
-    # Representable (format step 2): the top code decodes to a finite number (not so when max - min
-    # exceeds fp32's range). Launched without FP fusion, so this is a multiply then an add.
-    top = mn + (LF * 1.0) * scale
-    bad = bad | ~(tl.abs(top) <= FLT_MAX)
+    # Block statistics. tl.min/tl.max skip NaN, hence the NaN -> +inf above: a NaN or an inf leaves
+    # mn or mx non-finite. (A NaN-propagating tl.reduce would save that select on a GPU, but the
+    # interpreter runs custom combiners element by element in Python: 6x slower tests.)
+    mn = tl.min(tl.min(vlo, axis=2), axis=1)  # [G]
+    mx = tl.max(tl.max(vhi, axis=2), axis=1)
+    bad = ~(tl.abs(mn) <= _FMAX) | ~(tl.abs(mx) <= _FMAX)
+    diff = mx - mn
+    wide = ~(tl.abs(diff) <= _FMAX) & ~bad  # finite block whose range overflows
+    scale = tl.math.div_rn(tl.where(wide, mx * 0.5 - mn * 0.5, diff), LF * 1.0)
+    scale = tl.where(wide, tl.minimum(scale * 2.0, _FMAX), scale)
+    # Representable (format step 2): a finite range and a top code that decodes to a finite number
+    # (launched without FP fusion: a multiply, then an add).
+    bad = bad | wide | ~(tl.abs(mn + (LF * 1.0) * scale) <= _FMAX)
     pos = scale > 0
     inv = tl.where(pos, tl.math.div_rn(tl.full([G], 1.0, tl.float32), tl.where(pos, scale, 1.0)), 0.0)
     mn_q = tl.where(bad, 0.0, mn)
@@ -107,39 +123,56 @@ def _quantize_kernel(
 
     t = (v - mn_q[:, None, None]) * inv[:, None, None]
     if STOCH:
-        t = t + _hash_uniform(offs, seed_s)
+        t = t + _hash_uniform(offs + base, seed_s)
     else:
         t = t + 0.5
-    t = tl.floor(t)
-    q = tl.where(t >= 0.0, tl.where(t <= LF, t, LF * 1.0), 0.0)  # clamp; NaN -> 0
-    keep = mask & ~bad[:, None, None]
-    q = tl.where(keep, q, 0.0)
+    # For t >= 0, clamp(floor(t), 0, L) == trunc(min(t, L)): clamp first (NaN fails both tests -> 0),
+    # then the float -> int conversion truncates. A non-finite block has inv = 0, so t < 1: code 0.
+    t = tl.where(t >= 0.0, tl.where(t <= LF, t, LF * 1.0), 0.0)
+    qi = t.to(tl.int32)
+    if not EVEN:
+        qi = tl.where(mask, qi, 0)  # padding codes are 0
 
+    bad3 = bad[:, None, None]
     if HAS_RES:
-        y = mn_q[:, None, None] + q * scale[:, None, None]
-        tl.store(rout_ptr + offs, v - y, mask=keep)
-        if not RES_INPLACE:  # non-finite blocks keep their old residual
-            tl.store(rout_ptr + offs, r, mask=mask & bad[:, None, None])
+        y = mn_q[:, None, None] + qi.to(tl.float32) * scale[:, None, None]
+        new_r = tl.where(bad3, r, v - y)  # a non-finite block keeps its residual
+        if EVEN:
+            tl.store(rout_ptr + offs, new_r)
+        else:
+            tl.store(rout_ptr + offs, new_r, mask=mask)
 
-    bmask = blk < nblocks
     nan = float("nan")
-    tl.store(meta_ptr + blk * 2, tl.where(bad, nan, mn), mask=bmask)
-    tl.store(meta_ptr + blk * 2 + 1, tl.where(bad, nan, scale), mask=bmask)
+    if EVEN:
+        tl.store(meta_ptr + blk * 2, tl.where(bad, nan, mn))
+        tl.store(meta_ptr + blk * 2 + 1, tl.where(bad, nan, scale))
+    else:
+        bmask = blk * BS < n
+        tl.store(meta_ptr + blk * 2, tl.where(bad, nan, mn), mask=bmask)
+        tl.store(meta_ptr + blk * 2 + 1, tl.where(bad, nan, scale), mask=bmask)
 
-    # Pack: 8 codes -> one word of 8*BITS bits -> its low BITS bytes.
-    qi = q.to(WORD)
-    word = tl.sum(qi << (lane * BITS).to(WORD)[None, None, :], axis=2)  # [G, BS/8], disjoint bits
-    shift = tl.where(lane < BITS, lane * 8, 0).to(WORD)
-    byte = ((word[:, :, None] >> shift[None, None, :]) & 0xFF).to(tl.uint8)
-    boffs = blk[:, None, None] * (BS * BITS // 8) + grp[None, :, None] * BITS + lane[None, None, :]
-    tl.store(packed_ptr + boffs, byte, mask=(lane < BITS)[None, None, :] & (boffs < nbytes))
+    # Pack: 8 codes -> one word of 8*BITS bits (disjoint fields, so the sum is an OR).
+    word = tl.sum(qi.to(WORD) << (lane * BITS).to(WORD)[None, None, :], axis=2)  # [G, BS/8]
+    if EVEN and WORDS:
+        ST: tl.constexpr = tl.uint8 if BITS == 1 else (tl.uint16 if BITS == 2 else (
+            tl.uint32 if BITS == 4 else tl.uint64))
+        wptr = packed_ptr.to(tl.pointer_type(ST))
+        tl.store(wptr + blk[:, None] * (BS // 8) + grp[None, :], word.to(ST))
+    else:
+        shift = tl.where(lane < BITS, lane * 8, 0).to(WORD)
+        byte = ((word[:, :, None] >> shift[None, None, :]) & 0xFF).to(tl.uint8)
+        boffs = blk[:, None, None] * (BS * BITS // 8) + grp[None, :, None] * BITS + lane[None, None, :]
+        bm = (lane < BITS)[None, None, :]
+        if not EVEN:
+            bm = bm & (boffs < nbytes)
+        tl.store(packed_ptr + boffs, byte, mask=bm)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "nbytes"])
 def _dequantize_kernel(
     packed_ptr, meta_ptr, out_ptr, idx_ptr,
-    n, nblocks, nbytes,
-    BITS: tl.constexpr, BS: tl.constexpr, G: tl.constexpr,
+    n, nbytes,
+    BITS: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr, WORDS: tl.constexpr,
     ACC: tl.constexpr, INDEXED: tl.constexpr,
 ):
     LF: tl.constexpr = (1 << BITS) - 1
@@ -148,27 +181,46 @@ def _dequantize_kernel(
     blk = pid.to(tl.int64) * G + tl.arange(0, G)
     grp = tl.arange(0, BS // 8)
     lane = tl.arange(0, 8)
-    boffs = blk[:, None, None] * (BS * BITS // 8) + grp[None, :, None] * BITS + lane[None, None, :]
-    b = tl.load(packed_ptr + boffs, mask=(lane < BITS)[None, None, :] & (boffs < nbytes), other=0)
-    shift = tl.where(lane < BITS, lane * 8, 0).to(WORD)
-    word = tl.sum(b.to(WORD) << shift[None, None, :], axis=2)  # [G, BS/8]
-    q = (word[:, :, None] >> (lane * BITS).to(WORD)[None, None, :]) & LF
-    bmask = blk < nblocks
-    mn = tl.load(meta_ptr + blk * 2, mask=bmask, other=0.0)
-    sc = tl.load(meta_ptr + blk * 2 + 1, mask=bmask, other=0.0)
-    y = mn[:, None, None] + q.to(tl.float32) * sc[:, None, None]
-    offs = blk[:, None, None] * BS + grp[None, :, None] * 8 + lane[None, None, :]
-    mask = offs < n
-    if INDEXED:
-        # Scatter-add at unique indices (top-k): one atomic per element, so the sum is exact and
-        # deterministic whatever the order the programs run in.
-        dst = tl.load(idx_ptr + offs, mask=mask, other=0)
-        tl.atomic_add(out_ptr + dst, y, mask=mask, sem="relaxed")
-    elif ACC:
-        acc = tl.load(out_ptr + offs, mask=mask, other=0.0)
-        tl.store(out_ptr + offs, acc + y, mask=mask)
+    if EVEN and WORDS:
+        ST: tl.constexpr = tl.uint8 if BITS == 1 else (tl.uint16 if BITS == 2 else (
+            tl.uint32 if BITS == 4 else tl.uint64))
+        wptr = packed_ptr.to(tl.pointer_type(ST))
+        word = tl.load(wptr + blk[:, None] * (BS // 8) + grp[None, :]).to(WORD)  # [G, BS/8]
     else:
-        tl.store(out_ptr + offs, y, mask=mask)
+        boffs = blk[:, None, None] * (BS * BITS // 8) + grp[None, :, None] * BITS + lane[None, None, :]
+        bm = (lane < BITS)[None, None, :]
+        if not EVEN:
+            bm = bm & (boffs < nbytes)
+        b = tl.load(packed_ptr + boffs, mask=bm, other=0)
+        shift = tl.where(lane < BITS, lane * 8, 0).to(WORD)
+        word = tl.sum(b.to(WORD) << shift[None, None, :], axis=2)
+    q = (word[:, :, None] >> (lane * BITS).to(WORD)[None, None, :]) & LF
+    offs = blk[:, None, None] * BS + grp[None, :, None] * 8 + lane[None, None, :]
+    if EVEN:
+        mn = tl.load(meta_ptr + blk * 2)
+        sc = tl.load(meta_ptr + blk * 2 + 1)
+        y = mn[:, None, None] + q.to(tl.float32) * sc[:, None, None]
+        if INDEXED:
+            # Scatter-add at unique indices (top-k): one atomic per element, so the sum is exact
+            # and deterministic whatever the order the programs run in.
+            tl.atomic_add(out_ptr + tl.load(idx_ptr + offs), y, sem="relaxed")
+        elif ACC:
+            tl.store(out_ptr + offs, tl.load(out_ptr + offs) + y)
+        else:
+            tl.store(out_ptr + offs, y)
+    else:
+        bmask = blk * BS < n
+        mn = tl.load(meta_ptr + blk * 2, mask=bmask, other=0.0)
+        sc = tl.load(meta_ptr + blk * 2 + 1, mask=bmask, other=0.0)
+        y = mn[:, None, None] + q.to(tl.float32) * sc[:, None, None]
+        mask = offs < n
+        if INDEXED:
+            dst = tl.load(idx_ptr + offs, mask=mask, other=0)
+            tl.atomic_add(out_ptr + dst, y, mask=mask, sem="relaxed")
+        elif ACC:
+            tl.store(out_ptr + offs, tl.load(out_ptr + offs, mask=mask, other=0.0) + y, mask=mask)
+        else:
+            tl.store(out_ptr + offs, y, mask=mask)
 
 
 @triton.jit
@@ -180,19 +232,32 @@ def _scatter_add_kernel(out_ptr, idx_ptr, val_ptr, k, BLOCK: tl.constexpr):
     tl.atomic_add(out_ptr + dst, val, mask=mask, sem="relaxed")
 
 
-def _launch_shape(numel: int, block_size: int) -> tuple[int, int, dict]:
-    """Blocks per program ``G`` (a power of two), the grid size and the launch options."""
-    elems = _INTERP_ELEMS_PER_PROGRAM if _INTERPRET else _CUDA_ELEMS_PER_PROGRAM
+def _plan(numel: int, block_size: int) -> tuple[int, int, dict]:
+    """Blocks per program ``G`` (a power of two), elements covered by full tiles, launch options."""
     nb = num_blocks(numel, block_size)
-    g = max(1, elems // block_size)
-    g = min(g, triton.next_power_of_2(nb))
-    opts = {} if _INTERPRET else {"num_warps": _CUDA_NUM_WARPS, "enable_fp_fusion": False}
-    return g, triton.cdiv(nb, g), opts
+    if _INTERPRET:
+        # No compiling there: few programs; G <= nb/1 so that tests cover both the full-tile launch
+        # and the tail launch.
+        g = max(1, min(_INTERP_ELEMS_PER_PROGRAM // block_size, 1 << (max(nb, 1).bit_length() - 1)))
+        opts = {}
+    else:
+        g = max(1, _CUDA_ELEMS_PER_PROGRAM // block_size)
+        # a block larger than a program's worth gets proportionally more warps (same work per thread)
+        warps = _CUDA_NUM_WARPS * max(1, block_size // _CUDA_ELEMS_PER_PROGRAM)
+        opts = {"num_warps": min(warps, 32), "enable_fp_fusion": False}
+    tile = g * block_size
+    return g, (numel // tile) * tile, opts
+
+
+def _words_ok(bits: int, packed: torch.Tensor) -> bool:
+    # 1/2/4/8-bit groups of 8 codes are 1/2/4/8 bytes: store them as one word when aligned.
+    return bits in (1, 2, 4, 8) and packed.data_ptr() % bits == 0
 
 
 def _seed_word(seed: int) -> int:
+    """``seed * golden mod 2**32`` as a signed 32-bit value (the kernel bitcasts it back to uint32)."""
     s = (int(seed) * HASH_GOLDEN) & 0xFFFFFFFF
-    return s
+    return s - (1 << 32) if s >= 1 << 31 else s
 
 
 def quantize(
@@ -227,19 +292,21 @@ def quantize(
         _check_out(r, n, torch.float32, "residual")
         rout = r if residual_out is None else residual_out.reshape(-1)
         _check_out(rout, n, torch.float32, "residual_out")
-        inplace = rout.data_ptr() == r.data_ptr()
     else:
         r = rout = x  # unused
-        inplace = True
-    g, grid, opts = _launch_shape(n, block_size)
+    g, nfull, opts = _plan(n, block_size)
     seed_s = _seed_word(seed)
-    if seed_s >= 1 << 31:  # pass as a signed 32-bit value; the kernel works on its bits as uint32
-        seed_s -= 1 << 32
-    _quantize_kernel[(grid,)](
-        x, r, rout, packed, meta, n, nb, nbytes, seed_s,
-        BITS=bits, BS=block_size, G=g, HAS_RES=has_res, RES_INPLACE=inplace, STOCH=bool(stochastic),
-        **opts,
-    )
+    consts = dict(BITS=bits, BS=block_size, G=g, HAS_RES=has_res, STOCH=bool(stochastic), **opts)
+    if nfull:
+        _quantize_kernel[(nfull // (g * block_size),)](
+            x, r, rout, packed, meta, nfull, nfull * bits // 8, 0, seed_s,
+            EVEN=True, WORDS=_words_ok(bits, packed), **consts)
+    if n > nfull:
+        b, pb = nfull, nfull * bits // 8
+        ntail_blocks = num_blocks(n - b, block_size)
+        _quantize_kernel[(triton.cdiv(ntail_blocks, g),)](
+            x[b:], r[b:], rout[b:], packed[pb:], meta.view(-1)[2 * (b // block_size):], n - b, nbytes - pb, b,
+            seed_s, EVEN=False, WORDS=False, **consts)
     return packed, meta
 
 
@@ -277,16 +344,23 @@ def _decode(packed, meta, numel, bits, block_size, out, accumulate, indices):
     packed = packed.reshape(-1).contiguous()
     meta = meta.reshape(-1).contiguous()
     nb = num_blocks(numel, block_size)
-    if meta.numel() != 2 * nb or packed.numel() < packed_nbytes(numel, bits):
+    nbytes = packed_nbytes(numel, bits)
+    if meta.numel() != 2 * nb or packed.numel() < nbytes:
         raise ValueError(
             f"dequantize: {numel} elements of {bits} bits in blocks of {block_size} need "
-            f"{packed_nbytes(numel, bits)} payload bytes and {nb}x2 metadata; got {packed.numel()} "
+            f"{nbytes} payload bytes and {nb}x2 metadata; got {packed.numel()} "
             f"bytes and {meta.numel()} metadata values")
-    g, grid, opts = _launch_shape(numel, block_size)
-    _dequantize_kernel[(grid,)](
-        packed, meta, out, indices if indices is not None else out, numel, nb, packed.numel(),
-        BITS=bits, BS=block_size, G=g, ACC=bool(accumulate), INDEXED=indices is not None, **opts,
-    )
+    g, nfull, opts = _plan(numel, block_size)
+    consts = dict(BITS=bits, BS=block_size, G=g, ACC=bool(accumulate), INDEXED=indices is not None, **opts)
+    idx = indices if indices is not None else out
+    if nfull:
+        _dequantize_kernel[(nfull // (g * block_size),)](
+            packed, meta, out, idx, nfull, nfull * bits // 8, EVEN=True, WORDS=_words_ok(bits, packed), **consts)
+    if numel > nfull:
+        b, pb = nfull, nfull * bits // 8
+        _dequantize_kernel[(triton.cdiv(num_blocks(numel - b, block_size), g),)](
+            packed[pb:], meta[2 * (b // block_size):], out if indices is not None else out[b:], idx[b:],
+            numel - b, nbytes - pb, EVEN=False, WORDS=False, **consts)
 
 
 def scatter_add(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

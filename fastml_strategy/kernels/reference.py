@@ -6,19 +6,22 @@ A 1-D tensor ``x`` of ``n`` elements (fp32, fp16 or bf16; computed in fp32) is c
 ``block_size`` elements (a power of two >= 8; the last block may be partial). With ``L = 2**bits - 1``:
 
 1. ``v = x + residual`` (fp32) when a residual is given, else ``v = x``.
-2. Per block: ``mn = min(v)``, ``mx = max(v)``; ``scale = (mx - mn) / L``; ``inv = 1 / scale`` if
-   ``scale > 0`` else ``0``. The block is *representable* if its top code decodes to a finite number:
-   ``mn + L * scale`` (fp32, a multiply then an add, as in step 7) is finite. It is not for a block
-   holding a NaN or an inf, nor for one whose range exceeds fp32 (``max - min > FLT_MAX``, as in
-   ``[-3e38, 3e38]``): no ``(mn, scale)`` can decode such a block's largest values to finite numbers.
+2. Per block: ``mn = min(v)``, ``mx = max(v)``; ``scale = (mx - mn) / L``. If ``mx - mn`` overflows
+   to inf while ``mn`` and ``mx`` are finite, ``scale = min(2 * ((mx * 0.5 - mn * 0.5) / L), FLT_MAX)``
+   (halving is exact there; the cap only bites for ``bits = 1``). ``inv = 1 / scale`` if
+   ``scale > 0`` else ``0``. (One division for the scale in either case: kernels compute
+   ``(overflow ? mx * 0.5 - mn * 0.5 : mx - mn) / L``.) The block is *representable* when
+   ``mx - mn`` and ``mn + L * scale`` (fp32, a multiply then an add, as in step 7) are both finite.
+   A block whose range exceeds fp32 (``max - min > FLT_MAX``, as in ``[-3e38, 3e38]``) is not: step 7
+   cannot decode its largest values to finite numbers (they became inf, or for ``bits = 1`` a value
+   far below ``mx``), so it is non-finite (step 4) whatever its scale.
 3. ``q = clamp(floor((v - mn) * inv + u), 0, L)`` with ``u = 0.5`` (round to nearest) or, for
    stochastic rounding, ``u = uniform(seed, i)`` of the element's index ``i`` in ``x`` (see
    :func:`uniform`), so the same seed gives the same bytes on every backend. A NaN there (``0 * inf``
    when ``scale`` is subnormal and ``inv`` overflows) gives ``q = 0``.
-4. A block that is not representable (a NaN, an inf, or a range beyond fp32) is *non-finite*: its
-   metadata is ``(nan, nan)``, its codes are 0, and it decodes to NaN everywhere, so a non-finite
-   gradient reaches every rank (GradScaler then skips the step on all of them). Its residual is left
-   unchanged.
+4. A block holding a NaN or an inf, or not representable (step 2), is *non-finite*: its metadata is
+   ``(nan, nan)``, its codes are 0, and it decodes to NaN everywhere, so a non-finite gradient reaches
+   every rank (GradScaler then skips the step on all of them). Its residual is left unchanged.
 5. Metadata: fp32 tensor of shape ``(nblocks, 2)``: ``[:, 0] = mn``, ``[:, 1] = scale``.
 6. Packing: the codes form a little-endian bit stream: element ``i`` occupies stream bits
    ``[i*bits, (i+1)*bits)``, byte ``k`` holds stream bits ``[8k, 8k+8)`` (bit 0 = least significant).
@@ -155,11 +158,16 @@ def _padded_blocks(
 
 def _block_meta(v2: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     mn, mx = torch.aminmax(v2, dim=1)
-    scale = (mx - mn) / levels
-    # Representable (step 2): the top code decodes to a finite number. A block spanning more than
-    # fp32's range would otherwise decode its largest values to inf under finite-looking metadata
-    # (and error feedback would store -inf residuals).
-    finite = torch.isfinite(mn) & torch.isfinite(mx) & torch.isfinite(mn + scale * float(levels))
+    finite = torch.isfinite(mn) & torch.isfinite(mx)
+    diff = mx - mn
+    scale = diff / levels
+    overflow = torch.isinf(diff) & finite
+    if bool(overflow.any()):
+        wide = ((mx * 0.5 - mn * 0.5) / levels * 2).clamp_(max=FLT_MAX)
+        scale = torch.where(overflow, wide, scale)
+    # Representable (step 2). Without this, a block spanning more than fp32's range kept finite
+    # metadata but decoded its largest values to inf, and error feedback stored -inf residuals.
+    finite = finite & torch.isfinite(diff) & torch.isfinite(mn + scale * float(levels))
     return mn, scale, finite
 
 

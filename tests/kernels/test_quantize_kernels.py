@@ -269,6 +269,40 @@ def test_write_into_send_buffer_views(backend, device):
     assert (buf[8 * nb + nbytes:] == 0).all()  # nothing written past the payload
 
 
+@pytest.mark.parametrize("offset", [1, 2, 3])
+def test_misaligned_packed_out(backend, device, offset):
+    """A payload view at an odd byte offset: no word stores there, same bytes."""
+    n, bits = 5000, 4
+    x = make_input(n, torch.float32, seed=offset).to(device)
+    buf = torch.zeros(packed_nbytes(n, bits) + 8, dtype=torch.uint8, device=device)
+    view = buf[offset: offset + packed_nbytes(n, bits)]
+    quantize(x, bits, 64, backend=backend, packed_out=view)
+    assert_same(view, quantize_reference(x.cpu(), bits, 64)[0])
+    y = dequantize(view, quantize_reference(x.cpu(), bits, 64)[1].to(device), n, bits, 64, backend=backend)
+    assert_same(y, dequantize_reference(*quantize_reference(x.cpu(), bits, 64), n, bits, 64))
+
+
+def test_cpu_threads_bit_exact(monkeypatch):
+    """The compiled path split over threads (contiguous block ranges) gives the same bytes."""
+    from fastml_strategy.kernels import cpu
+
+    if not cpu.available():
+        pytest.skip("compiled CPU path unavailable")
+    monkeypatch.setenv("FASTML_CPU_THREADS", "3")
+    n = 3 * cpu._MIN_ELEMS_PER_THREAD + 1234
+    x = make_input(n, torch.bfloat16, seed=9)
+    r = torch.randn(n) * 0.01
+    r_ref, r_got = r.clone(), r.clone()
+    ref = quantize_reference(x, 5, 512, True, 3, r_ref)
+    got = cpu.quantize(x, 5, 512, True, 3, r_got)
+    assert_same(got[0], ref[0])
+    assert_same(got[1], ref[1])
+    assert_same(r_got, r_ref)
+    out = torch.randn(n)
+    expected = out + dequantize_reference(*ref, n, 5, 512)
+    assert_same(cpu.dequantize(*ref, n, 5, 512, out=out, accumulate=True), expected)
+
+
 def test_empty_tensor(backend, device):
     p, m = quantize(torch.empty(0, device=device), 4, backend=backend)
     assert p.numel() == 0 and m.shape == (0, 2)

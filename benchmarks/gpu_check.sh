@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# One-shot GPU check of the codec kernels (issue 3). Made for an H200 with a 15-minute budget:
+# at most ~4.5 minutes (steps time out at 90 s and 160 s), every result written as it comes.
+#
+#   OUT=/path/to/results bash benchmarks/gpu_check.sh        # from the repository root
+#
+# Steps (outputs under $OUT):
+#   env.txt                  GPU, driver, torch/triton versions
+#   bench_cuda.txt / .csv    codec throughput on CUDA, 1 GB fp32, bits 1-8, Triton and the torch
+#                            reference, beside copy/clone; int4 launch-shape sweep; full-size
+#                            bit-exactness of Triton against the reference (--verify)
+#                            (target: int4 encode >= 3 TB/s of fp32 input; H200 copy ~4.3 TB/s)
+#   tests_cuda.txt           tests/kernels with the tensors on the GPU (FASTML_TEST_DEVICE=cuda) and
+#                            Triton compiled for real (TRITON_INTERPRET=0): bit-exact against the
+#                            CPU reference; about 220 kernel compilations, ~0.5 s each
+#   summary.txt              exit codes and the lines that matter
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/out/gpu}
+mkdir -p "$OUT"
+PY=${PY:-python3}   # the device image has python3, not always python
+export TRITON_INTERPRET=0 FASTML_TEST_DEVICE=cuda
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/fastml-triton-cache}"   # not under $OUT: no cache comes back
+export FASTML_CACHE_DIR="${FASTML_CACHE_DIR:-/tmp/fastml-cache}"
+T0=$(date +%s)
+
+{
+  date -u +"%Y-%m-%dT%H:%M:%SZ"
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv 2>&1
+  "$PY" - <<'EOF'
+import torch, triton, platform
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
+      "triton", triton.__version__)
+print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NO CUDA")
+EOF
+} > "$OUT/env.txt" 2>&1
+
+# 1. Benchmark (the figures the issue asks for), with the launch-shape sweep and a full-size check.
+timeout 90 "$PY" benchmarks/bench_codecs.py --device cuda --size-mb 1024 --reps 20 --budget-s 1 \
+    --backends triton,torch --sweep --verify --csv "$OUT/bench_codecs_cuda.csv" \
+    > "$OUT/bench_cuda.txt" 2>&1
+BENCH_RC=$?
+
+# 2. Kernel tests on the GPU (compiles ~220 kernel variants; the runtime itself is seconds).
+timeout 140 "$PY" -m pytest tests/kernels -q -rfE -p no:cacheprovider --durations=5 \
+    > "$OUT/tests_cuda.txt" 2>&1
+TEST_RC=$?
+
+# 3. End to end: the hook on CUDA/NCCL (one GPU, so one rank), DDP vs FastML recipes, 25.2M MLP.
+timeout 90 "$PY" -m torch.distributed.run --nproc_per_node 1 benchmarks/gpu_e2e.py \
+    --csv "$OUT/gpu_e2e.csv" > "$OUT/e2e.txt" 2>&1
+E2E_RC=$?
+
+{
+  echo "e2e exit $E2E_RC"
+  tail -8 "$OUT/e2e.txt"
+  echo "bench exit $BENCH_RC (124 = timed out), tests exit $TEST_RC (124 = timed out), $(( $(date +%s) - T0 )) s"
+  grep -E "verify|copy:|clone:" "$OUT/bench_cuda.txt"
+  grep -E "passed|failed|error" "$OUT/tests_cuda.txt" | tail -3
+} > "$OUT/summary.txt" 2>&1
+cat "$OUT/summary.txt"
