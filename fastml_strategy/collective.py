@@ -8,9 +8,10 @@ Algorithm (per bucket, on every rank; W ranks, this one ``r``)
    each parameter padded to whole quantization blocks so a block never mixes two layers' scales, and
    cut into W chunks on block boundaries. Small tensors (under ``plan.min_numel``) form an fp32 group.
 2. Error feedback: the quantizer reads ``grad + residual`` and writes the new residual into a second
-   buffer; the two are swapped only when the result is finite (the hook waits for the whole step: a
-   NaN/inf in any bucket, which makes GradScaler skip the step, leaves every residual untouched). Residuals are keyed by parameter name and
-   migrate when DDP rebuilds its buckets after the first iteration.
+   buffer; the two are swapped only when the result is finite. The hook commits a whole step at once:
+   a NaN/inf in any bucket, which makes GradScaler skip the step, leaves every residual untouched.
+   Residuals are keyed by parameter name and migrate when DDP rebuilds its buckets after the first
+   iteration.
 3. ``all_to_all_single``: rank j receives every rank's encoded chunk j. Each rank decodes the W copies
    of its chunk in rank order, sums them in fp32, divides by W, and re-encodes the mean.
 4. ``all_gather`` of [the re-encoded mean chunk | this rank's top-k values and indices]. Every rank,
