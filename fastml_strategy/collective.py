@@ -296,10 +296,10 @@ class CompressedAllReduce:
     @staticmethod
     def _check_headers(headers: list[torch.Tensor], stage: str,
                        cause: BaseException | None = None) -> None:
+        # One device-to-host copy of the W headers (64 bytes each), not of the messages behind them.
         # Headers are read in rank order, so every rank reports the same (lowest) failing rank with
         # the same text; the failing rank itself reads its own header too and chains its exception.
-        for h in headers:
-            h = h[:HEADER].cpu()  # the callers pass the rest of the message: read the header only
+        for h in torch.stack([h[:HEADER] for h in headers]).cpu().unbind(0):
             if int(h[:4].view(torch.int32)[0]) != _STATUS_OK:
                 rank = int(h[4:8].view(torch.int32)[0])
                 text = bytes(h[8:].tolist()).rstrip(b"\0").decode("utf-8", "replace")
@@ -416,7 +416,7 @@ class CompressedAllReduce:
 
     def _decode(self, lay: BucketLayout, buf: torch.Tensor) -> bool:
         W = self.world_size
-        finite = True
+        checks: list[torch.Tensor] = []  # one sync at the end, not one per chunk (GPU)
         grecv = lay.grecv.view(W, lay.gather_size)
         for g in lay.dense:
             x = g.view(buf)
@@ -427,9 +427,9 @@ class CompressedAllReduce:
                 codecs.decode_dense(chunk, b - a, g.cfg, x[a:b])
                 if g.cfg.codec is Codec.QUANTIZE and b > a:
                     nb = math.ceil((b - a) / g.cfg.block_size)
-                    finite = finite and bool(torch.isfinite(chunk[: 8 * nb].view(torch.float32)).all())
+                    checks.append(torch.isfinite(chunk[: 8 * nb].view(torch.float32)).all())
             if g.cfg.codec is not Codec.QUANTIZE:
-                finite = finite and bool(torch.isfinite(x).all())
+                checks.append(torch.isfinite(x).all())
             if not g.direct:
                 for p in g.params:
                     buf[p.boff: p.boff + p.numel].copy_(x[p.goff: p.goff + p.numel])
@@ -441,9 +441,9 @@ class CompressedAllReduce:
                 codecs.decode_topk_add(grecv[j, t.gather_off: t.gather_off + t.nbytes], p.numel,
                                        t.cfg, acc)
             acc.div_(W)
-            finite = finite and bool(torch.isfinite(acc).all())
+            checks.append(torch.isfinite(acc).all())
             buf[p.boff: p.boff + p.numel].copy_(acc)
-        return finite
+        return bool(torch.stack(checks).all()) if checks else True
 
     # -- statistics ---------------------------------------------------------------------------------------
     def layer_stats(self) -> dict[str, dict]:

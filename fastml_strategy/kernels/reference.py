@@ -160,10 +160,13 @@ def _block_meta(v2: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tens
     mn, mx = torch.aminmax(v2, dim=1)
     finite = torch.isfinite(mn) & torch.isfinite(mx)
     diff = mx - mn
-    scale = diff / levels
+    # Divide by a tensor, not a Python number: CUDA torch turns division by a CPU scalar into a
+    # multiplication by its reciprocal, which rounds differently from the IEEE division of the format.
+    lv = torch.full((), float(levels), dtype=torch.float32, device=v2.device)
+    scale = diff / lv
     overflow = torch.isinf(diff) & finite
     if bool(overflow.any()):
-        wide = ((mx * 0.5 - mn * 0.5) / levels * 2).clamp_(max=FLT_MAX)
+        wide = ((mx * 0.5 - mn * 0.5) / lv * 2).clamp_(max=FLT_MAX)
         scale = torch.where(overflow, wide, scale)
     # Representable (step 2). Without this, a block spanning more than fp32's range kept finite
     # metadata but decoded its largest values to inf, and error feedback stored -inf residuals.
