@@ -1,0 +1,462 @@
+"""The autotuner's driver: validate, profile, calibrate, search, measure, report.
+
+Everything that can be wrong with the inputs (target, catalog, link, numbers, storage URL) is checked
+in :func:`prepare`, before any profiling and before anything is written; outputs are written only at
+the end, each atomically. The Optuna storage (an SQLite file in the output folder by default) is the
+only thing written while the run is in progress: it is what lets a stopped run resume (the profile is
+cached in it too), and it is what several machines share when given an RDB URL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from fastml_strategy.autotune.catalog import HardwareOption, Link, load_catalog, parse_link
+from fastml_strategy.autotune.costmodel import (CANDIDATES, Convergence, Profile, evaluate, family,
+                                                fit_alpha_beta, fit_codec_scale, fit_convergence,
+                                                pareto_front, step_time)
+from fastml_strategy.autotune.workload import Workload, as_workload, load_target
+from fastml_strategy.config import DEFAULT_MIN_NUMEL, Plan
+
+__all__ = ["autotune", "AutotuneResult", "Settings", "prepare", "UNIFORM_RECIPES", "SCALING_NODES"]
+
+# The uniform recipes every report compares against (the issue's list), plus plain DDP.
+UNIFORM_RECIPES = ("none", "fp16", "int8", "int4", "int2", "topk1")
+SCALING_NODES = (8, 16, 32, 64, 128, 256, 512, 1024)
+LOCAL = "local"
+
+
+@dataclass
+class Settings:
+    """Validated inputs of one autotuning run."""
+
+    workload: Workload
+    target: str
+    out: Path
+    catalog: list[HardwareOption]
+    catalog_path: str
+    world_size: int
+    link: Link | None
+    storage_url: str
+    trials: int = 200
+    calibration_trials: int = 6
+    calibration_steps: int = 60
+    profile_steps: int = 5
+    measure_steps: int = 10
+    max_accuracy_loss: float = 0.01
+    target_steps: float | None = None
+    max_groups: int = 24
+    min_numel: int = DEFAULT_MIN_NUMEL
+    options: list[str] = field(default_factory=lambda: list(CANDIDATES))
+    verify_rounds: int = 2
+    seed: int = 0
+    progress: bool = True
+    distributed: bool = False
+    rank: int = 0
+    storage: Any = None  # the opened optuna storage (rank 0)
+    created_out: bool = False
+
+
+@dataclass
+class AutotuneResult:
+    """What a run produced (the files in ``out`` hold the same)."""
+
+    out: Path
+    plan: Plan
+    option: str  # the hardware option plan.json was tuned for
+    options: list[HardwareOption]
+    best: dict[str, dict[str, Any]]  # option -> best trial row
+    baseline: dict[str, dict[str, Any]]  # option -> uncompressed DDP row
+    profile: Profile
+    convergence: Convergence
+    calibration: list[dict[str, Any]]
+    trials: list[dict[str, Any]]
+    step_times: list[dict[str, Any]]
+    scaling: list[dict[str, Any]]
+    pareto: list[int] = field(default_factory=list)
+    groups: dict[str, list[str]] = field(default_factory=dict)
+
+
+def _positive_int(name: str, v: Any, minimum: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ValueError(f"{name} is {v!r}; give a whole number >= {minimum}")
+    return v
+
+
+def _check_storage(url: str) -> Any:
+    import optuna
+
+    try:
+        return optuna.storages.RDBStorage(url)
+    except Exception as e:  # driver missing, host unreachable, bad path: all one message
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"storage URL {url!r} is unreachable ({type(e).__name__}: {msg[:200]}); "
+                         f"check the URL, that the database server is up and its driver installed, "
+                         f"or leave --storage out for an SQLite file in --out") from None
+
+
+def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-autotune-out",
+            world_size: int | None = None, link: str | Link | None = None,
+            hardware: str | os.PathLike | None = None, trials: int = 200, storage: str | None = None,
+            calibration_trials: int = 6, calibration_steps: int = 60, profile_steps: int = 5,
+            measure_steps: int = 10, max_accuracy_loss: float = 0.01, target_steps: float | None = None,
+            max_groups: int = 24, min_numel: int = DEFAULT_MIN_NUMEL, options: list[str] | None = None,
+            verify_rounds: int = 2, seed: int = 0, progress: bool = True) -> Settings:
+    """Validate every input and open the storage; raise ValueError (one line) on the first problem.
+    Writes nothing unless everything else is valid (then: the output folder and the default SQLite)."""
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    out_p = Path(out)
+    if out_p.exists() and not out_p.is_dir():
+        raise ValueError(f"--out {str(out_p)!r} is a file; give a folder for the outputs")
+    for name, v, lo in (("--trials", trials, 1), ("--calibration-trials", calibration_trials, 1),
+                        ("--calibration-steps", calibration_steps, 10), ("--profile-steps", profile_steps, 1),
+                        ("--measure-steps", measure_steps, 1), ("--max-groups", max_groups, 1),
+                        ("--min-numel", min_numel, 0), ("--verify-rounds", verify_rounds, 0)):
+        _positive_int(name, v, lo)
+    if isinstance(max_accuracy_loss, bool) or not isinstance(max_accuracy_loss, (int, float)) \
+            or not max_accuracy_loss >= 0:
+        raise ValueError(f"--max-accuracy-loss is {max_accuracy_loss!r}; give a number >= 0 "
+                         f"(0.01 = one accuracy point, or 1% more final loss without an eval function)")
+    if target_steps is not None and not (isinstance(target_steps, (int, float)) and target_steps > 0):
+        raise ValueError(f"--target-steps is {target_steps!r}; give the number of steps uncompressed "
+                         f"training takes to reach your target (> 0)")
+    opts = list(options or CANDIDATES)
+    bad = [o for o in opts if o not in CANDIDATES]
+    if bad:
+        raise ValueError(f"codec option(s) {bad} unknown; choose from {list(CANDIDATES)}")
+    if distributed:
+        actual = dist.get_world_size()
+        if world_size is not None and world_size != actual:
+            raise ValueError(f"--world-size {world_size} but this run was launched with {actual} ranks; "
+                             f"leave --world-size out when launching distributed")
+        world_size = actual
+    elif world_size is None:
+        world_size = 2
+    _positive_int("--world-size", world_size, 1)
+    link_v = parse_link(link) if isinstance(link, str) else link
+    if link_v is not None and world_size < 2:
+        raise ValueError("--link describes the link between ranks, but --world-size is 1; "
+                         "give --world-size 2 or more")
+    # The catalog before the target: reading a file is cheaper than building a model.
+    catalog = load_catalog(hardware)
+    if isinstance(target, str):
+        wl = load_target(target)
+        tname = target
+    else:
+        wl = as_workload(target)
+        wl.validate()
+        tname = wl.name
+    created = False
+    st = None
+    url = storage
+    if rank == 0:
+        if storage is None:
+            created = not out_p.exists()
+            try:
+                out_p.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"--out {str(out_p)!r} cannot be created ({e.strerror}); "
+                                 f"give a writable folder") from None
+            url = f"sqlite:///{(out_p / 'autotune.db').resolve()}"
+        try:
+            st = _check_storage(url)
+        except ValueError:
+            if created:
+                shutil.rmtree(out_p, ignore_errors=True)
+            raise
+    return Settings(workload=wl, target=tname, out=out_p, catalog=catalog,
+                    catalog_path=str(hardware) if hardware else "built-in", world_size=world_size,
+                    link=link_v, storage_url=url or "", trials=trials,
+                    calibration_trials=calibration_trials, calibration_steps=calibration_steps,
+                    profile_steps=profile_steps, measure_steps=measure_steps,
+                    max_accuracy_loss=float(max_accuracy_loss), target_steps=target_steps,
+                    max_groups=max_groups, min_numel=min_numel, options=opts,
+                    verify_rounds=verify_rounds, seed=seed,
+                    progress=progress, distributed=distributed, rank=rank, storage=st,
+                    created_out=created)
+
+
+@dataclass
+class _Failed:
+    message: str
+
+
+def _fingerprint(s: Settings) -> str:
+    shapes = [(n, tuple(p.shape)) for n, p in s.workload.model.named_parameters()]
+    key = json.dumps([s.workload.name, shapes, s.options, s.profile_steps, s.calibration_steps,
+                      s.seed, s.min_numel, s.max_groups, s.world_size], default=str)
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def _hash(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:10]
+
+
+def _broadcast(obj: Any, distributed: bool) -> Any:
+    if not distributed:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _plan_from_choice(profile: Profile, choice: Mapping[str, str], name: str,
+                      meta: Mapping[str, Any] | None = None) -> tuple[Plan, dict[str, Any]]:
+    layers = {lp.name: CANDIDATES[choice.get(lp.name, "none") if lp.tunable else "none"]
+              for lp in profile.layers}
+    plan = Plan(default=CANDIDATES["none"], layers=layers, min_numel=profile.min_numel, name=name)
+    d = plan.to_dict()
+    if meta:
+        d["meta"] = dict(meta)
+    return plan, d
+
+
+def autotune(target: str | Workload | Any, **kwargs: Any) -> AutotuneResult:
+    """Tune a per-layer plan for ``target`` and write the outputs to ``out``. See :func:`prepare` for
+    the keyword arguments (they mirror the ``fastml-autotune`` options)."""
+    return run(prepare(target, **kwargs))
+
+
+def run(s: Settings) -> AutotuneResult:
+    """Profile, calibrate, search, measure and report (rank 0 writes; every rank returns the result)."""
+    from tqdm.auto import tqdm
+
+    from fastml_strategy.autotune import calibrate, profile as prof, report, search
+    from fastml_strategy.autotune.measure import (measure_distributed, measure_local,
+                                                  predict_local)
+
+    lead = s.rank == 0
+    fp = _fingerprint(s)
+    n_opts = len(s.catalog) + (1 if (s.distributed or s.link is not None) else 0)
+    trials_per_option = max(s.trials, len(s.options))
+    total = (s.profile_steps + 1 + s.calibration_trials + n_opts * trials_per_option
+             + (2 if s.distributed else len(UNIFORM_RECIPES) + 2) + 1
+             + (len(UNIFORM_RECIPES) + 1 if s.distributed else 0))
+    bar = tqdm(total=total, disable=not (s.progress and lead), unit="step", dynamic_ncols=True,
+               desc="fastml-autotune")
+    try:
+        # -- 1. profile (cached in the storage, so a resumed run skips it) -----------------------------
+        bar.set_description("profiling")
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        cal_name = f"fastml-{fp}-calibration"
+        profile: Profile | None = None
+        cached = None
+        if lead:
+            cal_study = optuna.create_study(storage=s.storage, study_name=cal_name,
+                                            direction="minimize", load_if_exists=True)
+            cached = cal_study.user_attrs.get("profile")
+        # Launched distributed, every rank profiles at once (rank 0's figures are kept): compute and
+        # codec times are then measured under the same contention as real training.
+        if _broadcast(cached is None, s.distributed):
+            measured = prof.profile_workload(s.workload, steps=s.profile_steps, options=s.options,
+                                             min_numel=s.min_numel, world_size=s.world_size,
+                                             progress=bar.update)
+            if lead:
+                profile = measured
+                cal_study.set_user_attr("profile", profile.to_dict())
+        elif lead:
+            profile = Profile.from_dict(cached)
+            bar.update(s.profile_steps)
+        if s.distributed:
+            samples = prof.measure_link()
+            if lead:
+                profile.link = fit_alpha_beta(samples, "measured")
+                profile.link_samples = samples
+        elif s.link is not None and lead:
+            profile.link = s.link
+        profile = _broadcast(profile, s.distributed)
+        options = list(s.catalog)
+        if profile.link is not None:
+            options.insert(0, HardwareOption(name=LOCAL, nodes=s.world_size, accelerators_per_node=1,
+                                             price_per_hour=0.0,
+                                             bandwidth_gbps=profile.link.bandwidth_Bps * 8 / 1e9,
+                                             latency_us=profile.link.latency_s * 1e6,
+                                             compute_speed=1.0, measured_link=profile.link))
+        groups = search.group_layers(profile, s.max_groups)
+        tunable = [n for names in groups.values() for n in names]
+        recipe_choices = {r: {n: r for n in tunable} for r in UNIFORM_RECIPES}
+
+        # -- 1b. distributed: time the uniform recipes for real and fit the codec-time scales -------
+        measured_pre: dict[str, float] = {}
+        if s.distributed:
+            bar.set_description("measuring recipes")
+            plans = {"ddp-fp32": None}
+            plans.update({r: _plan_from_choice(profile, c, r)[0] for r, c in recipe_choices.items()})
+            measured_pre = measure_distributed(s.workload, plans, steps=s.measure_steps)
+            bar.update(len(plans))
+            if lead:
+                profile.codec_scale = fit_codec_scale(
+                    profile, options[0], {r: measured_pre[r] for r in UNIFORM_RECIPES})
+
+        # -- 2. calibrate, 3. search (rank 0; the others wait in the broadcast below) -----------------
+        result_core: Any = None
+        if lead:
+            try:
+                result_core = _calibrate_and_search(s, profile, groups, options, cal_name, fp, bar,
+                                                    calibrate, search)
+            except Exception as e:  # tell the waiting ranks, or they would wait for the timeout
+                if s.distributed:
+                    _broadcast(_Failed(f"{type(e).__name__}: {e}"), True)
+                raise
+        result_core = _broadcast(result_core, s.distributed)
+        if isinstance(result_core, _Failed):
+            raise RuntimeError(f"rank 0 failed: {result_core.message}")
+        ref, points, conv, target_steps, rows, best, baseline, front, chosen = result_core
+
+        # -- 4. measure step times: the tuned plan (never used in a fit) and the recipes -----------
+        bar.set_description("measuring")
+        opt_by_name = {o.name: o for o in options}
+        tuned_choice = search.expand(groups, best[chosen]["choice"])
+        tuned_label = f"tuned ({chosen})"
+        choices: dict[str, dict[str, str] | None] = {
+            "ddp-fp32": None, tuned_label: tuned_choice if best[chosen]["use_hook"] else None}
+        step_rows = []
+        if s.distributed:
+            profile = _broadcast(profile if lead else None, True)  # with rank 0's codec scales
+            plans = {k: (None if c is None else _plan_from_choice(profile, c, k)[0])
+                     for k, c in choices.items()}
+            measured = measure_distributed(s.workload, plans, steps=s.measure_steps)
+            local = opt_by_name[LOCAL]
+            where = f"{s.world_size} ranks, measured link"
+            for k, c in {**choices, **recipe_choices}.items():
+                pred = step_time(profile, c or {}, local, hook=c is not None).step_s
+                fitted = k in recipe_choices and family(CANDIDATES[k]) in profile.codec_scale
+                step_rows.append({"plan": k, "where": where, "predicted_s": pred,
+                                  "measured_s": measured[k] if k in measured else measured_pre[k],
+                                  "used_in_fit": fitted})
+        elif lead:
+            choices.update(recipe_choices)
+            measured = measure_local(s.workload, choices, steps=s.measure_steps)
+            for k, c in choices.items():
+                step_rows.append({"plan": k, "where": "1 process: compute + codecs (no link)",
+                                  "predicted_s": predict_local(profile, c), "measured_s": measured[k],
+                                  "used_in_fit": False})
+        bar.update(len(choices))
+        for r in step_rows:
+            r["error_pct"] = 100.0 * (r["predicted_s"] - r["measured_s"]) / r["measured_s"]
+
+        # -- 5. scaling predictions and the report (rank 0) ----------------------------------------
+        scaling = []
+        for opt in options:
+            c = search.expand(groups, best[opt.name]["choice"]) if best[opt.name]["use_hook"] else None
+            for n in SCALING_NODES:
+                for label, ch in (("tuned", c), ("ddp-fp32", None)):
+                    br = step_time(profile, ch or {}, opt, nodes=n, hook=ch is not None)
+                    scaling.append({"option": opt.name, "nodes": n, "plan": label,
+                                    "step_s": br.step_s, "compute_s": br.compute_s,
+                                    "codec_s": br.codec_s, "exposed_comm_s": br.exposed_s,
+                                    "bytes_per_rank": br.bytes_per_rank})
+        main_plan, main_dict = _plan_from_choice(
+            profile, tuned_choice, f"autotuned-{chosen}",
+            meta=_meta(s, chosen, best[chosen], baseline[chosen], conv))
+        result = AutotuneResult(out=s.out, plan=main_plan, option=chosen, options=options, best=best,
+                                baseline=baseline, profile=profile, convergence=conv,
+                                calibration=points, trials=rows, step_times=step_rows,
+                                scaling=scaling, pareto=front, groups=dict(groups))
+        if lead:
+            bar.set_description("writing report")
+            per_option_plans = {
+                o.name: _plan_from_choice(profile, search.expand(groups, best[o.name]["choice"]),
+                                          f"autotuned-{o.name}",
+                                          meta=_meta(s, o.name, best[o.name], baseline[o.name], conv))[1]
+                for o in options}
+            report.write_outputs(result, s, main_dict, per_option_plans)
+            bar.update(1)
+        bar.set_description("done")
+        return result
+    finally:
+        bar.close()
+
+
+def _calibrate_and_search(s: Settings, profile: Profile, groups: Mapping[str, list[str]],
+                          options: list[HardwareOption], cal_name: str, fp: str, bar: Any,
+                          calibrate: Any, search: Any) -> tuple:
+    """Calibrate, search every option, then verify: train the plans the search chose, refit, and search
+    again, until every chosen plan has been trained or ``verify_rounds`` rounds are done.
+
+    Every study lives in the storage (search studies are named by the fit they used), so a resumed
+    run replays finished rounds from the database instead of recomputing them.
+    """
+    target_steps = float(s.target_steps or s.calibration_steps)
+    plans = calibrate.calibration_candidates(profile, groups, s.calibration_trials, s.seed)
+    trials_per_option = max(s.trials, len(s.options))
+    none_choice = {n: "none" for names in groups.values() for n in names}
+    rnd = 0
+    while True:
+        bar.set_description("calibrating" if rnd == 0 else f"verifying chosen plans (round {rnd})")
+        ref, points = calibrate.run_calibration(
+            s.workload, profile, groups, plans, storage=s.storage, study_name=cal_name,
+            steps=s.calibration_steps, seed=s.seed, progress=bar)
+        conv = fit_convergence(points, s.max_accuracy_loss)
+        rows: list[dict[str, Any]] = []
+        best: dict[str, dict[str, Any]] = {}
+        baseline: dict[str, dict[str, Any]] = {}
+        for opt in options:
+            bar.set_description(f"searching {opt.name}")
+            key = _hash([asdict(opt), asdict(opt.link), asdict(conv), target_steps, s.options,
+                         profile.codec_scale])
+            r = search.run_search(profile, groups, opt, conv, target_steps, storage=s.storage,
+                                  study_name=f"fastml-{fp}-search-{opt.name}-{key}",
+                                  trials=trials_per_option, seed=s.seed, progress=bar)
+            rows.extend(dict(x, kind="fastml") for x in r)
+            base = evaluate(profile, none_choice, opt, conv, target_steps, hook=False)
+            base.update(option=opt.name, choice={g: "none" for g in groups}, use_hook=False,
+                        objective=base["cost_usd"] if opt.price_per_hour > 0 else base["tta_s"])
+            baseline[opt.name] = base
+            rows.append(dict(base, trial=-1, kind="plain-ddp"))
+            # Plain DDP is a candidate too: where no compression pays (a fast link), say so.
+            b = search.best_row(r)
+            best[opt.name] = dict(b, use_hook=True) if b["objective"] < base["objective"] else dict(base)
+        tried = [p["choice"] for p in points]
+        new = []
+        for b in best.values():
+            c = b["choice"]
+            if c not in tried and c not in new and any(o != "none" for o in c.values()):
+                new.append(c)
+        if not new or rnd >= s.verify_rounds:
+            break
+        plans = list(plans) + new
+        rnd += 1
+        bar.total += len(new) + len(options) * trials_per_option
+        bar.refresh()
+    # The Pareto front compares priced options (a cluster you already have costs nothing here).
+    priced = {o.name for o in options if o.price_per_hour > 0}
+    feas = [i for i, r in enumerate(rows) if r["feasible"] and r["option"] in priced]
+    front = [feas[i] for i in pareto_front([(rows[i]["tta_s"], rows[i]["cost_usd"]) for i in feas])]
+    for i, r in enumerate(rows):
+        r["pareto"] = i in front
+    chosen = LOCAL if LOCAL in best else min(
+        (o.name for o in options), key=lambda n: (best[n]["cost_usd"], best[n]["tta_s"]))
+    return ref, points, conv, target_steps, rows, best, baseline, front, chosen
+
+
+def _meta(s: Settings, option: str, best: Mapping[str, Any], base: Mapping[str, Any],
+          conv: Convergence) -> dict[str, Any]:
+    def f(v: Any) -> Any:
+        return None if isinstance(v, float) and not math.isfinite(v) else v
+
+    return {
+        "tuned_by": "fastml-autotune",
+        "target": s.target,
+        "hardware_option": option,
+        "recommendation": ("register the hook with this plan" if best.get("use_hook", True) else
+                           "plain DDP: no compression pays on this option (this plan is fp32 throughout)"),
+        "world_size_ref": s.world_size,
+        "predicted": {k: f(best[k]) for k in ("step_s", "tta_s", "cost_usd", "error", "g")},
+        "uncompressed_ddp": {k: f(base[k]) for k in ("step_s", "tta_s", "cost_usd")},
+        "convergence": {"k": conv.k, "gamma": conv.gamma, "e_max": conv.e_max},
+    }

@@ -1,0 +1,265 @@
+"""Convergence calibration: how much slower does a plan of gradient error ``e`` train?
+
+The profile says what each plan's error is; this module measures what that error costs in steps.
+
+1. Reference: train the workload uncompressed for ``steps`` steps from its initial weights (fixed seed),
+   keeping the loss curve and, if the workload has one, the final eval metric.
+2. Candidates: the same run with :class:`~fastml_strategy.autotune.profile.SimulatedCompression`
+   (per-layer codecs with error feedback). The first candidates are uniform plans spread over the
+   error range (so the fit sees small and large errors); further ones are random per-group mixes.
+   After each search round the driver adds the plans the search chose (verification): one scalar
+   error does not capture every codec family equally (top-k with error feedback and quantization
+   of the same per-step error train differently), so the plan that will be used is always trained
+   once, and the fit and the feasible limit include it.
+3. Steps ratio. Both loss curves are smoothed (exponential moving average) and made monotone (running
+   minimum). At levels the reference reaches at 40%, 60% and 80% of the run, the candidate's crossing
+   step is divided by the reference's; the ratio is their geometric mean. A level the candidate never
+   reaches counts as ``run length / reference step`` and marks the point *censored* (a lower bound).
+4. Accuracy loss: reference metric minus candidate metric (eval function), or without one the relative
+   increase of the final smoothed training loss.
+5. Pruning: every few steps a trial reports its current lag (its step count over the step at which
+   the reference had the candidate's current loss); Optuna's ThresholdPruner stops trials more than
+   ``prune_ratio`` times behind after the first quarter. A pruned trial counts as failing the
+   accuracy limit. This is a single-objective study, so pruning works (Optuna 5 multi-objective
+   studies cannot prune).
+6. :func:`~fastml_strategy.autotune.costmodel.fit_convergence` fits ``g(e) = 1 + k e^gamma`` and the
+   largest feasible error.
+
+This is a single-rank simulation: each rank's gradient is compressed once, as the first half of the
+scatter-reduce-allgather does; the re-compression of the sum is not simulated (its error is of the same
+order and is partly averaged out across ranks).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from fastml_strategy.autotune.costmodel import CANDIDATES, Profile, plan_error
+from fastml_strategy.autotune.profile import SimulatedCompression
+from fastml_strategy.autotune.workload import Workload
+
+__all__ = ["train_curve", "smooth", "steps_ratio", "lag_ratio", "calibration_candidates",
+           "run_calibration"]
+
+
+def train_curve(wl: Workload, choice: Mapping[str, str] | None, steps: int, seed: int,
+                report: Callable[[int, list[float]], None] | None = None,
+                report_every: int = 5) -> tuple[list[float], float | None]:
+    """Train ``steps`` steps from the initial weights; return the loss curve and the eval metric."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % (2 ** 32))
+    model = wl.fresh_model()
+    model.train()
+    opt = wl.make_optimizer(model)
+    sim = None
+    if choice:
+        configs = {n: CANDIDATES[o] for n, o in choice.items() if o != "none"}
+        sim = SimulatedCompression(model, configs)
+    losses: list[float] = []
+    stream = wl.batch_stream()
+    for t in range(steps):
+        batch = next(stream)
+        opt.zero_grad(set_to_none=True)
+        loss = wl.loss_fn(model, batch)
+        loss.backward()
+        if sim is not None:
+            sim.apply()
+        opt.step()
+        v = float(loss.detach())
+        losses.append(v if math.isfinite(v) else math.inf)
+        if report is not None and (t + 1) % report_every == 0:
+            report(t + 1, losses)
+    metric = None
+    if wl.eval_fn is not None:
+        model.eval()
+        with torch.no_grad():
+            m = wl.eval_fn(model)
+        metric = None if m is None else float(m)
+    return losses, metric
+
+
+def smooth(losses: Sequence[float], span: int | None = None) -> np.ndarray:
+    """Exponential moving average (span ~ a tenth of the run, at least 5), then a running minimum."""
+    x = np.asarray(losses, dtype=float)
+    x = np.where(np.isfinite(x), x, np.nanmax(np.where(np.isfinite(x), x, np.nan)) * 10
+                 if np.isfinite(x).any() else 1e30)
+    span = span or _span(len(x))
+    alpha = 2.0 / (span + 1)
+    out = np.empty_like(x)
+    acc = x[0]
+    for i, v in enumerate(x):
+        acc = alpha * v + (1 - alpha) * acc
+        out[i] = acc
+    return np.minimum.accumulate(out)
+
+
+def _span(n: int) -> int:
+    return max(5, n // 10)
+
+
+def steps_ratio(ref: Sequence[float], cand: Sequence[float],
+                fractions: Sequence[float] = (0.4, 0.6, 0.8)) -> tuple[float, bool]:
+    """(steps the candidate needs / steps the reference needs, censored?) at the reference's levels.
+
+    The moving average lags a trend by ``(span - 1) / 2`` steps; crossing steps are corrected by that
+    lag (the same for both curves), or a candidate half as fast would look only 1.6x slower.
+    """
+    span = _span(len(ref))
+    lag = (span - 1) / 2
+    r = smooth(ref, span)
+    c = smooth(cand, span)
+    n = len(r)
+    ratios = []
+    censored = False
+    for f in fractions:
+        level = r[max(0, int(f * n) - 1)]
+        ref_step = max(1.0, int(np.argmax(r <= level)) + 1 - lag)
+        hit = np.nonzero(c <= level)[0]
+        if hit.size:
+            ratios.append(max(1.0, int(hit[0]) + 1 - lag) / ref_step)
+        else:
+            ratios.append(max(1.0, len(c) - lag) / ref_step)
+            censored = True
+    return float(np.exp(np.mean(np.log(ratios)))), censored
+
+
+def lag_ratio(ref_smoothed: np.ndarray, cand: Sequence[float]) -> float:
+    """How many times behind the reference the candidate is now (1 = on par; inf = above the
+    reference's starting loss)."""
+    c = smooth(cand, span=_span(len(ref_smoothed)))
+    now = c[-1]
+    hit = np.nonzero(ref_smoothed <= now)[0]
+    if not hit.size:
+        return 1.0  # better than anything the reference reached: not behind
+    ref_step = int(hit[0]) + 1
+    return len(cand) / ref_step
+
+
+def calibration_candidates(profile: Profile, groups: Mapping[str, list[str]], n: int,
+                           seed: int) -> list[dict[str, str]]:
+    """Group-level choices (group -> option) for the calibration trials: uniform options spread over
+    the error range first (log-spaced), then random mixes."""
+    lossy = [o for o in profile.options if o != "none"]
+    uniform = sorted(lossy, key=lambda o: plan_error(profile, {
+        n_: o for names in groups.values() for n_ in names}))
+    errs = [plan_error(profile, {n_: o for names in groups.values() for n_ in names}) for o in uniform]
+    uniform = [o for o, e in zip(uniform, errs) if e > 0]
+    picked: list[str] = []
+    k = min(n, len(uniform))
+    if k:
+        idx = np.unique(np.round(np.linspace(0, len(uniform) - 1, k)).astype(int))
+        picked = [uniform[i] for i in idx]
+    out = [{g: o for g in groups} for o in picked]
+    rng = random.Random(seed)
+    while len(out) < n:
+        out.append({g: rng.choice(profile.options) for g in groups})
+    return out
+
+
+def run_calibration(
+    wl: Workload,
+    profile: Profile,
+    groups: Mapping[str, list[str]],
+    plans: Sequence[Mapping[str, str]],
+    *,
+    storage: Any,
+    study_name: str,
+    steps: int,
+    seed: int,
+    prune_ratio: float = 3.0,
+    progress: Any = None,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Make sure every plan in ``plans`` (group -> option) has a finished calibration trial in the study
+    (running only the missing ones, so a stopped run resumes), and return the reference run and one
+    point per finished trial."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(
+        storage=storage, study_name=study_name, direction="minimize", load_if_exists=True,
+        sampler=optuna.samplers.RandomSampler(seed=seed),
+        pruner=optuna.pruners.ThresholdPruner(upper=prune_ratio, n_warmup_steps=max(1, steps // 4)),
+    )
+    ref = study.user_attrs.get("reference")
+    if ref is None:
+        losses, metric = train_curve(wl, None, steps, seed)
+        ref = {"losses": losses, "metric": metric}
+        study.set_user_attr("reference", ref)
+    if progress is not None:
+        progress.update(1)
+    ref_losses = ref["losses"]
+    ref_s = smooth(ref_losses)
+    names = list(groups)
+    keys = {g: f"g{i}" for i, g in enumerate(names)}
+    finished_states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    done = {tuple(sorted(t.params.items())) for t in study.trials if t.state in finished_states}
+    todo: list[dict[str, str]] = []
+    for p in plans:
+        params = {keys[g]: p[g] for g in names}
+        k = tuple(sorted(params.items()))
+        if k in done:
+            if progress is not None:
+                progress.update(1)
+            continue
+        done.add(k)
+        todo.append(params)
+    if todo:
+        for params in todo:
+            study.enqueue_trial(params, skip_if_exists=True)
+
+        def objective(trial: optuna.Trial) -> float:
+            gchoice = {g: trial.suggest_categorical(keys[g], profile.options) for g in names}
+            choice = {n: o for g, o in gchoice.items() for n in groups[g]}
+            e = plan_error(profile, choice)
+            trial.set_user_attr("error", e)
+
+            def report(step: int, losses: list[float]) -> None:
+                lag = lag_ratio(ref_s, losses)
+                trial.report(lag if math.isfinite(lag) else 1e9, step)
+                if trial.should_prune():
+                    trial.set_user_attr("pruned_at", step)
+                    raise optuna.TrialPruned()
+
+            losses, metric = train_curve(wl, choice, steps, seed, report=report,
+                                         report_every=max(1, steps // 10))
+            ratio, censored = steps_ratio(ref_losses, losses)
+            trial.set_user_attr("censored", censored)
+            trial.set_user_attr("metric", metric)
+            trial.set_user_attr("accuracy_loss", _accuracy_loss(ref, losses, metric))
+            return ratio
+
+        def tick(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+            if progress is not None:
+                progress.update(1)
+
+        study.optimize(objective, n_trials=len(todo), callbacks=[tick])
+    points = []
+    for t in study.trials:
+        choice = {g: t.params[keys[g]] for g in names if keys[g] in t.params}
+        if t.state is optuna.trial.TrialState.COMPLETE:
+            points.append({"trial": t.number, "error": t.user_attrs["error"], "ratio": t.value,
+                           "censored": t.user_attrs["censored"], "pruned": False,
+                           "accuracy_loss": t.user_attrs["accuracy_loss"],
+                           "metric": t.user_attrs.get("metric"), "choice": choice})
+        elif t.state is optuna.trial.TrialState.PRUNED:
+            last = t.intermediate_values[max(t.intermediate_values)] if t.intermediate_values else math.inf
+            points.append({"trial": t.number, "error": t.user_attrs.get("error", math.inf),
+                           "ratio": float(last), "censored": True, "pruned": True,
+                           "accuracy_loss": math.inf, "metric": None, "choice": choice})
+    return ref, points
+
+
+def _accuracy_loss(ref: Mapping[str, Any], losses: Sequence[float], metric: float | None) -> float:
+    if ref.get("metric") is not None and metric is not None:
+        return float(ref["metric"]) - float(metric)
+    r = smooth(ref["losses"])[-1]
+    c = smooth(losses, span=_span(len(ref["losses"])))[-1]
+    if not math.isfinite(c):
+        return math.inf
+    return float((c - r) / abs(r)) if r != 0 else float(c - r)

@@ -1,0 +1,163 @@
+"""``fastml-autotune``: the command-line front of :func:`fastml_strategy.autotune.autotune`.
+
+Exit status: 0 done; 2 bad input (target, catalog, link, storage URL, option values), reported as one
+line on stderr before anything is profiled or written; 1 a failure during the run; 130 interrupted
+(rerun the same command to resume from the storage).
+
+Distributed: ``torchrun --nproc_per_node N -m fastml_strategy.autotune.cli TARGET ...`` (or the
+``fastml-autotune`` script under torchrun): every rank loads the target, the link is measured with
+timed collectives, rank 0 searches and writes the outputs, all ranks measure the plans' step times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+from fastml_strategy.config import DEFAULT_MIN_NUMEL
+
+PROG = "fastml-autotune"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Choose per-layer gradient compression for a model by predicted time to accuracy "
+                    "and cost on each hardware option. Writes plan.json, report.html, report.md and "
+                    "CSV tables to --out.",
+        epilog="Example: fastml-autotune examples/mnist.py:workload --link 1gbit --world-size 8 "
+               "--trials 300 --out tune-out. Run it under torchrun to measure the link and the real "
+               "step times; a stopped run resumes from --storage.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("target", metavar="TARGET",
+                   help="your training code: path/to/file.py:factory or package.module:factory; the "
+                        "factory takes no arguments and returns a fastml_strategy.autotune.Workload, a "
+                        "LightningModule, or (LightningModule, LightningDataModule)")
+    p.add_argument("--world-size", type=int, default=None, metavar="N",
+                   help="ranks your training runs on, each with the workload's batch (the global batch "
+                        "is N times it); also the node count of --link's cluster. Default: the launched "
+                        "world size, else 2")
+    p.add_argument("--link", default=None, metavar="RATE",
+                   help="your own cluster's link per rank, e.g. 1gbit, 10gbit, 100mbit, 1gbit,50us; "
+                        "adds a 'local' option. Measured instead when launched distributed")
+    p.add_argument("--hardware", default=None, metavar="CATALOG",
+                   help="hardware catalog, YAML or CSV, one option per entry with fields name, nodes, "
+                        "accelerators_per_node, price_per_hour, bandwidth_gbps, latency_us, "
+                        "compute_speed. Default: the built-in catalog (Ethernet and InfiniBand clusters)")
+    p.add_argument("--trials", type=int, default=200, metavar="N",
+                   help="Optuna search trials per hardware option (model evaluations: cheap; at least "
+                        "one per codec option is always run)")
+    p.add_argument("--storage", default=None, metavar="URL",
+                   help="Optuna storage URL; default sqlite:///OUT/autotune.db, so rerunning the same "
+                        "command resumes a stopped run. An RDB URL (postgresql://...) lets several "
+                        "machines tune one study")
+    p.add_argument("--out", default="fastml-autotune-out", metavar="DIR", help="output folder")
+    g = p.add_argument_group("calibration and profiling")
+    g.add_argument("--calibration-trials", type=int, default=6, metavar="N",
+                   help="short training runs of candidate plans against uncompressed training")
+    g.add_argument("--calibration-steps", type=int, default=60, metavar="N",
+                   help="steps of each calibration run (at least 10)")
+    g.add_argument("--profile-steps", type=int, default=5, metavar="N",
+                   help="steps over which gradients, compute time and codec errors are measured")
+    g.add_argument("--measure-steps", type=int, default=10, metavar="N",
+                   help="timed steps per plan when checking predicted against measured step time")
+    g.add_argument("--max-accuracy-loss", type=float, default=0.01, metavar="X",
+                   help="largest accuracy loss allowed against uncompressed training (absolute, in the "
+                        "eval function's units; without one, relative increase of the final loss)")
+    g.add_argument("--target-steps", type=float, default=None, metavar="N",
+                   help="steps uncompressed training takes to reach your target; default: "
+                        "--calibration-steps (time and cost scale with it)")
+    g.add_argument("--max-groups", type=int, default=24, metavar="N",
+                   help="search at most N layer groups (layers differing only in block index share a "
+                        "choice; then similar sizes are merged)")
+    g.add_argument("--min-numel", type=int, default=DEFAULT_MIN_NUMEL, metavar="N",
+                   help="tensors with fewer elements travel uncompressed and are not searched")
+    g.add_argument("--verify-rounds", type=int, default=2, metavar="N",
+                   help="after the search, train the chosen plans, refit and search again, up to N "
+                        "times (0: trust the first calibration)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the samplers and the calibration runs")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def _init_distributed() -> bool:
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group(backend="gloo")
+    return True
+
+
+def _error(msg: str) -> None:
+    print(f"{PROG}: error: {' '.join(msg.split())}", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    distributed = _init_distributed()
+    from fastml_strategy.autotune._run import prepare, run
+
+    settings = None
+    failure = None
+    try:
+        settings = prepare(
+            args.target, out=args.out, world_size=args.world_size, link=args.link,
+            hardware=args.hardware, trials=args.trials, storage=args.storage,
+            calibration_trials=args.calibration_trials, calibration_steps=args.calibration_steps,
+            profile_steps=args.profile_steps, measure_steps=args.measure_steps,
+            max_accuracy_loss=args.max_accuracy_loss, target_steps=args.target_steps,
+            max_groups=args.max_groups, min_numel=args.min_numel,
+            verify_rounds=args.verify_rounds, seed=args.seed,
+            progress=not args.quiet)
+    except ValueError as e:
+        failure = str(e)
+    if distributed:  # every rank learns whether any rank failed validation, so none hangs
+        import torch
+        import torch.distributed as dist
+
+        flags = [torch.zeros(1) for _ in range(dist.get_world_size())]
+        dist.all_gather(flags, torch.tensor([0.0 if failure else 1.0]))
+        if not (failure is None and all(float(f) == 1.0 for f in flags)):
+            # One line in all: rank 0's message, or the lowest failing rank's.
+            first = min(i for i, f in enumerate(flags) if float(f) == 0.0)
+            if failure is not None and dist.get_rank() == first:
+                _error(failure)
+            dist.destroy_process_group()
+            return 2
+    if failure is not None:
+        _error(failure)
+        return 2
+    try:
+        result = run(settings)
+    except KeyboardInterrupt:
+        _error(f"interrupted; rerun the same command to resume from {settings.storage_url}")
+        return 130
+    except Exception as e:
+        _error(f"autotuning failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+        if os.environ.get("FASTML_DEBUG"):
+            raise
+        return 1
+    finally:
+        if distributed:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                try:
+                    dist.barrier()
+                finally:
+                    dist.destroy_process_group()
+    if settings.rank == 0:
+        b = result.best[result.option]
+        print(f"{PROG}: plan for {result.option}: predicted {1e3 * b['step_s']:.4g} ms/step, "
+              f"{b['tta_s'] / 3600:.4g} h, ${b['cost_usd']:.4g} to target; wrote {settings.out}/plan.json "
+              f"and report.html")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Measured step times, to check the cost model's predictions.
+
+Launched distributed (torchrun), each plan runs for real: the workload wrapped in DDP, FastML's hook
+registered (uncompressed DDP: no hook), a few warm-up steps, then the median of the timed steps; the
+slowest rank's figure counts. Plans take turns in rounds so that load from other processes on a
+shared machine is spread over all of them. In a single process there is no link to measure, so the check covers
+what can be measured: compute plus the codecs' round trips (:class:`SimulatedCompression`), against
+the model's prediction of the same (:func:`predict_local`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Mapping
+
+import torch
+
+from fastml_strategy.autotune.costmodel import CANDIDATES, Profile
+from fastml_strategy.autotune.profile import SimulatedCompression
+from fastml_strategy.autotune.workload import Workload
+from fastml_strategy.config import Plan
+
+__all__ = ["LossModule", "measure_distributed", "measure_local", "predict_local", "prefixed"]
+
+
+class LossModule(torch.nn.Module):
+    """``forward(batch) = loss_fn(model, batch)``, so that DDP sees the whole step's forward."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Any) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        return self.loss_fn(self.model, batch)
+
+
+def prefixed(plan: Plan, prefix: str) -> Plan:
+    """The same plan for parameters seen under ``prefix`` (exact names only; patterns get the prefix)."""
+    import re
+
+    layers = []
+    for k, v in plan.layers:
+        layers.append((f"re:{re.escape(prefix)}(?:{k[3:]})" if k.startswith("re:") else prefix + k, v))
+    return Plan(default=plan.default, layers=tuple(layers), min_numel=plan.min_numel, seed=plan.seed,
+                name=plan.name)
+
+
+def measure_distributed(wl: Workload, plans: Mapping[str, Plan | None], steps: int = 10,
+                        warmup: int = 3, rounds: int = 3) -> dict[str, float]:
+    """Seconds per step of each plan (None: plain DDP), as the slowest rank saw it. All ranks call.
+
+    Every plan gets its own DDP model (and hook) up front; then the plans take turns, ``rounds``
+    rounds of ``steps / rounds`` steps each, so load from other processes on a shared machine hits
+    every plan alike. Per plan: the median step on each rank, then the slowest rank.
+    """
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from fastml_strategy import register_hook
+
+    runs = {}
+    for label, plan in plans.items():
+        torch.manual_seed(0)
+        model = wl.fresh_model()
+        ddp = DDP(LossModule(model, wl.loss_fn))
+        if plan is not None:
+            register_hook(ddp, prefixed(plan, "model."))
+        runs[label] = (ddp, wl.make_optimizer(model), wl.batch_stream(), [])
+
+    def one_step(ddp: Any, opt: Any, stream: Any) -> float:
+        batch = next(stream)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        ddp(batch).backward()
+        opt.step()
+        return time.perf_counter() - t0
+
+    for ddp, opt, stream, _ in runs.values():
+        for _ in range(warmup):
+            one_step(ddp, opt, stream)
+    per_round = max(1, -(-steps // rounds))
+    for _ in range(rounds):
+        for ddp, opt, stream, times in runs.values():
+            dist.barrier()
+            times.extend(one_step(ddp, opt, stream) for _ in range(per_round))
+    t = torch.tensor([statistics.median(r[3]) for r in runs.values()], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return dict(zip(runs, t.tolist()))
+
+
+def measure_local(wl: Workload, choices: Mapping[str, Mapping[str, str] | None], steps: int = 10,
+                  warmup: int = 2, rounds: int = 3) -> dict[str, float]:
+    """Median seconds per step in one process: compute plus each layer's codec round trip (no link).
+
+    Plans take turns (``rounds`` rounds of ``steps / rounds`` steps each), so a burst of load from
+    other processes on a shared machine hits every plan alike; the median drops preempted steps.
+    """
+    runs = {}
+    for label, choice in choices.items():
+        torch.manual_seed(0)
+        model = wl.fresh_model()
+        opt = wl.make_optimizer(model)
+        sim = SimulatedCompression(model, {n: CANDIDATES[o] for n, o in (choice or {}).items()})
+        runs[label] = (model, opt, sim, wl.batch_stream(), [])
+
+    def one_step(model: Any, opt: Any, sim: Any, stream: Any) -> float:
+        batch = next(stream)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        wl.loss_fn(model, batch).backward()
+        sim.apply()
+        opt.step()
+        return time.perf_counter() - t0
+
+    for model, opt, sim, stream, _ in runs.values():
+        for _ in range(warmup):
+            one_step(model, opt, sim, stream)
+    per_round = max(1, -(-steps // rounds))
+    for _ in range(rounds):
+        for model, opt, sim, stream, times in runs.values():
+            times.extend(one_step(model, opt, sim, stream) for _ in range(per_round))
+    return {label: statistics.median(r[4]) for label, r in runs.items()}
+
+
+def predict_local(profile: Profile, choice: Mapping[str, str] | None) -> float:
+    """The model's single-process step time: compute plus one round trip per compressed layer."""
+    codec = 0.0
+    for lp in profile.layers:
+        o = (choice or {}).get(lp.name, "none")
+        if lp.tunable and o != "none":
+            codec += lp.codec_s[o]
+    return profile.compute_s + codec

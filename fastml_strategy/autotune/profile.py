@@ -1,0 +1,237 @@
+"""Profiling: the measured inputs of the cost model.
+
+1. Compute. A few real training steps of the workload, timing forward, backward and the optimizer, and
+   (with post-accumulate-grad hooks) when each parameter's gradient is ready in the backward pass, which
+   is what lets communication overlap backward.
+2. Per-layer error and codec speed. On the same steps, every candidate codec option compresses every
+   tunable layer's real gradient with ``fastml_strategy.codecs.roundtrip``, keeping one error-feedback
+   residual per (layer, option) as the hook would, so the error measured at step t includes what error
+   feedback carried over. The relative error of a layer is
+   ``sqrt(sum_t |decoded_t - grad_t|^2 / sum_t |grad_t|^2)``; its time is the median round trip.
+   The optimizer steps on the exact gradient, so the gradients seen are those of real training.
+3. The link. When launched distributed, timed ``all_reduce`` (ring: ``2(W-1)`` rounds, ``2(W-1)/W`` of the
+   size per rank) and ``all_gather`` (``W-1`` rounds and messages) at several sizes give
+   ``(rounds, bytes, seconds)`` samples for the alpha-beta fit; otherwise the link comes from ``--link`` or
+   the catalog.
+
+:class:`SimulatedCompression` is the single-process stand-in for the compressed all-reduce that the
+calibration trains with: the same per-layer codecs and error feedback, applied to one rank's gradient.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+
+from fastml_strategy.autotune.costmodel import CANDIDATES, LayerProfile, Profile
+from fastml_strategy.autotune.workload import Workload
+from fastml_strategy.config import CodecConfig
+
+__all__ = ["profile_workload", "measure_link", "SimulatedCompression"]
+
+
+class SimulatedCompression:
+    """Replace each parameter's gradient by ``decode(encode(grad + residual))``, with error feedback.
+
+    ``configs`` maps parameter names to CodecConfig (missing or fp32: untouched).
+    """
+
+    def __init__(self, model: torch.nn.Module, configs: Mapping[str, CodecConfig]) -> None:
+        from fastml_strategy.codecs import roundtrip
+
+        self._roundtrip = roundtrip
+        self.params = [(n, p, configs[n]) for n, p in model.named_parameters()
+                       if n in configs and configs[n].lossy]
+        self.residuals: dict[str, torch.Tensor] = {}
+
+    def apply(self) -> None:
+        for name, p, cfg in self.params:
+            if p.grad is None:
+                continue
+            g = p.grad
+            x = g + self.residuals[name] if name in self.residuals else g.clone()
+            dec, _ = self._roundtrip(x, cfg)
+            if cfg.uses_residual:
+                self.residuals[name] = x - dec
+            g.copy_(dec)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def profile_workload(
+    wl: Workload,
+    *,
+    steps: int = 5,
+    options: list[str] | None = None,
+    min_numel: int = 4096,
+    world_size: int = 1,
+    warmup: int = 2,
+    progress: Callable[[int], None] | None = None,
+) -> Profile:
+    """Measure compute time, gradient-ready times, and each layer's error and codec time per option."""
+    from fastml_strategy.codecs import roundtrip
+
+    if steps < 1:
+        raise ValueError(f"profile steps is {steps}; give at least 1")
+    options = list(options or CANDIDATES)
+    unknown = [o for o in options if o not in CANDIDATES]
+    if unknown:
+        raise ValueError(f"unknown codec option(s) {unknown}; choose from {list(CANDIDATES)}")
+    if "none" not in options:
+        options = ["none"] + options
+    model = wl.fresh_model()
+    model.train()
+    opt = wl.make_optimizer(model)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    index = {n: i for i, (n, _) in enumerate(named)}
+    ready: dict[str, float] = {}
+    t_bwd0 = [0.0]
+    handles = []
+    for n, p in named:
+        def hook(_p: torch.Tensor, n: str = n) -> None:
+            ready[n] = time.perf_counter() - t_bwd0[0]
+        handles.append(p.register_post_accumulate_grad_hook(hook))
+
+    stream: Iterator[Any] = wl.batch_stream()
+    fwd_t: list[float] = []
+    bwd_t: list[float] = []
+    opt_t: list[float] = []
+    ready_t: dict[str, list[float]] = {n: [] for n, _ in named}
+    err_sq: dict[tuple[str, str], float] = {}
+    grad_sq: dict[str, float] = {n: 0.0 for n, _ in named}
+    codec_t: dict[tuple[str, str], list[float]] = {}
+    residual: dict[tuple[str, str], torch.Tensor] = {}
+    tunable = {n for n, p in named if p.numel() >= min_numel}
+    try:
+        for step in range(warmup + steps):
+            measured = step >= warmup
+            batch = next(stream)
+            opt.zero_grad(set_to_none=True)
+            ready.clear()
+            _sync()
+            t0 = time.perf_counter()
+            loss = wl.loss_fn(model, batch)
+            _sync()
+            t1 = time.perf_counter()
+            t_bwd0[0] = t1
+            loss.backward()
+            _sync()
+            t2 = time.perf_counter()
+            if measured:
+                fwd_t.append(t1 - t0)
+                bwd_t.append(t2 - t1)
+                for n, _ in named:
+                    ready_t[n].append(ready.get(n, t2 - t1))
+                for n, p in named:
+                    if p.grad is None:
+                        continue
+                    g = p.grad.detach()
+                    gs = float(g.float().pow(2).sum())
+                    grad_sq[n] += gs / steps
+                    if n not in tunable:
+                        continue
+                    for o in options:  # "none" too: the hook's fp32 path still copies and sums
+                        cfg = CANDIDATES[o]
+                        key = (n, o)
+                        x = g + residual[key] if key in residual else g.clone()
+                        ta = time.perf_counter()
+                        dec, _ = roundtrip(x, cfg)
+                        _sync()
+                        codec_t.setdefault(key, []).append(time.perf_counter() - ta)
+                        if cfg.uses_residual:
+                            residual[key] = x - dec
+                        err_sq[key] = err_sq.get(key, 0.0) + float((dec - g).float().pow(2).sum())
+            t3 = time.perf_counter()
+            opt.step()
+            _sync()
+            if measured:
+                opt_t.append(time.perf_counter() - t3)
+                if progress is not None:
+                    progress(1)
+        # More compute-only steps, for a steadier median, while they are cheap (at most 20 steps
+        # or about 2 seconds): a single preempted step on a shared machine must not set the model.
+        t_start = time.perf_counter()
+        while len(fwd_t) < 20 and time.perf_counter() - t_start < 2.0:
+            batch = next(stream)
+            opt.zero_grad(set_to_none=True)
+            ready.clear()
+            _sync()
+            t0 = time.perf_counter()
+            loss = wl.loss_fn(model, batch)
+            _sync()
+            t1 = time.perf_counter()
+            t_bwd0[0] = t1
+            loss.backward()
+            _sync()
+            t2 = time.perf_counter()
+            opt.step()
+            _sync()
+            t3 = time.perf_counter()
+            fwd_t.append(t1 - t0)
+            bwd_t.append(t2 - t1)
+            opt_t.append(t3 - t2)
+            for n, _ in named:
+                ready_t[n].append(ready.get(n, t2 - t1))
+    finally:
+        for h in handles:
+            h.remove()
+
+    layers = []
+    for n, p in named:
+        lp = LayerProfile(name=n, numel=p.numel(), index=index[n],
+                          ready_s=statistics.median(ready_t[n]), grad_sq=grad_sq[n],
+                          tunable=n in tunable)
+        total = grad_sq[n] * steps
+        for o in options:
+            if n not in tunable:
+                lp.rel_error[o] = 0.0
+                lp.codec_s[o] = 0.0
+                continue
+            lp.rel_error[o] = (err_sq[(n, o)] / total) ** 0.5 if total > 0 else 0.0
+            lp.codec_s[o] = statistics.median(codec_t[(n, o)])
+        layers.append(lp)
+    return Profile(layers=layers, forward_s=statistics.median(fwd_t), backward_s=statistics.median(bwd_t),
+                   optimizer_s=statistics.median(opt_t), world_size=world_size, min_numel=min_numel,
+                   options=options)
+
+
+def measure_link(sizes: tuple[int, ...] = (1 << 14, 1 << 18, 1 << 20, 1 << 22),
+                 repeats: int = 3, group: Any = None) -> list[tuple[float, float, float]]:
+    """Time all_reduce and all_gather of fp32 tensors of ``sizes`` bytes on the current process group.
+
+    Every rank must call this. Returns ``(rounds, bytes_per_rank, seconds)`` samples (the slowest rank's
+    median time for each), ready for :func:`~fastml_strategy.autotune.costmodel.fit_alpha_beta`.
+    """
+    import torch.distributed as dist
+
+    w = dist.get_world_size(group)
+    rows: list[tuple[float, float, float]] = []
+    times: list[float] = []
+    for size in sizes:
+        numel = max(1, size // 4)
+        x = torch.ones(numel)
+        outs = [torch.empty(numel) for _ in range(w)]
+        for kind in ("all_reduce", "all_gather"):
+            ts = []
+            for _ in range(repeats + 1):
+                dist.barrier(group)
+                t0 = time.perf_counter()
+                if kind == "all_reduce":
+                    dist.all_reduce(x, group=group)
+                else:
+                    dist.all_gather(outs, x, group=group)
+                ts.append(time.perf_counter() - t0)
+            times.append(statistics.median(ts[1:]))
+            if kind == "all_reduce":
+                rows.append((2 * (w - 1), 2 * (w - 1) / w * 4 * numel, 0.0))
+            else:
+                rows.append((w - 1, (w - 1) * 4 * numel, 0.0))
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [(r, b, float(s)) for (r, b, _), s in zip(rows, t.tolist())]

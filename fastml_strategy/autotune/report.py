@@ -1,0 +1,351 @@
+"""The outputs: plan.json, report.html (self-contained, plots embedded as base64 PNG), report.md and CSV
+tables, every file written atomically (``fastml_strategy._io``), so a crash never leaves half a report.
+
+Plots use matplotlib's object-oriented API with the Agg canvas (no pyplot, so the user's backend and
+global figure state are untouched).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+from typing import TYPE_CHECKING, Any, Mapping
+
+import pandas as pd
+
+from fastml_strategy._io import atomic_open, atomic_write_text
+from fastml_strategy.autotune.costmodel import CANDIDATES
+from fastml_strategy.config import Codec, CodecConfig
+
+if TYPE_CHECKING:
+    from fastml_strategy.autotune._run import AutotuneResult, Settings
+
+__all__ = ["write_outputs", "bits_per_element", "OUTPUT_FILES"]
+
+OUTPUT_FILES = ("plan.json", "report.html", "report.md", "trials.csv", "layers.csv", "calibration.csv",
+                "step_times.csv", "scaling.csv", "options.csv")
+
+
+def bits_per_element(cfg: CodecConfig, numel: int) -> float:
+    """Bits one element costs in the encoded message (values, metadata and indices)."""
+    if cfg.codec is Codec.FP32:
+        return 32.0
+    if cfg.codec in (Codec.FP16, Codec.BF16):
+        return 16.0
+    if cfg.codec is Codec.QUANTIZE:
+        return cfg.bits + 64.0 / cfg.block_size
+    k = cfg.topk_k(numel)
+    value_bits = 32.0 if cfg.bits is None else cfg.bits + 64.0 / cfg.block_size
+    return k / numel * (32.0 + value_bits)
+
+
+def _sparsity(cfg: CodecConfig, numel: int) -> float:
+    return 1.0 - cfg.topk_k(numel) / numel if cfg.codec is Codec.TOPK else 0.0
+
+
+# -- tables --------------------------------------------------------------------------------------------
+def tables(result: "AutotuneResult") -> dict[str, pd.DataFrame]:
+    prof = result.profile
+    group_of = {n: g for g, names in result.groups.items() for n in names}
+    from fastml_strategy.autotune.search import expand
+
+    choice_by_opt = {o: expand(result.groups, r["choice"]) for o, r in result.best.items()}
+    layer_rows = []
+    for lp in prof.layers:
+        o = choice_by_opt[result.option].get(lp.name, "none") if lp.tunable else "none"
+        cfg = CANDIDATES[o]
+        row: dict[str, Any] = {
+            "name": lp.name, "numel": lp.numel, "tunable": lp.tunable, "group": group_of.get(lp.name, ""),
+            "grad_ready_ms": 1e3 * lp.ready_s, "grad_norm": math.sqrt(lp.grad_sq),
+            "codec": o, "bits_per_element": bits_per_element(cfg, lp.numel),
+            "sparsity": _sparsity(cfg, lp.numel), "rel_error": lp.rel_error.get(o, 0.0),
+        }
+        for opt_name, ch in choice_by_opt.items():
+            row[f"codec@{opt_name}"] = ch.get(lp.name, "none") if lp.tunable else "none"
+        for opt in prof.options:
+            row[f"err[{opt}]"] = lp.rel_error.get(opt, 0.0)
+        for opt in prof.options:
+            row[f"codec_ms[{opt}]"] = 1e3 * lp.codec_s.get(opt, 0.0)
+        layer_rows.append(row)
+    layers = pd.DataFrame(layer_rows)
+
+    trials = pd.DataFrame([{**{k: v for k, v in r.items() if k != "choice"},
+                            "choice": json.dumps(r["choice"])} for r in result.trials])
+    calib = pd.DataFrame([{**{k: v for k, v in p.items() if k != "choice"},
+                           "choice": json.dumps(p["choice"])} for p in result.calibration])
+    steps = pd.DataFrame(result.step_times)
+    scaling = pd.DataFrame(result.scaling)
+    opt_rows = []
+    for o in result.options:
+        b, d = result.best[o.name], result.baseline[o.name]
+        opt_rows.append({
+            "option": o.name, "use": "FastML plan" if b.get("use_hook", True) else "plain DDP",
+            "nodes": o.nodes, "ranks": o.ranks, "price_per_node_hour": o.price_per_hour,
+            "link": o.link.describe(), "compute_speed": o.compute_speed,
+            "tuned_step_ms": 1e3 * b["step_s"], "ddp_step_ms": 1e3 * d["step_s"],
+            "tuned_error": b["error"], "tuned_extra_steps_pct": 100 * (b["g"] - 1),
+            "tuned_hours": b["tta_s"] / 3600, "ddp_hours": d["tta_s"] / 3600,
+            "tuned_cost_usd": b["cost_usd"], "ddp_cost_usd": d["cost_usd"],
+            "speedup_vs_ddp": d["tta_s"] / b["tta_s"] if b["tta_s"] > 0 else float("nan"),
+        })
+    return {"layers": layers, "trials": trials, "calibration": calib, "step_times": steps,
+            "scaling": scaling, "options": pd.DataFrame(opt_rows)}
+
+
+# -- figures -------------------------------------------------------------------------------------------
+def _png(fig: Any) -> str:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _fig(w: float = 7.5, h: float = 3.6) -> Any:
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(w, h))
+
+
+def figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) -> dict[str, str]:
+    figs: dict[str, str] = {}
+    layers = t["layers"][t["layers"]["tunable"]]
+
+    # 1. per-layer bits and sparsity of the chosen plan
+    fig = _fig(max(6.0, 0.45 * len(layers) + 2), 3.8)
+    ax = fig.add_subplot(111)
+    x = list(range(len(layers)))
+    ax.bar(x, layers["bits_per_element"], color="#3b75af", label="bits per element")
+    ax.axhline(32, color="grey", lw=0.8, ls="--")
+    ax.set_ylabel("bits per element (fp32 = 32)")
+    ax.set_xticks(x, [n if len(n) < 28 else "..." + n[-25:] for n in layers["name"]], rotation=60,
+                  ha="right", fontsize=7)
+    ax2 = ax.twinx()
+    ax2.plot(x, layers["sparsity"], "o", color="#c0392b", label="sparsity (top-k)")
+    ax2.set_ylim(-0.02, 1.02)
+    ax2.set_ylabel("fraction of entries dropped")
+    ax.set_title(f"Per-layer compression of the tuned plan ({result.option})")
+    fig.legend(loc="upper right", fontsize=8)
+    figs["layers"] = _png(fig)
+
+    # 2. predicted vs measured step time
+    st = t["step_times"]
+    fig = _fig(5.5, 4.2)
+    ax = fig.add_subplot(111)
+    if len(st):
+        fit = st["used_in_fit"].astype(bool) if "used_in_fit" in st else pd.Series(False, index=st.index)
+        ax.scatter(1e3 * st["measured_s"][~fit], 1e3 * st["predicted_s"][~fit], color="#3b75af",
+                   label="checks (never fitted)")
+        if fit.any():
+            ax.scatter(1e3 * st["measured_s"][fit], 1e3 * st["predicted_s"][fit], facecolors="none",
+                       edgecolors="#3b75af", label="recipes used to fit codec speed")
+        for _, r in st.iterrows():
+            ax.annotate(r["plan"], (1e3 * r["measured_s"], 1e3 * r["predicted_s"]), fontsize=7,
+                        xytext=(3, 3), textcoords="offset points")
+        hi = 1.1e3 * max(st["measured_s"].max(), st["predicted_s"].max())
+        ax.plot([0, hi], [0, hi], color="grey", lw=0.8)
+        ax.fill_between([0, hi], [0, 0.85 * hi], [0, 1.15 * hi], color="grey", alpha=0.12,
+                        label="within 15%")
+        ax.legend(fontsize=8)
+        ax.set_title(f"Step time: predicted vs measured\n({st['where'].iloc[0]})", fontsize=9)
+    ax.set_xlabel("measured ms/step")
+    ax.set_ylabel("predicted ms/step")
+    figs["step_times"] = _png(fig)
+
+    # 3. Pareto front of time to accuracy vs cost (catalog options with a price)
+    tr = t["trials"]
+    fig = _fig(6.5, 4.2)
+    ax = fig.add_subplot(111)
+    priced = {o.name for o in result.options if o.price_per_hour > 0}
+    feas = tr[tr["feasible"] & tr["option"].isin(priced)] if len(tr) else tr
+    for name, g in feas.groupby("option"):
+        ax.scatter(g["tta_s"] / 3600, g["cost_usd"], s=8, alpha=0.35, label=f"{name} trials")
+    front = feas[feas["pareto"]].sort_values("tta_s") if len(feas) else feas
+    if len(front):
+        ax.plot(front["tta_s"] / 3600, front["cost_usd"], "k-o", ms=4, label="Pareto front")
+    for o in result.options:
+        if o.name in priced:
+            b = result.baseline[o.name]
+            ax.scatter([b["tta_s"] / 3600], [b["cost_usd"]], marker="x", s=50,
+                       label=f"{o.name} uncompressed DDP")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("predicted time to accuracy (hours)")
+    ax.set_ylabel("predicted cost (USD)")
+    ax.set_title("Time vs cost, every feasible plan on every priced option", fontsize=9)
+    ax.legend(fontsize=6)
+    figs["pareto"] = _png(fig)
+
+    # 4. time and cost per option vs uncompressed DDP
+    op = t["options"]
+    fig = _fig(8.5, 3.6)
+    ax1, ax2 = fig.add_subplot(121), fig.add_subplot(122)
+    x = list(range(len(op)))
+    w = 0.38
+    ax1.bar([i - w / 2 for i in x], op["ddp_hours"], w, label="uncompressed DDP", color="#999999")
+    ax1.bar([i + w / 2 for i in x], op["tuned_hours"], w, label="tuned plan", color="#3b75af")
+    ax1.set_ylabel("hours to target")
+    ax2.bar([i - w / 2 for i in x], op["ddp_cost_usd"], w, label="uncompressed DDP", color="#999999")
+    ax2.bar([i + w / 2 for i in x], op["tuned_cost_usd"], w, label="tuned plan", color="#3b75af")
+    ax2.set_ylabel("USD to target")
+    hours = [h for h in list(op["ddp_hours"]) + list(op["tuned_hours"]) if h > 0]
+    if hours and max(hours) / min(hours) > 50:  # options orders of magnitude apart
+        ax1.set_yscale("log")
+    for a in (ax1, ax2):
+        a.set_xticks(x, op["option"], rotation=30, ha="right", fontsize=7)
+    ax1.legend(fontsize=7)
+    fig.suptitle("Time and cost per hardware option", fontsize=10)
+    figs["options"] = _png(fig)
+
+    # 5. scaling predictions
+    sc = t["scaling"]
+    fig = _fig(6.5, 4.0)
+    ax = fig.add_subplot(111)
+    for name, g in sc.groupby("option", sort=False):
+        tu = g[g["plan"] == "tuned"]
+        dd = g[g["plan"] == "ddp-fp32"]
+        line, = ax.plot(tu["nodes"], 1e3 * tu["step_s"], "-o", ms=3, label=f"{name} tuned")
+        ax.plot(dd["nodes"], 1e3 * dd["step_s"], "--", color=line.get_color(), label=f"{name} DDP")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("nodes (same global batch)")
+    ax.set_ylabel("predicted ms/step")
+    ax.set_title("Predicted step time, 8 to 1024 nodes", fontsize=9)
+    ax.legend(fontsize=6)
+    figs["scaling"] = _png(fig)
+
+    # 6. calibration: g(e)
+    cal = t["calibration"]
+    fig = _fig(5.5, 3.8)
+    ax = fig.add_subplot(111)
+    conv = result.convergence
+    if len(cal):
+        ok = cal[~cal["pruned"]]
+        ax.scatter(ok["error"], ok["ratio"], label="calibration trials")
+        pr = cal[cal["pruned"] & cal["error"].apply(math.isfinite)]
+        if len(pr):
+            ax.scatter(pr["error"], pr["ratio"], marker="^", color="#c0392b", label="pruned (lower bound)")
+        finite = cal["error"][cal["error"].apply(math.isfinite)]
+        hi = max(float(finite.max()) if len(finite) else 0.0, conv.e_max, 1e-3) * 1.1
+        es = [hi * i / 100 for i in range(101)]
+        ax.plot(es, [conv.g(e) for e in es], color="black", lw=1,
+                label=f"g(e) = 1 + {conv.k:.3g} e^{conv.gamma:.2g}")
+        ax.axvline(conv.e_max, color="#c0392b", ls=":", label=f"e_max = {conv.e_max:.3g}")
+    ax.set_xlabel("plan gradient error e")
+    ax.set_ylabel("steps needed / uncompressed")
+    ax.legend(fontsize=7)
+    ax.set_title("Convergence calibration", fontsize=9)
+    figs["calibration"] = _png(fig)
+    return figs
+
+
+# -- documents -----------------------------------------------------------------------------------------
+def _fmt(df: pd.DataFrame, cols: list[str] | None = None) -> pd.DataFrame:
+    d = df[cols] if cols else df
+    return d.copy().map(lambda v: f"{v:.4g}" if isinstance(v, float) else v)
+
+
+def _summary(result: "AutotuneResult", s: "Settings") -> list[str]:
+    b, d = result.best[result.option], result.baseline[result.option]
+    conv = result.convergence
+    prof = result.profile
+    lines = [
+        f"Target `{s.target}`, reference world size {s.world_size}, {len(prof.layers)} parameters "
+        f"({sum(lp.tunable for lp in prof.layers)} tuned in {len(result.groups)} groups), "
+        f"catalog: {s.catalog_path}.",
+        f"plan.json is tuned for **{result.option}**: predicted {1e3 * b['step_s']:.4g} ms/step "
+        f"(uncompressed DDP {1e3 * d['step_s']:.4g} ms), gradient error {b['error']:.3g}, "
+        f"{100 * (b['g'] - 1):.3g}% extra steps, time to target {b['tta_s'] / 3600:.4g} h "
+        f"(DDP {d['tta_s'] / 3600:.4g} h).",
+        f"Compute per step {1e3 * prof.compute_s:.4g} ms (forward {1e3 * prof.forward_s:.3g}, backward "
+        f"{1e3 * prof.backward_s:.3g}, optimizer {1e3 * prof.optimizer_s:.3g})."
+        + (f" Link: {prof.link.describe()}." if prof.link else " Link: from the catalog."),
+        f"Convergence: g(e) = 1 + {conv.k:.3g} e^{conv.gamma:.2g}; plans with error above "
+        f"{conv.e_max:.3g} lost more than {s.max_accuracy_loss:g} accuracy in calibration and are "
+        f"excluded. Steps to target, uncompressed: {b['steps'] / b['g']:.4g} (--target-steps).",
+    ]
+    return lines
+
+
+def markdown(result: "AutotuneResult", s: "Settings", t: Mapping[str, pd.DataFrame]) -> str:
+    out = ["# fastml-autotune report", ""]
+    out += [f"- {line}" for line in _summary(result, s)]
+    out += ["", "## Hardware options (predicted)", "",
+            _fmt(t["options"], ["option", "use", "nodes", "price_per_node_hour", "tuned_step_ms", "ddp_step_ms",
+                                "tuned_hours", "ddp_hours", "tuned_cost_usd", "ddp_cost_usd",
+                                "speedup_vs_ddp"]).to_markdown(index=False),
+            "", "## Step time: predicted vs measured", "",
+            _fmt(t["step_times"]).to_markdown(index=False) if len(t["step_times"]) else "(not measured)",
+            "", "## Per-layer plan", "",
+            _fmt(t["layers"], ["name", "numel", "codec", "bits_per_element", "sparsity",
+                               "rel_error"]).to_markdown(index=False),
+            "", "## Pareto front (time vs cost)", ""]
+    tr = t["trials"]
+    front = tr[tr["pareto"]].sort_values("tta_s") if len(tr) else tr
+    if len(front):
+        f = front.assign(hours=front["tta_s"] / 3600)
+        out.append(_fmt(f, ["option", "trial", "hours", "cost_usd", "error", "step_s"]).to_markdown(index=False))
+    out += ["", "Files: plan.json, plans/*.json (one per option), report.html, and the CSV tables "
+            + ", ".join(n for n in OUTPUT_FILES if n.endswith(".csv")) + ".", ""]
+    return "\n".join(out)
+
+
+def html_report(result: "AutotuneResult", s: "Settings", t: Mapping[str, pd.DataFrame],
+                figs: Mapping[str, str]) -> str:
+    def img(key: str, alt: str) -> str:
+        return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{figs[key]}">'
+
+    def table(df: pd.DataFrame) -> str:
+        return _fmt(df).to_html(index=False, border=0, classes="t", escape=True)
+
+    summary = "".join(f"<li>{html.escape(line).replace('**', '')}</li>" for line in _summary(result, s))
+    tr = t["trials"]
+    front = tr[tr["pareto"]].sort_values("tta_s") if len(tr) else tr
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>fastml-autotune report</title>",
+        "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222}"
+        "table.t{border-collapse:collapse;font-size:12px}table.t td,table.t th{padding:2px 8px;"
+        "border-bottom:1px solid #ddd;text-align:right}img{max-width:100%}h2{margin-top:1.6em}</style>",
+        "</head><body><h1>fastml-autotune report</h1>", f"<ul>{summary}</ul>",
+        "<h2>Time and cost per hardware option vs uncompressed DDP</h2>", img("options", "options"),
+        table(t["options"]),
+        "<h2>Pareto front: time to accuracy vs cost</h2>", img("pareto", "pareto front"),
+        table(front.assign(hours=front["tta_s"] / 3600)[["option", "trial", "hours", "cost_usd", "error",
+                                                          "step_s"]]) if len(front) else "",
+        "<h2>Per-layer bits and sparsity</h2>", img("layers", "per-layer bits"),
+        table(t["layers"][["name", "numel", "group", "codec", "bits_per_element", "sparsity", "rel_error",
+                           "grad_ready_ms"]]),
+        "<h2>Predicted vs measured step time</h2>", img("step_times", "predicted vs measured"),
+        table(t["step_times"]) if len(t["step_times"]) else "<p>not measured</p>",
+        "<h2>Predicted step time for larger clusters</h2>", img("scaling", "scaling"),
+        "<h2>Convergence calibration</h2>", img("calibration", "calibration"), table(t["calibration"]),
+        "</body></html>",
+    ]
+    return "\n".join(parts)
+
+
+def write_outputs(result: "AutotuneResult", s: "Settings", plan_dict: Mapping[str, Any],
+                  per_option: Mapping[str, Mapping[str, Any]]) -> None:
+    """Write every output into ``s.out``, each file atomically."""
+    t = tables(result)
+    figs = figures(result, t)
+    out = s.out
+    for name in ("trials", "layers", "calibration", "step_times", "scaling", "options"):
+        with atomic_open(out / f"{name}.csv", "w") as f:
+            t[name].to_csv(f, index=False)
+    for opt, d in per_option.items():
+        atomic_write_text(out / "plans" / f"{opt}.json", json.dumps(d, indent=2) + "\n")
+    atomic_write_text(out / "report.md", markdown(result, s, t))
+    atomic_write_text(out / "report.html", html_report(result, s, t, figs))
+    # plan.json last: its presence means the run finished.
+    atomic_write_text(out / "plan.json", json.dumps(plan_dict, indent=2, default=_json_default) + "\n")
+
+
+def _json_default(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    raise TypeError(type(v).__name__)

@@ -1,0 +1,172 @@
+"""The plan search: Optuna over per-layer (or per-group) codec choices, one study per hardware option.
+
+Search space. Each tunable layer (``numel >= min_numel``) picks one of the profiled codec options.
+Large models are searched by *groups*: layers whose names differ only in their numeric indices
+(``blocks.3.attn.qkv.weight`` and ``blocks.7.attn.qkv.weight``) play the same role and share a choice;
+when that still leaves more than ``max_groups`` groups, groups of similar size are merged (sorted by
+size, cut into ``max_groups`` runs of near-equal count), since the cost model's trade-off depends
+mostly on a layer's size and error.
+
+Objective, per option ``c``: the predicted cost ``S_ref g(e(p)) T(p, c) N P / 3600`` in USD (the time to
+accuracy when the option has no price, e.g. the user's own cluster), under the constraint
+``e(p) <= e_max`` from the calibration (``Trial.set_constraint``, so TPE learns the feasible region
+instead of seeing a penalty cliff). A trial is a cost-model evaluation, so the study runs in memory
+and is saved to the storage afterwards (resumed runs read it back).
+
+Seeding. Before TPE starts, the study gets the uniform plans (every group on one option) and a
+Lagrangian sweep in the spirit of L-GreCo: for a multiplier ``lam`` each layer independently takes the
+option minimising ``time_l + lam * w_l e_l^2`` (its own wire + codec time, and its share of the
+plan's squared error), which for additive costs traces the best time-error trade-off; TPE then
+refines with the full model (overlap, latency rounds, g(e)). The tuned plan is therefore never
+predicted worse than the best uniform recipe.
+
+The Pareto front of (time to accuracy, cost) over all feasible trials of all options is computed after
+the studies (a multi-objective study would lose the per-option constraint handling and pruning).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import OrderedDict
+from typing import Any, Mapping
+
+import numpy as np
+
+from fastml_strategy.autotune.catalog import HardwareOption
+from fastml_strategy.autotune.costmodel import Convergence, Profile, evaluate
+
+__all__ = ["group_layers", "lagrangian_plans", "run_search", "expand"]
+
+
+def group_layers(profile: Profile, max_groups: int = 24) -> "OrderedDict[str, list[str]]":
+    """Tunable layer names grouped by role (numeric indices removed), at most ``max_groups`` groups."""
+    if max_groups < 1:
+        raise ValueError(f"max_groups is {max_groups}; give at least 1")
+    tunable = [lp for lp in profile.layers if lp.tunable]
+    if len(tunable) <= max_groups:
+        return OrderedDict((lp.name, [lp.name]) for lp in tunable)
+    by_role: "OrderedDict[str, list[str]]" = OrderedDict()
+    for lp in tunable:
+        key = re.sub(r"(?<=\.)\d+(?=\.)|^\d+(?=\.)", "*", lp.name)
+        by_role.setdefault(key, []).append(lp.name)
+    if len(by_role) <= max_groups:
+        return by_role
+    size = {k: sum(profile.layer(n).numel for n in v) for k, v in by_role.items()}
+    keys = sorted(by_role, key=lambda k: size[k])
+    merged: "OrderedDict[str, list[str]]" = OrderedDict()
+    for chunk in np.array_split(np.arange(len(keys)), max_groups):
+        ks = [keys[i] for i in chunk]
+        label = ks[0] if len(ks) == 1 else f"{ks[0]} (+{len(ks) - 1} of similar size)"
+        merged[label] = [n for k in ks for n in by_role[k]]
+    return merged
+
+
+def expand(groups: Mapping[str, list[str]], gchoice: Mapping[str, str]) -> dict[str, str]:
+    """Group choice -> layer choice."""
+    return {n: gchoice[g] for g, names in groups.items() for n in names}
+
+
+def lagrangian_plans(profile: Profile, groups: Mapping[str, list[str]], option: HardwareOption,
+                     count: int = 8) -> list[dict[str, str]]:
+    """Group choices on the time-error frontier (each group alone: min time + lam * error share)."""
+    from fastml_strategy.autotune.costmodel import step_time
+
+    base = {n: "none" for names in groups.values() for n in names}
+    t0 = step_time(profile, base, option)
+    den = sum(lp.grad_sq for lp in profile.layers) or 1.0
+    cost: dict[str, dict[str, tuple[float, float]]] = {}
+    for g, names in groups.items():
+        cost[g] = {}
+        for o in profile.options:
+            c = dict(base)
+            c.update({n: o for n in names})
+            t = step_time(profile, c, option)
+            dt = (t.codec_s + t.wire_s) - (t0.codec_s + t0.wire_s)
+            de = sum(profile.layer(n).grad_sq * profile.layer(n).rel_error[o] ** 2 for n in names) / den
+            cost[g][o] = (dt, de)
+    plans = []
+    for lam in np.logspace(-4, 4, count) * max(t0.wire_s + t0.codec_s, 1e-9):
+        plans.append({g: min(cost[g], key=lambda o: cost[g][o][0] + lam * cost[g][o][1])
+                      for g in groups})
+    unique = []
+    for p in plans:
+        if p not in unique:
+            unique.append(p)
+    return unique
+
+
+def _objective_value(r: Mapping[str, Any], option: HardwareOption) -> float:
+    return r["cost_usd"] if option.price_per_hour > 0 else r["tta_s"]
+
+
+def run_search(profile: Profile, groups: Mapping[str, list[str]], option: HardwareOption,
+               conv: Convergence, target_steps: float, *, storage: Any, study_name: str, trials: int,
+               seed: int, progress: Any = None) -> list[dict[str, Any]]:
+    """Search one option; return every finished trial as a row.
+
+    The study runs in memory (a trial is a cost-model evaluation, microseconds, while a database
+    commit per trial attribute would dominate) and is then saved to ``storage`` under
+    ``study_name`` with one write per trial; if a study of that name already holds the trials (a
+    resumed run, or another machine did it), it is read back instead of searched again.
+    """
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    names = list(groups)
+    keys = {g: f"g{i}" for i, g in enumerate(names)}
+    saved = None
+    if storage is not None:
+        saved = optuna.create_study(storage=storage, study_name=study_name, direction="minimize",
+                                    load_if_exists=True)
+        done = [t for t in saved.get_trials(deepcopy=False)
+                if t.state is optuna.trial.TrialState.COMPLETE]
+        if len(done) >= trials:
+            if progress is not None:
+                progress.update(trials)
+            return _rows(done, option, names, keys)
+    sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(10, max(1, trials // 5)))
+    study = optuna.create_study(direction="minimize", sampler=sampler)
+    seeds = [{g: o for g in names} for o in profile.options]
+    seeds += lagrangian_plans(profile, groups, option)
+    for gc in seeds[:trials]:
+        study.enqueue_trial({keys[g]: o for g, o in gc.items()}, skip_if_exists=True)
+
+    def objective(trial: optuna.Trial) -> float:
+        gchoice = {g: trial.suggest_categorical(keys[g], profile.options) for g in names}
+        r = evaluate(profile, expand(groups, gchoice), option, conv, target_steps)
+        for k, v in r.items():
+            trial.set_user_attr(k, bool(v) if k == "feasible" else float(v))
+        # <= 0 is feasible; TPE reads it (Trial.set_constraint replaces v4's constraints_func)
+        trial.set_constraint("error_over_limit", r["error"] - conv.e_max)
+        return _objective_value(r, option)
+
+    def tick(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        if progress is not None:
+            progress.update(1)
+
+    study.optimize(objective, n_trials=trials, callbacks=[tick])
+    done = [t for t in study.get_trials(deepcopy=False) if t.state is optuna.trial.TrialState.COMPLETE]
+    if saved is not None:
+        saved.set_user_attr("option", option.name)
+        saved.add_trials(done)
+    return _rows(done, option, names, keys)
+
+
+def _rows(trials: list[Any], option: HardwareOption, names: list[str],
+          keys: Mapping[str, str]) -> list[dict[str, Any]]:
+    rows = []
+    for t in sorted(trials, key=lambda t: t.number):
+        row: dict[str, Any] = {"option": option.name, "trial": t.number, "objective": t.value}
+        row.update(t.user_attrs)
+        row["choice"] = {g: t.params[keys[g]] for g in names if keys[g] in t.params}
+        rows.append(row)
+    return rows
+
+
+def best_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The feasible trial with the lowest objective (ties: lower error)."""
+    feas = [r for r in rows if r["feasible"] and math.isfinite(r["objective"])]
+    if not feas:
+        raise ValueError("no feasible plan was found (not even uncompressed); raise --trials")
+    return min(feas, key=lambda r: (r["objective"], r["error"]))

@@ -1,0 +1,97 @@
+"""Calibration curves, layer grouping and the search's guarantees, on synthetic inputs."""
+
+import numpy as np
+import pytest
+
+from fastml_strategy.autotune.calibrate import calibration_candidates, lag_ratio, smooth, steps_ratio
+from fastml_strategy.autotune.costmodel import CANDIDATES, Convergence, evaluate, plan_error
+from fastml_strategy.autotune.search import best_row, expand, group_layers, lagrangian_plans, run_search
+
+from test_costmodel import make_profile, option
+
+
+def curve(n, speed=1.0, noise=0.0, seed=0):
+    rng = np.random.default_rng(seed)
+    t = np.arange(1, n + 1)
+    return list(2.0 * np.exp(-0.03 * t * speed) + 0.1 + noise * rng.standard_normal(n))
+
+
+def test_steps_ratio_of_a_slower_curve():
+    ref = curve(200)
+    r, censored = steps_ratio(ref, curve(400, speed=0.5))  # half as fast, run twice as long
+    assert r == pytest.approx(2.0, rel=0.05) and not censored
+    r, censored = steps_ratio(ref, ref)
+    assert r == pytest.approx(1.0) and not censored
+
+
+def test_steps_ratio_is_censored_when_a_level_is_never_reached():
+    ref = curve(100)
+    r, censored = steps_ratio(ref, curve(100, speed=0.2))
+    assert censored and r >= 100 / 80  # a lower bound
+
+
+def test_smooth_is_monotone_and_tolerates_nan():
+    s = smooth(curve(100, noise=0.2) + [float("nan")])
+    assert np.all(np.diff(s) <= 0) and np.isfinite(s).all()
+
+
+def test_lag_ratio():
+    ref = curve(200)
+    assert lag_ratio(smooth(ref), ref[:100]) == pytest.approx(1.0, rel=0.1)
+    assert lag_ratio(smooth(ref), curve(100, speed=1 / 3)) == pytest.approx(3.0, rel=0.2)
+
+
+def test_group_layers_by_role_then_size():
+    prof = make_profile(numels=(1 << 16,) * 8)
+    for i, lp in enumerate(prof.layers):
+        lp.name = f"blocks.{i // 2}.{'attn' if i % 2 == 0 else 'mlp'}.weight"
+    assert len(group_layers(prof, max_groups=8)) == 8  # few layers: one group each
+    g = group_layers(prof, max_groups=4)
+    assert sorted(g) == ["blocks.*.attn.weight", "blocks.*.mlp.weight"]
+    assert g["blocks.*.attn.weight"] == [f"blocks.{i}.attn.weight" for i in range(4)]
+    g1 = group_layers(prof, max_groups=1)
+    assert len(g1) == 1 and sorted(next(iter(g1.values()))) == sorted(lp.name for lp in prof.layers)
+
+
+def test_calibration_candidates_start_with_uniform_plans_spread_over_error():
+    prof = make_profile(errors={"fp16": 1e-4, "int8": 0.01, "int6": 0.03, "int4": 0.1, "int3": 0.2,
+                                "int2": 0.4, "int4-noef": 0.15, "topk10": 0.5, "topk1": 0.9,
+                                "topk1-int4": 0.95})
+    groups = group_layers(prof)
+    cands = calibration_candidates(prof, groups, 5, seed=0)
+    assert len(cands) == 5
+    uniform = [c for c in cands if len(set(c.values())) == 1]
+    errs = [plan_error(prof, expand(groups, c)) for c in uniform]
+    assert errs == sorted(errs) and errs[0] <= 1e-3 and errs[-1] >= 0.9
+
+
+def test_search_never_predicts_worse_than_the_best_uniform_plan(tmp_path):
+    import optuna
+
+    prof = make_profile(numels=(1 << 20, 1 << 18, 1 << 16), codec_s=1e-4,
+                        errors={"int2": 0.5, "topk1": 0.9, "topk1-int4": 0.92, "topk10": 0.6})
+    groups = group_layers(prof)
+    opt = option(gbps=1.0, price=2.0)
+    conv = Convergence(k=1.0, gamma=1.0, e_max=0.55)
+    rows = run_search(prof, groups, opt, conv, 1000, storage=None, study_name="t", trials=40, seed=0)
+    best = best_row(rows)
+    assert best["feasible"] and best["error"] <= conv.e_max
+    for o in CANDIDATES:
+        r = evaluate(prof, {n: o for ns in groups.values() for n in ns}, opt, conv, 1000)
+        if r["feasible"]:
+            assert best["cost_usd"] <= r["cost_usd"] + 1e-12
+    # saved to the storage, and read back instead of searched again
+    url = f"sqlite:///{tmp_path}/s.db"
+    rows1 = run_search(prof, groups, opt, conv, 1000, storage=url, study_name="t", trials=15, seed=0)
+    study = optuna.load_study(study_name="t", storage=url)
+    assert len(study.trials) == 15
+    rows2 = run_search(prof, groups, opt, conv, 1000, storage=url, study_name="t", trials=15, seed=1)
+    assert [r["choice"] for r in rows2] == [r["choice"] for r in rows1]
+
+
+def test_lagrangian_plans_trace_time_against_error():
+    prof = make_profile(numels=(1 << 20, 1 << 18), codec_s=1e-5)
+    plans = lagrangian_plans(prof, group_layers(prof), option(gbps=1.0))
+    assert len(plans) >= 2
+    errs = [plan_error(prof, expand(group_layers(prof), p)) for p in plans]
+    assert errs[0] >= errs[-1]  # small multiplier: fast and lossy; large: accurate

@@ -1,0 +1,263 @@
+"""fastml-autotune end to end on a tiny CPU workload, resuming, the plan in a real 2-rank hook, and
+the input errors (exit status 2, one line, nothing written)."""
+
+import base64
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from fastml_strategy import Plan
+from fastml_strategy.autotune.cli import build_parser, main
+from fastml_strategy.autotune.costmodel import CANDIDATES
+
+HERE = Path(__file__).parent
+TARGET = f"{HERE / 'tiny_workload.py'}:workload"
+FAST = ["--trials", "12", "--calibration-trials", "3", "--calibration-steps", "30",
+        "--profile-steps", "2", "--measure-steps", "4", "--verify-rounds", "1", "--quiet"]
+CATALOG = ("name,nodes,accelerators_per_node,price_per_hour,bandwidth_gbps,latency_us,compute_speed\n"
+           "cheap-eth,8,1,1.2,10,50,1.0\n"
+           "fast-ib,2,8,32.8,400,5,3.0\n")
+
+
+def _env():
+    root = str(Path(__file__).resolve().parents[2])
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def _run(args, timeout=150):
+    return subprocess.run([sys.executable, "-m", "fastml_strategy.autotune.cli", *args], env=_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tune")
+    cat = d / "catalog.csv"
+    cat.write_text(CATALOG)
+    out = d / "out"
+    args = [TARGET, "--world-size", "2", "--link", "1gbit", "--hardware", str(cat), "--out", str(out), *FAST]
+    r = _run(args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out, args, r
+
+
+@pytest.mark.timeout(200)
+def test_every_output_is_written(tuned):
+    out, _, r = tuned
+    assert "plan for local" in r.stdout
+    for name in ("plan.json", "report.html", "report.md", "trials.csv", "layers.csv", "calibration.csv",
+                 "step_times.csv", "scaling.csv", "options.csv", "autotune.db"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    assert sorted(p.name for p in (out / "plans").iterdir()) == ["cheap-eth.json", "fast-ib.json", "local.json"]
+    assert not [p for p in out.rglob("*.tmp")], "a temporary file of an atomic write was left behind"
+
+
+@pytest.mark.timeout(200)
+def test_plan_covers_every_parameter_and_loads(tuned):
+    out, _, _ = tuned
+    sys.path.insert(0, str(HERE))
+    from tiny_workload import workload
+
+    model = workload().model
+    params = dict(model.named_parameters())
+    plan = Plan.load(out / "plan.json")
+    assert {k for k, _ in plan.layers} == set(params)
+    plan.check_parameters(params)
+    layers = pd.read_csv(out / "layers.csv")
+    assert list(layers["name"]) == list(params)
+    for _, row in layers.iterrows():
+        cfg = plan.for_parameter(row["name"], int(row["numel"]))
+        assert cfg == CANDIDATES[row["codec"]] or (row["codec"] == "none" and not cfg.lossy)
+        if row["numel"] < plan.min_numel:
+            assert row["codec"] == "none" and not row["tunable"]
+    meta = json.loads((out / "plan.json").read_text())["meta"]
+    assert meta["hardware_option"] == "local" and meta["predicted"]["step_s"] > 0
+    for p in (out / "plans").iterdir():
+        Plan.load(p).check_parameters(params)
+    # what FASTML_PLAN / FastMLStrategy(plan=...) / register_hook(plan=...) do with a path
+    from fastml_strategy.config import resolve_plan
+
+    assert resolve_plan(str(out / "plan.json")) == plan
+
+
+@pytest.mark.timeout(200)
+def test_tables_are_consistent(tuned):
+    out, _, _ = tuned
+    trials = pd.read_csv(out / "trials.csv")
+    options = pd.read_csv(out / "options.csv")
+    assert list(options["option"]) == ["local", "cheap-eth", "fast-ib"]
+    for opt in options["option"]:
+        t = trials[(trials["option"] == opt) & (trials["kind"] == "fastml")]
+        assert len(t) >= 12 and t["feasible"].any()
+        best = options[options["option"] == opt].iloc[0]
+        feas = t[t["feasible"]]
+        # the reported plan is the best feasible trial, or plain DDP when that is cheaper still
+        col = "tta_s" if best["price_per_node_hour"] == 0 else "cost_usd"
+        ddp = trials[(trials["option"] == opt) & (trials["kind"] == "plain-ddp")].iloc[0]
+        reported = best["tuned_hours"] * 3600 if col == "tta_s" else best["tuned_cost_usd"]
+        assert reported == pytest.approx(min(feas[col].min(), ddp[col]), rel=1e-9)
+    # cost = time x nodes x price
+    priced = trials[trials["option"] == "cheap-eth"]
+    assert (priced["cost_usd"] - priced["tta_s"] * 8 * 1.2 / 3600).abs().max() < 1e-12
+    pareto = trials[trials["pareto"]]
+    assert len(pareto) >= 1 and set(pareto["option"]) <= {"cheap-eth", "fast-ib"}
+    for _, p in pareto.iterrows():  # nothing priced beats a front point on both axes
+        others = trials[trials["feasible"] & trials["option"].isin(["cheap-eth", "fast-ib"])]
+        assert not ((others["tta_s"] < p["tta_s"]) & (others["cost_usd"] < p["cost_usd"])).any()
+    scaling = pd.read_csv(out / "scaling.csv")
+    assert sorted(set(scaling["nodes"])) == [8, 16, 32, 64, 128, 256, 512, 1024]
+    assert set(scaling["option"]) == {"local", "cheap-eth", "fast-ib"}
+    steps = pd.read_csv(out / "step_times.csv")
+    assert {"ddp-fp32", "tuned (local)", "none", "fp16", "int8", "int4", "int2", "topk1"} == set(steps["plan"])
+    assert (steps["measured_s"] > 0).all() and (steps["predicted_s"] > 0).all()
+    cal = pd.read_csv(out / "calibration.csv")
+    assert len(cal) >= 3 and (cal["error"] >= 0).all()
+
+
+@pytest.mark.timeout(200)
+def test_reports_are_self_contained(tuned):
+    out, _, _ = tuned
+    html = (out / "report.html").read_text()
+    images = html.split('src="data:image/png;base64,')[1:]
+    assert len(images) >= 6
+    for img in images:
+        assert base64.b64decode(img.split('"', 1)[0])[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "http://" not in html and "https://" not in html and "<script" not in html
+    for section in ("Pareto front", "Per-layer bits", "Predicted vs measured", "larger clusters",
+                    "per hardware option"):
+        assert section in html
+    md = (out / "report.md").read_text()
+    for section in ("## Hardware options", "## Step time", "## Per-layer plan", "## Pareto front"):
+        assert section in md
+
+
+@pytest.mark.timeout(200)
+def test_rerun_resumes_from_the_storage(tuned):
+    import optuna
+
+    out, args, _ = tuned
+    storage = f"sqlite:///{out / 'autotune.db'}"
+    def calibration_trials():
+        names = [s.study_name for s in optuna.get_all_study_summaries(storage) if s.study_name.endswith("calibration")]
+        assert len(names) == 1
+        return len(optuna.load_study(study_name=names[0], storage=storage).trials)
+
+    before = calibration_trials()
+    plan_before = (out / "plan.json").read_text()
+    r = _run(args)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert calibration_trials() == before  # nothing retrained
+    assert json.loads((out / "plan.json").read_text())["layers"] == json.loads(plan_before)["layers"]
+
+
+def _hook_worker(rank, world, plan_path):
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import fastml_strategy as fm
+    from tiny_workload import workload
+
+    wl = workload()
+    model = DDP(wl.model)
+    state = fm.register_hook(model, fm.Plan.load(plan_path))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for x, y in wl.batches[rank::2][:3]:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return state.stats()["steps"], float(sum(p.sum() for p in model.parameters()))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_plan_runs_in_the_hook_on_two_ranks(tuned):
+    sys.path.insert(0, str(HERE.parent))
+    sys.path.insert(0, str(HERE))
+    from _dist import run_workers
+
+    (s0, p0), (s1, p1) = run_workers(_hook_worker, 2, str(tuned[0] / "plan.json"), timeout=120)
+    assert s0 == s1 == 3 and p0 == p1  # replicas identical under the tuned plan
+
+
+def test_help_explains_every_option():
+    text = build_parser().format_help()
+    for opt in ("--world-size", "--link", "--hardware", "--trials", "--storage", "--out"):
+        assert opt in text
+    assert "file.py:factory" in text and "sqlite" in text
+
+
+# -- errors: exit 2, one line, nothing written -----------------------------------------------------------
+def _fails(capsys, args, out):
+    assert main([*args, "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fastml-autotune: error: ") and len(err.splitlines()) == 1, err
+    assert not out.exists()
+    return err
+
+
+def test_bad_target(tmp_path, capsys):
+    err = _fails(capsys, [str(tmp_path / "missing.py") + ":workload"], tmp_path / "o1")
+    assert "missing.py" in err and "does not exist" in err
+    err = _fails(capsys, [f"{HERE / 'tiny_workload.py'}:nope"], tmp_path / "o2")
+    assert "'nope'" in err
+    err = _fails(capsys, [f"{HERE / 'tiny_workload.py'}:not_a_workload"], tmp_path / "o3")
+    assert "Workload" in err
+
+
+def test_catalog_missing_field(tmp_path, capsys):
+    cat = tmp_path / "cat.yaml"
+    cat.write_text("- name: a\n  nodes: 2\n  accelerators_per_node: 1\n  price_per_hour: 1\n"
+                   "  bandwidth_gbps: 10\n  compute_speed: 1\n")
+    err = _fails(capsys, [TARGET, "--hardware", str(cat)], tmp_path / "o")
+    assert "latency_us" in err and "cat.yaml" in err and "'a'" in err
+
+
+@pytest.mark.parametrize("url", ["postgresql://autotune@127.0.0.1:1/fastml",
+                                 "sqlite:////nonexistent-dir-fastml/x.db"])
+def test_unreachable_storage(tmp_path, capsys, url):
+    err = _fails(capsys, [TARGET, "--storage", url], tmp_path / "o")
+    assert url in err and "unreachable" in err
+
+
+def test_existing_out_gets_nothing_on_error(tmp_path, capsys):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    assert main([TARGET, "--hardware", str(tmp_path / "nope.csv"), "--out", str(out)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_exit_status_from_the_command(tmp_path):
+    r = _run([str(tmp_path / "missing.py") + ":f", "--out", str(tmp_path / "o")], timeout=60)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_distributed_launch_measures_link_and_step_times(tmp_path):
+    """Under torchrun: the link comes from timed collectives, plans are timed with the real hook."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "out"
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+         "127.0.0.1", "--master_port", str(port), "-m", "fastml_strategy.autotune.cli", TARGET,
+         "--out", str(out), *FAST],
+        env=_env(), capture_output=True, text=True, timeout=220)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("plan for local") == 1  # rank 0 reports, once
+    steps = pd.read_csv(out / "step_times.csv")
+    assert (steps["where"] == "2 ranks, measured link").all()
+    assert not steps.set_index("plan").loc["tuned (local)", "used_in_fit"]
+    assert "(measured)" in (out / "report.md").read_text()
+    Plan.load(out / "plan.json")

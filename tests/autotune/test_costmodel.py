@@ -1,0 +1,158 @@
+"""Unit tests of the cost model: each formula against a hand computation on a synthetic profile."""
+
+import math
+
+import pytest
+
+from fastml_strategy.autotune.catalog import HardwareOption
+from fastml_strategy.autotune.costmodel import (
+    BUCKET_BYTES, CANDIDATES, FIRST_BUCKET_BYTES, Convergence, LayerProfile, Profile, ddp_buckets,
+    evaluate, fit_alpha_beta, fit_codec_scale, fit_convergence, pareto_front, plan_error, step_time)
+from fastml_strategy.codecs import wire_bytes
+
+
+def make_profile(numels=(1 << 18, 1 << 16), ready=None, world_size=2, fwd=0.01, bwd=0.02, opt=0.005,
+                 errors=None, codec_s=1e-3):
+    """Layers in registration order; by default every gradient is ready at the end of backward."""
+    layers = []
+    for i, n in enumerate(numels):
+        lp = LayerProfile(name=f"l{i}.weight", numel=n, index=i,
+                          ready_s=bwd if ready is None else ready[i], grad_sq=1.0, tunable=True)
+        for o in CANDIDATES:
+            lp.rel_error[o] = 0.0 if o == "none" else (errors or {}).get(o, 0.1)
+            lp.codec_s[o] = 0.0 if o == "none" else codec_s
+        layers.append(lp)
+    return Profile(layers=layers, forward_s=fwd, backward_s=bwd, optimizer_s=opt, world_size=world_size,
+                   min_numel=4096, options=list(CANDIDATES))
+
+
+def option(nodes=2, gbps=1.0, latency_us=0.0, price=1.0, speed=1.0, per_node=1):
+    return HardwareOption(name="x", nodes=nodes, accelerators_per_node=per_node, price_per_hour=price,
+                          bandwidth_gbps=gbps, latency_us=latency_us, compute_speed=speed)
+
+
+def test_alpha_beta_fit_recovers_the_link():
+    alpha, bw = 80e-6, 117e6
+    samples = [(r, b, r * alpha + b / bw) for r in (2, 1) for b in (1e4, 1e5, 1e6, 4e6)]
+    link = fit_alpha_beta(samples)
+    assert link.latency_s == pytest.approx(alpha, rel=1e-6)
+    assert link.bandwidth_Bps == pytest.approx(bw, rel=1e-6)
+
+
+def test_alpha_beta_fit_rejects_a_link_that_does_not_slow_down():
+    with pytest.raises(ValueError, match="--link"):
+        fit_alpha_beta([(2, 1e3, 1.0), (2, 1e6, 0.5)])
+
+
+def test_plain_ddp_without_overlap_is_compute_plus_wire():
+    prof = make_profile()  # every gradient ready at the end of backward: nothing overlaps
+    opt = option(gbps=1.0, latency_us=50)
+    br = step_time(prof, {}, opt, hook=False)
+    nbytes = sum(wire_bytes(lp.numel, CANDIDATES["none"], 2) for lp in prof.layers)
+    buckets = ddp_buckets(prof)
+    wire = nbytes / 125e6 + len(buckets) * 2 * (2 - 1) * 50e-6
+    assert br.bytes_per_rank == nbytes
+    assert br.codec_s == 0.0
+    assert br.step_s == pytest.approx(prof.compute_s + wire, rel=1e-9)
+
+
+def test_overlap_hides_early_buckets_but_never_the_last():
+    n = FIRST_BUCKET_BYTES // 4  # exactly one first bucket each
+    # last layer (first bucket) ready at 10% of backward, first layer at the end
+    prof = make_profile(numels=(n, n), ready=(0.02, 0.002), bwd=0.02)
+    opt = option(gbps=10.0)
+    br = step_time(prof, {}, opt, hook=False)
+    per_bucket = wire_bytes(n, CANDIDATES["none"], 2) / 1.25e9
+    assert len(ddp_buckets(prof)) == 2
+    # the early bucket's transfer (0.84 ms) ends long before backward does; only the last is exposed
+    assert br.exposed_s == pytest.approx(per_bucket, rel=1e-9)
+    late = make_profile(numels=(n, n), bwd=0.02)
+    assert step_time(late, {}, opt, hook=False).exposed_s == pytest.approx(2 * per_bucket, rel=1e-9)
+
+
+def test_buckets_follow_ddp_caps():
+    small = FIRST_BUCKET_BYTES // 4 // 4
+    prof = make_profile(numels=(BUCKET_BYTES // 4,) + (small,) * 6)
+    buckets = [[lp.name for lp in b] for b in ddp_buckets(prof)]
+    # reverse order; the first bucket closes once it holds >= 1 MiB (4 quarter-MiB layers)
+    assert buckets[0] == ["l6.weight", "l5.weight", "l4.weight", "l3.weight"]
+    assert buckets[1] == ["l2.weight", "l1.weight", "l0.weight"]
+
+
+def test_compression_cuts_wire_time_and_adds_codec_time():
+    prof = make_profile(codec_s=2e-3)
+    opt = option(gbps=1.0)
+    none = step_time(prof, {}, opt, hook=False)
+    int4 = step_time(prof, {lp.name: "int4" for lp in prof.layers}, opt)
+    expect_bytes = sum(wire_bytes(lp.numel, CANDIDATES["int4"], 2) for lp in prof.layers)
+    assert int4.bytes_per_rank == expect_bytes
+    assert int4.bytes_per_rank < none.bytes_per_rank / 7
+    # scatter-reduce-allgather at W=2: (3 + 1/2) / 2 round trips per layer
+    assert int4.codec_s == pytest.approx(2 * 2e-3 * 1.75)
+
+
+def test_compute_scales_with_ranks_and_speed():
+    prof = make_profile(world_size=2)
+    base = step_time(prof, {}, option(nodes=2), hook=False).compute_s
+    assert step_time(prof, {}, option(nodes=4), hook=False).compute_s == pytest.approx(base / 2)
+    assert step_time(prof, {}, option(nodes=2, speed=4.0), hook=False).compute_s == pytest.approx(base / 4)
+    assert step_time(prof, {}, option(nodes=1, per_node=4), hook=False).compute_s == pytest.approx(base / 2)
+    # one node: no network traffic at all
+    one = step_time(prof, {}, option(nodes=1, per_node=4), hook=False)
+    assert one.bytes_per_rank == 0 and one.wire_s == 0.0
+
+
+def test_plan_error_is_gradient_energy_weighted():
+    prof = make_profile(numels=(1 << 16, 1 << 16), errors={"int4": 0.2, "int2": 0.6})
+    prof.layers[0].grad_sq, prof.layers[1].grad_sq = 3.0, 1.0
+    e = plan_error(prof, {"l0.weight": "int4", "l1.weight": "int2"})
+    assert e == pytest.approx(math.sqrt((3 * 0.2 ** 2 + 1 * 0.6 ** 2) / 4))
+    assert plan_error(prof, {}) == 0.0
+
+
+def test_evaluate_cost_is_time_nodes_price():
+    prof = make_profile()
+    opt = option(nodes=4, price=2.5)
+    conv = Convergence(k=2.0, gamma=1.0, e_max=0.5)
+    r = evaluate(prof, {lp.name: "int4" for lp in prof.layers}, opt, conv, target_steps=1000)
+    assert r["g"] == pytest.approx(1 + 2.0 * r["error"])
+    assert r["steps"] == pytest.approx(1000 * r["g"])
+    assert r["tta_s"] == pytest.approx(r["steps"] * r["step_s"])
+    assert r["cost_usd"] == pytest.approx(r["tta_s"] * 4 * 2.5 / 3600)
+    assert r["feasible"] is True
+    assert evaluate(prof, {lp.name: "int4" for lp in prof.layers}, opt,
+                    Convergence(2.0, 1.0, e_max=0.01), 1000)["feasible"] is False
+
+
+def test_convergence_fit_recovers_g_and_the_feasible_limit():
+    k, gamma = 3.0, 1.5
+    pts = [{"error": e, "ratio": 1 + k * e ** gamma, "accuracy_loss": 0.002 if e < 0.3 else 0.05,
+            "censored": False} for e in (0.01, 0.05, 0.1, 0.2, 0.4, 0.6)]
+    conv = fit_convergence(pts, max_accuracy_loss=0.01)
+    assert conv.gamma == pytest.approx(gamma, abs=0.05)
+    assert conv.k == pytest.approx(k, rel=0.1)
+    assert conv.e_max == pytest.approx(0.2)  # 0.4 lost 5 points: it and everything above is out
+
+
+def test_convergence_envelope_stops_at_the_first_failure_and_pruned_trials():
+    pts = [{"error": 0.1, "ratio": 1.0, "accuracy_loss": 0.0, "censored": False},
+           {"error": 0.2, "ratio": 3.0, "accuracy_loss": float("inf"), "censored": True, "pruned": True},
+           {"error": 0.3, "ratio": 1.1, "accuracy_loss": 0.0, "censored": False}]
+    assert fit_convergence(pts, 0.01).e_max == pytest.approx(0.1)
+
+
+def test_pareto_front():
+    pts = [(1.0, 5.0), (2.0, 3.0), (3.0, 4.0), (4.0, 1.0), (2.5, 3.0)]
+    assert pareto_front(pts) == [0, 1, 3]
+
+
+def test_codec_scale_fit_recovers_a_known_multiplier():
+    prof = make_profile(codec_s=3e-3)
+    opt = option(gbps=1.0)
+    choice = {lp.name: "int4" for lp in prof.layers}
+    prof.codec_scale = {"quantize": 2.5}
+    measured = step_time(prof, choice, opt).step_s
+    prof.codec_scale = {}
+    fitted = fit_codec_scale(prof, opt, {"int4": measured})
+    assert fitted["quantize"] == pytest.approx(2.5, rel=1e-3)
+    assert prof.codec_scale == {}  # the fit does not leave its trial values behind
