@@ -268,11 +268,42 @@ def test_accelerate_arguments(monkeypatch):
 
 
 # -- the fastml-autotune command -----------------------------------------------------------------------------------
-def test_autotune_cli_arguments():
-    pytest.importorskip("fastml_strategy.autotune.cli", reason="the autotuner (issue 5) is not on this branch yet")
-    exe = [sys.executable, "-m", "fastml_strategy.autotune.cli"]
-    if shutil.which("fastml-autotune"):
-        exe = ["fastml-autotune"]
-    bad = subprocess.run(exe + ["--no-such-option"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode != 0 and "--no-such-option" in bad.stderr, bad.stderr
-    assert "Traceback" not in bad.stderr, "a bad argument must be a message, not a traceback"
+def _autotune_rows(tmp):
+    from pathlib import Path
+
+    target = f"{Path(__file__).resolve().parents[1] / 'autotune' / 'tiny_workload.py'}:workload"
+    (tmp / "afile").write_text("x")
+    return [
+        # (id, argv, the argument named, a fix hint)
+        ("target-missing", [str(tmp / "missing.py") + ":workload"], "missing.py", "does not exist"),
+        ("target-factory", [target.replace(":workload", ":nope")], "'nope'", "."),
+        ("world-size", [target, "--world-size", "0"], "world.size", "whole number >= 1|give"),
+        ("trials", [target, "--trials", "0"], "trials", "whole number >= 1|give"),
+        ("steps", [target, "--calibration-steps", "-5"], "calibration.steps", "give"),
+        ("min-numel", [target, "--min-numel", "-1"], "min.numel", "give|use"),
+        ("accuracy-loss", [target, "--max-accuracy-loss", "-0.5"], "--max-accuracy-loss is -0.5", "give"),
+        ("target-steps", [target, "--target-steps", "0"], "--target-steps is 0", "give"),
+        ("link", [target, "--world-size", "2", "--link", "fast"], "fast", "give|use|e\\.g\\."),
+        ("hardware", [target, "--hardware", str(tmp / "nope.csv")], "nope.csv", "does not exist"),
+        ("storage", [target, "--storage", "sqlite:////nonexistent-dir-fastml/x.db"], "nonexistent-dir-fastml",
+         "unreachable"),
+        ("out-file", [target, "--out", str(tmp / "afile")], "afile", "give a folder"),
+    ]
+
+
+def test_autotune_cli_arguments(tmp_path, capsys):
+    """Each bad input: exit status 2 and one line naming it, before anything is profiled or written."""
+    pytest.importorskip("optuna")
+    from fastml_strategy.autotune.cli import main
+
+    for name, argv, arg, fix in _autotune_rows(tmp_path):
+        out = [] if "--out" in argv else ["--out", str(tmp_path / f"out-{name}")]
+        code = main([*argv, *out, "--quiet"])
+        err = capsys.readouterr().err.strip()
+        assert code == 2, f"{name}: exit {code}: {err}"
+        assert err.startswith("fastml-autotune: error: ") and len(err.splitlines()) == 1, f"{name}: {err}"
+        assert re.search(arg, err) and re.search(fix, err), f"{name}: {err}"
+        assert not (tmp_path / f"out-{name}").exists(), f"{name}: wrote outputs despite the error"
+    with pytest.raises(SystemExit) as e:  # argparse: an unknown option is named too
+        main(["x.py:w", "--no-such-option"])
+    assert e.value.code == 2 and "--no-such-option" in capsys.readouterr().err
