@@ -4,6 +4,8 @@ Public API, grouped by purpose:
 
 - plans: :class:`Plan`, :class:`CodecConfig`, :class:`Codec`, ``RECIPES``
 - DDP: :func:`register_hook`, :class:`FastMLState`
+- errors: :class:`CompressionError` (a rank failed or died during the compressed all-reduce),
+  :class:`ReplicaDriftError` (the replica check found parameters that differ across ranks)
 - Lightning / Fabric: ``fastml_strategy.lightning.FastMLStrategy`` (the name ``"fastml"`` is registered
   with Lightning's strategy registries at import when Lightning is installed)
 - Accelerate: ``fastml_strategy.accelerate``
@@ -15,7 +17,7 @@ Importing this package never initialises CUDA and does not import optuna, accele
 """
 
 from fastml_strategy.config import RECIPES, Codec, CodecConfig, Plan
-from fastml_strategy.hook import FastMLState, register_hook
+from fastml_strategy.hook import CompressionError, FastMLState, ReplicaDriftError, register_hook
 
 __version__ = "0.1.0.dev0"
 
@@ -28,6 +30,9 @@ __all__ = [
     # DDP
     "register_hook",
     "FastMLState",
+    # errors
+    "CompressionError",
+    "ReplicaDriftError",
 ]
 
 

@@ -8,9 +8,10 @@ Algorithm (per bucket, on every rank; W ranks, this one ``r``)
    each parameter padded to whole quantization blocks so a block never mixes two layers' scales, and
    cut into W chunks on block boundaries. Small tensors (under ``plan.min_numel``) form an fp32 group.
 2. Error feedback: the quantizer reads ``grad + residual`` and writes the new residual into a second
-   buffer; the two are swapped only when the bucket's result is finite, so a step that GradScaler will
-   skip (NaN/inf anywhere) leaves every residual untouched. Residuals are keyed by parameter name and
-   migrate when DDP rebuilds its buckets after the first iteration.
+   buffer; the two are swapped only when the result is finite. The hook commits a whole step at once:
+   a NaN/inf in any bucket, which makes GradScaler skip the step, leaves every residual untouched.
+   Residuals are keyed by parameter name and migrate when DDP rebuilds its buckets after the first
+   iteration.
 3. ``all_to_all_single``: rank j receives every rank's encoded chunk j. Each rank decodes the W copies
    of its chunk in rank order, sums them in fp32, divides by W, and re-encodes the mean.
 4. ``all_gather`` of [the re-encoded mean chunk | this rank's top-k values and indices]. Every rank,
@@ -22,7 +23,8 @@ layer costs (W-1) messages, which is why :func:`fastml_strategy.codecs.effective
 a dense codec past the world size where that stops paying.
 
 Every message starts with a 64-byte header. A rank whose encoder raises still takes part in the
-collective with an error header, so every rank raises the same error instead of hanging.
+collective with an error header, so every rank (that one included) raises the same
+:class:`CompressionError`, naming the lowest failing rank, instead of hanging.
 """
 
 from __future__ import annotations
@@ -292,8 +294,11 @@ class CompressedAllReduce:
         h[8: 8 + len(text)].copy_(torch.frombuffer(bytearray(text), dtype=torch.uint8))
 
     @staticmethod
-    def _check_headers(headers: list[torch.Tensor], stage: str) -> None:
+    def _check_headers(headers: list[torch.Tensor], stage: str,
+                       cause: BaseException | None = None) -> None:
         # One device-to-host copy of the W headers (64 bytes each), not of the messages behind them.
+        # Headers are read in rank order, so every rank reports the same (lowest) failing rank with
+        # the same text; the failing rank itself reads its own header too and chains its exception.
         for h in torch.stack([h[:HEADER] for h in headers]).cpu().unbind(0):
             if int(h[:4].view(torch.int32)[0]) != _STATUS_OK:
                 rank = int(h[4:8].view(torch.int32)[0])
@@ -301,13 +306,18 @@ class CompressedAllReduce:
                 raise CompressionError(
                     f"FastML: compression failed on rank {rank} during {stage} ({text}); every rank "
                     f"stops here so none hangs. See rank {rank}'s log for the traceback."
-                )
+                ) from cause
+        if cause is not None:  # unreachable: this rank's own header carries its error
+            raise CompressionError(f"FastML: compression failed during {stage}") from cause
 
     # -- the all-reduce --------------------------------------------------------------------------------
     @torch.no_grad()
-    def run(self, lay: BucketLayout, buf: torch.Tensor, step: int, layer_stats: bool = False) -> bool:
+    def run(self, lay: BucketLayout, buf: torch.Tensor, step: int, layer_stats: bool = False,
+            commit: bool = True) -> bool:
         """Replace flat bucket ``buf`` (any float dtype) by the mean over ranks of the compressed
-        gradients. Returns whether the result is finite (residuals were committed only then)."""
+        gradients. Returns whether the result is finite; the new residuals are committed only then
+        (with ``commit=False`` not at all: the caller calls :meth:`commit` once the whole step is
+        known to be finite, so a step that GradScaler skips leaves every bucket's residuals alone)."""
         W, r = self.world_size, self.rank
         base = _mix(self.plan.seed, step, r)
         local_error: BaseException | None = None
@@ -320,9 +330,7 @@ class CompressedAllReduce:
             self._write_header(lay.send[start:], local_error)
         self._all_to_all(lay)
         headers = [lay.recv[j * lay.my_chunk:] for j in range(W)]
-        if local_error is not None:
-            raise local_error
-        self._check_headers(headers, "encoding")
+        self._check_headers(headers, "encoding", local_error)
 
         try:
             for g in lay.dense:
@@ -339,20 +347,24 @@ class CompressedAllReduce:
             local_error = e
         self._write_header(lay.gsend, local_error)
         self._all_gather(lay)
-        if local_error is not None:
-            raise local_error
-        self._check_headers([lay.grecv[j * lay.gather_size:] for j in range(W)], "reduction")
+        self._check_headers([lay.grecv[j * lay.gather_size:] for j in range(W)], "reduction",
+                            local_error)
 
         finite = self._decode(lay, buf)
-        if finite:
-            for g in lay.dense:
-                if g.ef:
-                    g.res_cur, g.res_next = g.res_next, g.res_cur
-            for t in lay.topk:
-                if t.cfg.error_feedback and t.pending is not None:
-                    t.residual, t.pending = t.pending, None  # v was a fresh tensor: no copy
+        if finite and commit:
+            self.commit(lay)
         self.bytes_uncompressed += 2.0 * (W - 1) / W * 4 * lay.total_numel
         return finite
+
+    @staticmethod
+    def commit(lay: BucketLayout) -> None:
+        """Make the residuals computed by the last :meth:`run` of ``lay`` the current ones."""
+        for g in lay.dense:
+            if g.ef:
+                g.res_cur, g.res_next = g.res_next, g.res_cur
+        for t in lay.topk:
+            if t.cfg.error_feedback and t.pending is not None:
+                t.residual, t.pending = t.pending, None  # v was a fresh tensor: no copy
 
     def _encode(self, lay: BucketLayout, buf: torch.Tensor, base: int, layer_stats: bool) -> None:
         for g in lay.dense:

@@ -54,8 +54,8 @@ LOSSY = frozenset({Codec.FP16, Codec.BF16, Codec.QUANTIZE, Codec.TOPK})
 class CodecConfig:
     """The compression of one parameter's gradient.
 
-    Fields that do not apply to the codec are ignored (``bits`` of ``fp16``, say); ``validate()``
-    rejects values that are out of range for the codec that uses them.
+    Fields that do not apply to the codec are ignored (``bits`` of ``fp16``, say); values out of range
+    for the codec that uses them raise ValueError at construction, naming the field and the fix.
     """
 
     codec: Codec = Codec.FP32
@@ -85,6 +85,7 @@ class CodecConfig:
                 raise ValueError(
                     f"codec={self.codec!r} is not a codec; use one of {[c.value for c in Codec]}"
                 ) from None
+        self.validate(_CONSTRUCTED)
 
     # -- validation ----------------------------------------------------------------------------------
     def validate(self, where: str = "codec") -> None:
@@ -130,7 +131,10 @@ class CodecConfig:
         return self.error_feedback and self.codec in (Codec.QUANTIZE, Codec.TOPK)
 
     def topk_k(self, numel: int) -> int:
-        """How many entries top-k keeps of a tensor of ``numel`` elements (at least 1)."""
+        """How many entries top-k keeps of a tensor of ``numel`` elements (at least 1, unless the
+        tensor is empty)."""
+        if numel <= 0:
+            return 0
         if self.topk_count is not None:
             return max(1, min(int(self.topk_count), numel))
         return max(1, min(numel, int(-(-numel * float(self.topk) // 1))))
@@ -163,11 +167,13 @@ class CodecConfig:
         if "codec" not in d:
             raise ValueError(f"{where}: missing field 'codec'; use one of {[c.value for c in Codec]}")
         try:
-            cfg = cls(**d)
+            return cls(**d)
         except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
-        cfg.validate(where)
-        return cfg
+            msg = str(e).removeprefix(f"{_CONSTRUCTED}: ")
+            raise ValueError(f"{where}: {msg}") from None
+
+
+_CONSTRUCTED = "CodecConfig"  # the ``where`` of errors raised at construction
 
 
 def _is_int(v: Any) -> bool:
@@ -208,10 +214,21 @@ class Plan:
     name: str = "custom"
 
     def __post_init__(self) -> None:
-        if isinstance(self.layers, Mapping):
-            object.__setattr__(self, "layers", tuple(self.layers.items()))
+        layers = self.layers
+        if isinstance(layers, Mapping):
+            layers = tuple(layers.items())
         else:
-            object.__setattr__(self, "layers", tuple(tuple(kv) for kv in self.layers))
+            try:
+                layers = tuple(tuple(kv) for kv in layers)
+            except TypeError:
+                raise ValueError(
+                    f"plan.layers is a {type(self.layers).__name__}; give a dict of parameter name (or "
+                    f"'re:PATTERN') -> CodecConfig, or a sequence of (name, CodecConfig) pairs") from None
+            bad = [kv for kv in layers if len(kv) != 2]
+            if bad:
+                raise ValueError(f"plan.layers: {bad[0]!r} is not a (name, CodecConfig) pair; give pairs, "
+                                 f"or a dict of name -> CodecConfig")
+        object.__setattr__(self, "layers", layers)
         self.validate()
 
     # -- constructors ----------------------------------------------------------------------------------
@@ -229,7 +246,7 @@ class Plan:
         """One setting for every layer: ``bits`` alone quantizes, ``topk`` alone sparsifies, both
         give top-k with quantized values; ``codec="fp16"`` (or fp32/bf16) for plain casts."""
         if codec is not None:
-            cfg = CodecConfig(codec=Codec(codec), bits=bits, topk=topk, block_size=block_size,
+            cfg = CodecConfig(codec=codec, bits=bits, topk=topk, block_size=block_size,
                               stochastic=stochastic, error_feedback=error_feedback)
         elif topk is not None:
             cfg = CodecConfig(codec=Codec.TOPK, topk=topk, bits=bits, block_size=block_size,
@@ -245,10 +262,16 @@ class Plan:
     def from_recipe(cls, name: str, **overrides: Any) -> "Plan":
         """A named recipe: ``none``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``int2``, ``int4-sr``,
         ``topk1``, ``topk1-int4``."""
-        if name not in RECIPES:
+        if not isinstance(name, str) or name not in RECIPES:
             raise ValueError(
                 f"unknown recipe {name!r}; use one of {sorted(RECIPES)}, a plan JSON path, or a Plan"
             )
+        allowed = ("layers", "min_numel", "seed")
+        unknown = sorted(set(overrides) - set(allowed))
+        if unknown:
+            raise ValueError(f"Plan.from_recipe: unknown override(s) {unknown}; a recipe's plan takes "
+                             f"{list(allowed)} (its codec is the recipe's: use Plan.uniform or Plan(...) "
+                             f"to choose another)")
         return cls(default=RECIPES[name], name=name, **overrides)
 
     @classmethod
@@ -261,7 +284,7 @@ class Plan:
                 f"{where}: missing 'format_version'; plans written by this FastML have "
                 f"format_version {PLAN_FORMAT_VERSION}"
             )
-        if version != PLAN_FORMAT_VERSION:
+        if not _is_int(version) or version != PLAN_FORMAT_VERSION:
             raise ValueError(
                 f"{where}: format_version {version!r} is not supported (this FastML reads "
                 f"{PLAN_FORMAT_VERSION}); re-create the plan with this version's fastml-autotune or "
@@ -291,14 +314,24 @@ class Plan:
     def load(cls, path: str | os.PathLike) -> "Plan":
         p = Path(path)
         try:
-            text = p.read_text()
+            text = p.read_text(encoding="utf-8")
         except FileNotFoundError:
             raise ValueError(f"plan file {str(p)!r} does not exist; give a recipe name ({sorted(RECIPES)}) "
                              f"or the path of a plan JSON") from None
+        except IsADirectoryError:
+            raise ValueError(f"plan file {str(p)!r} is a directory; give the path of a plan JSON file "
+                             f"inside it") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"plan file {str(p)!r} is not UTF-8 text ({e}); it is corrupted or not a "
+                             f"plan: re-create it with Plan.save or fastml-autotune") from None
+        except OSError as e:
+            raise ValueError(f"plan file {str(p)!r} cannot be read ({e.strerror or e}); check the path "
+                             f"and its permissions") from None
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"plan file {str(p)!r} is not valid JSON ({e}); re-create it with "
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, the int-digits limit, deep nesting
+            reason = str(e) if isinstance(e, ValueError) else "nested too deeply"
+            raise ValueError(f"plan file {str(p)!r} is not valid JSON ({reason}); re-create it with "
                              f"Plan.save or fastml-autotune") from None
         return cls.from_dict(data, where=f"plan file {str(p)!r}")
 
@@ -348,13 +381,17 @@ class Plan:
     # -- checks -------------------------------------------------------------------------------------------
     def validate(self) -> None:
         if not isinstance(self.default, CodecConfig):
-            raise ValueError(f"plan.default must be a CodecConfig, got {type(self.default).__name__}")
+            raise ValueError(f"plan.default must be a CodecConfig, got {type(self.default).__name__}; use "
+                             f"e.g. fastml_strategy.RECIPES['int4'], or Plan.from_recipe('int4') for a "
+                             f"whole plan")
         self.default.validate("plan.default")
         for key, cfg in self.layers:
             if not isinstance(key, str) or not key:
                 raise ValueError(f"plan.layers: key {key!r} must be a parameter name or 're:PATTERN'")
             if not isinstance(cfg, CodecConfig):
-                raise ValueError(f"plan.layers[{key!r}] must be a CodecConfig, got {type(cfg).__name__}")
+                raise ValueError(f"plan.layers[{key!r}] must be a CodecConfig, got {type(cfg).__name__}; "
+                                 f"use e.g. fastml_strategy.RECIPES['int8'] or CodecConfig(codec='quantize', "
+                                 f"bits=8)")
             if key.startswith("re:"):
                 try:
                     re.compile(key[3:])
@@ -367,6 +404,8 @@ class Plan:
                              f"(tensors with fewer elements travel uncompressed)")
         if not _is_int(self.seed):
             raise ValueError(f"plan.seed is {self.seed!r}; use a whole number")
+        if not isinstance(self.name, str):
+            raise ValueError(f"plan.name is {self.name!r}; use a string (it names the plan in logs)")
 
     def check_parameters(self, names: Iterable[str]) -> None:
         """Raise ValueError if an exact name or a pattern of the plan matches no parameter."""

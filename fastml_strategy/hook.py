@@ -28,7 +28,7 @@ Usage::
 import queue
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -56,6 +56,7 @@ class _Job:
     numels: tuple
     future: torch.futures.Future
     event: Optional[Any] = None
+    done: threading.Event = field(default_factory=threading.Event)  # set once the future is complete
 
 
 def _checksum(params) -> int:
@@ -94,15 +95,22 @@ class FastMLState:
         self._thread.start()
         # -- statistics -----------------------------------------------------------------------------
         self.step = 0  # completed steps (counted at the last bucket; no_sync micro-batches call no hook)
-        self.nonfinite_steps = 0  # buckets whose result held NaN/inf (residuals left unchanged)
+        self.nonfinite_steps = 0  # steps whose result held NaN/inf (residuals left unchanged)
         self._bucket_in_step = 0
+        # Buckets of the current step waiting for their residuals to be committed, and whether every
+        # bucket so far was finite: residuals move on only when the whole step is finite.
+        self._uncommitted: list = []
+        self._step_finite = True
+        # The first error of the comm thread (a peer died, a collective timed out, an encoder raised,
+        # replicas drifted). Sticky: the process group may be unusable, so no further collective is
+        # issued and every later bucket fails with this error (a restart from a checkpoint is the fix).
+        self._failure: Optional[BaseException] = None
 
     # -- the communication thread -------------------------------------------------------------------------
     def _submit(self, job: _Job) -> None:
         if not self._thread.is_alive():
-            job.future.set_exception(RuntimeError("FastML: the communication thread has stopped "
-                                                  "(state.close() was called); register the hook again"))
-            return
+            raise RuntimeError("FastML: the communication thread has stopped (state.close() was "
+                               "called); register the hook on a new DDP model to train again")
         self._queue.put(job)
 
     def _loop(self) -> None:
@@ -111,6 +119,8 @@ class FastMLState:
             if job is None:
                 return
             try:
+                if self._failure is not None:
+                    raise self._failure
                 if job.buffer.is_cuda:
                     if self._stream is None:
                         # The current device is per thread: NCCL must see this rank's GPU here too.
@@ -123,27 +133,40 @@ class FastMLState:
                 else:
                     self._process(job)
                     job.future.set_result(job.buffer)
-            except BaseException as e:  # noqa: BLE001 - handed to DDP, raised in backward
-                job.future.set_exception(self._explain(e, job))
+            except BaseException as e:  # noqa: BLE001 - raised in backward by the hook
+                err = self._explain(e, job)
+                if self._failure is None:
+                    self._failure = err
+                job.future.set_exception(err)
+            finally:
+                job.done.set()
 
     def _explain(self, e: BaseException, job: _Job) -> BaseException:
         if isinstance(e, (CompressionError, ReplicaDriftError, ValueError)):
             return e
-        return CompressionError(
+        err = CompressionError(
             f"FastML: the compressed all-reduce of bucket {job.index} at step {self.step} failed on "
             f"rank {self.rank} ({type(e).__name__}: {e}). If another rank died or timed out, its log "
             f"has the cause; restart from the last checkpoint (torchrun --max-restarts does this)."
         )
+        err.__cause__ = e
+        return err
 
     def _process(self, job: _Job) -> None:
         eng = self._engine
         lay = eng.layout_for(job.names, job.offsets, job.numels, job.buffer.device, job.buffer.dtype)
         every = self.layer_stats_every
         layer_stats = every > 0 and self.step % every == 0
-        finite = eng.run(lay, job.buffer, self.step, layer_stats=layer_stats)
-        if not finite:
-            self.nonfinite_steps += 1
+        finite = eng.run(lay, job.buffer, self.step, layer_stats=layer_stats, commit=False)
+        self._uncommitted.append(lay)
+        self._step_finite = self._step_finite and finite
         if job.is_last:
+            if self._step_finite:
+                for done in self._uncommitted:
+                    eng.commit(done)
+            else:
+                self.nonfinite_steps += 1
+            self._uncommitted, self._step_finite = [], True
             self.step += 1
             n = self.check_replicas_every
             if n and self.step % n == 0:
@@ -254,6 +277,11 @@ class FastMLState:
 
 
 def _fastml_hook(state, bucket):
+    # Errors are raised from the hook itself, in the autograd thread: that way loss.backward() raises
+    # FastML's own exception type (CompressionError, ReplicaDriftError). A future completed with an
+    # exception would reach the user only as DDP's "RuntimeError: Unable to cast ... to Tensor".
+    if state._failure is not None:
+        raise state._failure
     buf = bucket.buffer()
     grads = bucket.gradients()
     params = bucket.parameters()
@@ -271,7 +299,27 @@ def _fastml_hook(state, bucket):
         job.event = torch.cuda.Event()
         job.event.record(torch.cuda.current_stream(buf.device))
     state._submit(job)
+    if job.is_last:
+        # All the step's gradients are ready and DDP is about to wait for every future anyway; wait
+        # here instead, so that an error of any bucket of this step is raised with its own type.
+        job.done.wait()
+        if state._failure is not None:
+            raise state._failure
     return job.future
+
+
+def _default_group_timeout():
+    """The timeout the user gave ``init_process_group`` (None, torch's default, if unreadable)."""
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+    except Exception:  # noqa: BLE001
+        return None
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout
+        except Exception:  # noqa: BLE001 - no backend for this device, or a torch without the field
+            continue
+    return None
 
 
 def _agree(group, world_size: int, payload: Any) -> list:
@@ -306,6 +354,12 @@ def register_hook(
             f"register_hook: model is a {type(model).__name__}, not a DistributedDataParallel; wrap it "
             f"first (model = torch.nn.parallel.DistributedDataParallel(model)) and pass the wrapper"
         )
+    if getattr(model, "_comm_hooks", None):
+        raise ValueError(
+            "register_hook: this DistributedDataParallel model already has a comm hook (register_hook "
+            "was called on it before, or another hook was registered); register FastML once per DDP "
+            "model and keep the state it returned"
+        )
     for argname, val in (("check_replicas_every", check_replicas_every),
                          ("layer_stats_every", layer_stats_every)):
         if not isinstance(val, int) or isinstance(val, bool) or val < 0:
@@ -313,9 +367,15 @@ def register_hook(
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("register_hook: torch.distributed is not initialised; call "
                            "dist.init_process_group (torchrun sets the environment) before DDP")
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"register_hook: process_group is a {type(process_group).__name__}; pass a "
+                        f"torch.distributed ProcessGroup (from dist.new_group) or None for all ranks")
     if process_group is None:
         # A dedicated group (a collective call on every rank): nothing else issues collectives on it.
-        process_group = dist.new_group(ranks=list(range(dist.get_world_size())))
+        # It keeps the default group's timeout: dist.new_group would otherwise give it torch's default
+        # (30 minutes), and a dead peer would stall the others that long whatever the user set.
+        process_group = dist.new_group(ranks=list(range(dist.get_world_size())),
+                                       timeout=_default_group_timeout())
     rank = dist.get_rank(process_group)
     world_size = dist.get_world_size(process_group)
 
@@ -329,8 +389,8 @@ def register_hook(
         plan_obj = resolve_plan(plan)
         plan_obj.check_parameters([n for n, _ in named])
         digest = plan_obj.digest()
-    except ValueError as e:
-        error = str(e)
+    except Exception as e:  # noqa: BLE001 - any local failure must reach every rank, or they hang
+        error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
     reports = _agree(process_group, world_size, (error, digest, plan_obj.name if plan_obj else None))
     bad = [(r, rep[0]) for r, rep in enumerate(reports) if rep[0] is not None]
     if bad:

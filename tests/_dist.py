@@ -38,12 +38,16 @@ def _worker(rank, world_size, port, fn, args, q, pg_timeout):
 
 
 def run_workers(fn, world_size: int, *args, timeout: float = 120, pg_timeout: float = 60,
-                allow_errors: bool = False):
+                allow_errors: bool = False, allow_deaths: bool = False):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return results by rank.
 
-    Raises if a worker raised (unless ``allow_errors``: then errors come back as strings), and fails
-    if the processes are not all done within ``timeout`` seconds (they are killed).
+    Raises if a worker raised (unless ``allow_errors``: then every rank's result comes back as
+    ``(status, value)``, status ``"ok"`` or ``"error"``, errors as strings), and fails if the
+    processes are not all done within ``timeout`` seconds (they are killed). A rank that exits without
+    a result (``os._exit``, a signal) fails the run unless ``allow_deaths`` (implies ``allow_errors``):
+    it then comes back as ``("died", exitcode)``.
     """
+    allow_errors = allow_errors or allow_deaths
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
@@ -75,6 +79,10 @@ def run_workers(fn, world_size: int, *args, timeout: float = 120, pg_timeout: fl
     if hung:
         raise AssertionError(f"ranks {hung} still running after {timeout}s (hang); results: {results}")
     missing = [r for r in range(world_size) if r not in results]
+    if missing and allow_deaths:
+        for r in missing:
+            results[r] = ("died", procs[r].exitcode)
+        missing = []
     if missing:
         codes = [p.exitcode for p in procs]
         raise AssertionError(f"ranks {missing} died without a result (exit codes {codes})")

@@ -296,7 +296,17 @@ void encode_blocks(const EncodeArgs& a, int64_t b0, int64_t b1) {
       mx = vmx[j] > mx ? vmx[j] : mx;
       z = z + vz[j];
     }
-    const bool finite = (z == 0.0f);  // v * 0 is NaN for a NaN or an inf
+    // v * 0 is NaN for a NaN or an inf. The block must also be representable (format step 2): a
+    // finite range, and a top code that decodes to a finite number.
+    const float diff = mx - mn;
+    float scale;
+    if (std::isinf(diff)) {  // finite block whose range overflows: halve, divide, double, cap
+      scale = ((mx * 0.5f - mn * 0.5f) / L) * 2.0f;
+      if (scale > FLT_MAX) scale = FLT_MAX;
+    } else {
+      scale = diff / L;
+    }
+    const bool finite = (z == 0.0f) && std::isfinite(diff) && std::isfinite(mn + L * scale);
 
     float* mb = a.meta + 2 * blk;
     uint8_t* pb = a.packed + start * bits / 8;
@@ -310,14 +320,6 @@ void encode_blocks(const EncodeArgs& a, int64_t b0, int64_t b1) {
       std::memset(pb, 0, static_cast<size_t>((len * bits + 7) / 8));
       if (HAS_RES && a.rout != a.r) std::memcpy(a.rout + start, rb, sizeof(float) * len);
       continue;
-    }
-    const float diff = mx - mn;
-    float scale;
-    if (std::isinf(diff)) {  // finite block whose range overflows: halve, divide, double, cap
-      scale = ((mx * 0.5f - mn * 0.5f) / L) * 2.0f;
-      if (scale > FLT_MAX) scale = FLT_MAX;
-    } else {
-      scale = diff / L;
     }
     const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
     mb[0] = mn;

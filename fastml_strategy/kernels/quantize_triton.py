@@ -113,6 +113,9 @@ def _quantize_kernel(
     wide = ~(tl.abs(diff) <= _FMAX) & ~bad  # finite block whose range overflows
     scale = tl.math.div_rn(tl.where(wide, mx * 0.5 - mn * 0.5, diff), LF * 1.0)
     scale = tl.where(wide, tl.minimum(scale * 2.0, _FMAX), scale)
+    # Representable (format step 2): a finite range and a top code that decodes to a finite number
+    # (launched without FP fusion: a multiply, then an add).
+    bad = bad | wide | ~(tl.abs(mn + (LF * 1.0) * scale) <= _FMAX)
     pos = scale > 0
     inv = tl.where(pos, tl.math.div_rn(tl.full([G], 1.0, tl.float32), tl.where(pos, scale, 1.0)), 0.0)
     mn_q = tl.where(bad, 0.0, mn)

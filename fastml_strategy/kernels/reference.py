@@ -10,14 +10,18 @@ A 1-D tensor ``x`` of ``n`` elements (fp32, fp16 or bf16; computed in fp32) is c
    to inf while ``mn`` and ``mx`` are finite, ``scale = min(2 * ((mx * 0.5 - mn * 0.5) / L), FLT_MAX)``
    (halving is exact there; the cap only bites for ``bits = 1``). ``inv = 1 / scale`` if
    ``scale > 0`` else ``0``. (One division for the scale in either case: kernels compute
-   ``(overflow ? mx * 0.5 - mn * 0.5 : mx - mn) / L``.)
+   ``(overflow ? mx * 0.5 - mn * 0.5 : mx - mn) / L``.) The block is *representable* when
+   ``mx - mn`` and ``mn + L * scale`` (fp32, a multiply then an add, as in step 7) are both finite.
+   A block whose range exceeds fp32 (``max - min > FLT_MAX``, as in ``[-3e38, 3e38]``) is not: step 7
+   cannot decode its largest values to finite numbers (they became inf, or for ``bits = 1`` a value
+   far below ``mx``), so it is non-finite (step 4) whatever its scale.
 3. ``q = clamp(floor((v - mn) * inv + u), 0, L)`` with ``u = 0.5`` (round to nearest) or, for
    stochastic rounding, ``u = uniform(seed, i)`` of the element's index ``i`` in ``x`` (see
    :func:`uniform`), so the same seed gives the same bytes on every backend. A NaN there (``0 * inf``
    when ``scale`` is subnormal and ``inv`` overflows) gives ``q = 0``.
-4. A block holding a NaN or an inf is *non-finite*: its metadata is ``(nan, nan)``, its codes are 0,
-   and it decodes to NaN everywhere, so a non-finite gradient reaches every rank (GradScaler then skips
-   the step on all of them). Its residual is left unchanged.
+4. A block holding a NaN or an inf, or not representable (step 2), is *non-finite*: its metadata is
+   ``(nan, nan)``, its codes are 0, and it decodes to NaN everywhere, so a non-finite gradient reaches
+   every rank (GradScaler then skips the step on all of them). Its residual is left unchanged.
 5. Metadata: fp32 tensor of shape ``(nblocks, 2)``: ``[:, 0] = mn``, ``[:, 1] = scale``.
 6. Packing: the codes form a little-endian bit stream: element ``i`` occupies stream bits
    ``[i*bits, (i+1)*bits)``, byte ``k`` holds stream bits ``[8k, 8k+8)`` (bit 0 = least significant).
@@ -164,6 +168,9 @@ def _block_meta(v2: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tens
     if bool(overflow.any()):
         wide = ((mx * 0.5 - mn * 0.5) / lv * 2).clamp_(max=FLT_MAX)
         scale = torch.where(overflow, wide, scale)
+    # Representable (step 2). Without this, a block spanning more than fp32's range kept finite
+    # metadata but decoded its largest values to inf, and error feedback stored -inf residuals.
+    finite = finite & torch.isfinite(diff) & torch.isfinite(mn + scale * float(levels))
     return mn, scale, finite
 
 

@@ -89,6 +89,8 @@ def topk_encode(
         new = acc.index_fill_(0, idx, 0.0) if err is None else acc.index_copy_(0, idx, err)
         dst = (residual if residual_out is None else residual_out).reshape(-1)
         ok = torch.isfinite(values).all()
+        if meta is not None:  # quantized values: a block spanning more than fp32's range decodes to NaN
+            ok = ok & torch.isfinite(meta).all()
         if x.is_cuda:
             dst.copy_(torch.where(ok, new, residual.reshape(-1)))  # no host sync
         elif bool(ok):

@@ -1,0 +1,250 @@
+"""Faults of one rank in a real multi-process compressed run (gloo): a rank dies or stalls, an encoder
+raises on one rank, one rank's gradients are non-finite, one rank's parameters drift.
+
+The promise under test: every rank fails fast with the same clear FastML error (never a hang), a
+non-finite step is seen alike everywhere and changes no error-feedback state, and drift is caught.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from _fault_helpers import flat_params, loss_of, mlp
+from _dist import run_workers
+
+pytestmark = pytest.mark.timeout(120)
+
+# Seconds. The default group (rendezvous, start-up) gets a generous timeout, since ranks start
+# seconds apart on a loaded 2-core machine; FastML's collectives run on a group of their own with a
+# short one, as a user would set with init_process_group(timeout=...) (the hook's group inherits it:
+# see test_replica_check_is_silent_when_replicas_agree).
+PG_TIMEOUT = 60
+COMM_TIMEOUT = 5
+
+
+def _setup(plan="int4", check_replicas_every=0):
+    from datetime import timedelta
+
+    import fastml_strategy as fm
+
+    model = mlp()
+    ddp = DDP(model, bucket_cap_mb=0.02)
+    group = dist.new_group(list(range(dist.get_world_size())), timeout=timedelta(seconds=COMM_TIMEOUT))
+    state = fm.register_hook(ddp, plan=plan, check_replicas_every=check_replicas_every,
+                             process_group=group)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    return model, ddp, state, opt
+
+
+def _error_report(e: BaseException, t0: float) -> dict:
+    return {"type": type(e).__name__, "module": type(e).__module__, "msg": str(e),
+            "cause": repr(e.__cause__), "elapsed": time.monotonic() - t0}
+
+
+# -- a rank dies or stalls at step 3 -------------------------------------------------------------------
+def _rank_fault(rank, world_size, how, victim):
+    import fastml_strategy.codecs as codecs
+
+    model, ddp, state, opt = _setup("int4")
+    t0 = time.monotonic()
+    for step in range(6):
+        if step == 3:
+            t0 = time.monotonic()
+            if rank == victim and how == "exit":
+                os._exit(17)  # before its forward: peers are already waiting in the collective
+            if rank == victim and how == "sigkill_in_encoder":
+                real = codecs.encode_dense
+
+                def die(*a, **k):  # inside the comm thread, in the middle of the backward pass
+                    os.kill(os.getpid(), signal.SIGKILL)
+                    return real(*a, **k)
+
+                codecs.encode_dense = die
+            if rank == victim and how == "stall":
+                time.sleep(COMM_TIMEOUT + 3)  # alive but silent: peers must time out, not wait forever
+        try:
+            loss_of(ddp, rank, step).backward()
+        except Exception as e:  # noqa: BLE001
+            return {"step": step, **_error_report(e, t0)}
+        opt.step()
+        opt.zero_grad()
+    return {"step": None}
+
+
+@pytest.mark.parametrize("world_size,how", [(2, "exit"), (3, "sigkill_in_encoder"), (2, "stall")])
+def test_dead_or_stalled_rank_fails_every_other_rank_fast(world_size, how):
+    victim = world_size - 1
+    results = run_workers(_rank_fault, world_size, how, victim, timeout=90, pg_timeout=PG_TIMEOUT,
+                          allow_deaths=True)
+    if how == "stall":
+        assert results[victim][0] == "ok"  # it wakes up to a broken group and fails too
+        assert results[victim][1]["type"] == "CompressionError", results[victim]
+    else:
+        assert results[victim][0] == "died", results[victim]
+    for r in range(world_size):
+        if r == victim:
+            continue
+        status, res = results[r]
+        assert status == "ok", res
+        assert res["step"] == 3, f"rank {r} did not fail at step 3: {res}"
+        assert res["type"] == "CompressionError" and res["module"] == "fastml_strategy.collective", res
+        assert "restart from the last checkpoint" in res["msg"], res["msg"]
+        assert "gloo" in res["cause"] or "Connection" in res["cause"] or "Timed out" in res["cause"], res
+        # "within the process group's timeout": a dead peer is noticed at once, a stalled one at the
+        # timeout; allow a little slack for the 2-core machine.
+        assert res["elapsed"] < COMM_TIMEOUT + 4, res
+
+
+# -- an exception inside compression on one rank only -------------------------------------------------------
+def _encoder_raises(rank, world_size, stage):
+    import fastml_strategy.codecs as codecs
+    from fastml_strategy import CompressionError
+
+    model, ddp, state, opt = _setup("int4")
+    for step in range(5):
+        if step == 3 and rank == 1:
+            real = codecs.encode_dense
+            calls = {"n": 0}
+
+            def boom(x, cfg, out, *a, **k):
+                # "encoding": the first-stage encode of a gradient chunk (into the all_to_all
+                # message); "reduction": the re-encode of the chunk sum (into the all_gather message).
+                ptr = out.untyped_storage().data_ptr()
+                lays = state._engine.layouts.values()
+                msgs = [lay.send if stage == "encoding" else lay.gsend for lay in lays]
+                if any(ptr == m.untyped_storage().data_ptr() for m in msgs):
+                    raise RuntimeError("injected codec failure")
+                return real(x, cfg, out, *a, **k)
+
+            codecs.encode_dense = boom
+        try:
+            loss_of(ddp, rank, step).backward()
+        except CompressionError as e:
+            # Once failed, the hook stays failed (the group may be unusable): the next step says so.
+            try:
+                loss_of(ddp, rank, step + 1).backward()
+                again = "no error"
+            except Exception as e2:  # noqa: BLE001
+                again = type(e2).__name__
+            return {"step": step, "msg": str(e), "cause": repr(e.__cause__), "again": again}
+        opt.step()
+        opt.zero_grad()
+    return {"step": None}
+
+
+@pytest.mark.parametrize("stage", ["encoding", "reduction"])
+def test_encoder_exception_on_one_rank_fails_every_rank_alike(stage):
+    res = run_workers(_encoder_raises, 2, stage, timeout=60, pg_timeout=PG_TIMEOUT)
+    assert res[0]["step"] == res[1]["step"] == 3, res
+    assert res[0]["msg"] == res[1]["msg"], "every rank must raise the same error"
+    assert f"compression failed on rank 1 during {stage}" in res[0]["msg"], res[0]["msg"]
+    assert "injected codec failure" in res[0]["msg"]
+    assert "injected codec failure" in res[1]["cause"]  # the failing rank keeps its traceback
+    assert res[0]["again"] == res[1]["again"] != "no error"
+
+
+# -- non-finite gradients on one rank --------------------------------------------------------------------
+def _nonfinite(rank, world_size, plan):
+    model, ddp, state, opt = _setup(plan, check_replicas_every=1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    target = "2.weight"  # 128 x 128: compressed
+    poison = {"on": False}
+
+    def hook(g):
+        if poison["on"]:
+            g = g.clone()
+            g[0, 0] = float("inf")
+            g[5, 7] = float("nan")
+        return g
+
+    if rank == 1:
+        dict(model.named_parameters())[target].register_hook(hook)
+    out = {"skipped": [], "grad_finite": [], "residuals_changed": [], "res_finite": True}
+    for step in range(8):
+        poison["on"] = step == 3
+        before = {k: v.clone() for k, v in state.state_dict()["residuals"].items()}
+        params_before = flat_params(model).clone()
+        scaler.scale(loss_of(ddp, rank, step)).backward()
+        after = state.state_dict()["residuals"]
+        out["grad_finite"].append(all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()))
+        out["target_grad_finite_" + str(step)] = bool(torch.isfinite(
+            dict(model.named_parameters())[target].grad).all())
+        out["residuals_changed"].append(  # (no residuals exist before the first step: zeros)
+            any(not torch.equal(before.get(k, torch.zeros_like(v)), v) for k, v in after.items()))
+        out["res_finite"] = out["res_finite"] and all(bool(torch.isfinite(v).all()) for v in after.values())
+        if step == 3:
+            out["residual_norm_at_3"] = sum(float(v.norm()) for v in after.values())
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        out["skipped"].append(torch.equal(params_before, flat_params(model)))
+    gathered = [torch.zeros_like(flat_params(model)) for _ in range(world_size)]
+    dist.all_gather(gathered, flat_params(model))
+    out["identical"] = all(torch.equal(gathered[0], g) for g in gathered[1:])
+    out["finite_params"] = bool(torch.isfinite(flat_params(model)).all())
+    out["nonfinite_steps"] = state.stats()["nonfinite_steps"]
+    return out
+
+
+@pytest.mark.parametrize("plan", ["int4", "topk1"])
+def test_nonfinite_gradient_on_one_rank_reaches_all_and_spares_residuals(plan):
+    for r, out in enumerate(run_workers(_nonfinite, 2, plan, timeout=90, pg_timeout=PG_TIMEOUT)):
+        # Step 3: every rank (not only rank 1) receives NaN/inf in the poisoned layer's gradient...
+        assert out["grad_finite"] == [True] * 3 + [False] + [True] * 4, (r, out["grad_finite"])
+        assert not out["target_grad_finite_3"]
+        # ...so GradScaler skips that step on every rank alike, and only that one.
+        assert out["skipped"] == [False] * 3 + [True] + [False] * 4, (r, out["skipped"])
+        # Error feedback: no residual of any bucket moves on the skipped step; they stay finite and
+        # non-trivial; every other step does update them.
+        assert out["residuals_changed"] == [True] * 3 + [False] + [True] * 4, (r, out)
+        assert out["res_finite"] and out["residual_norm_at_3"] > 0
+        assert out["nonfinite_steps"] == 1
+        # Training went on normally: finite parameters, identical on every rank (checked every step
+        # by check_replicas_every=1 as well).
+        assert out["identical"] and out["finite_params"]
+
+
+# -- replica drift ----------------------------------------------------------------------------------------
+def _drift(rank, world_size, perturb):
+    import fastml_strategy as fm
+    from fastml_strategy.hook import ReplicaDriftError
+
+    if perturb:
+        model, ddp, state, opt = _setup("int4", check_replicas_every=2)
+    else:  # the hook's own group, which must inherit init_process_group's timeout
+        model = mlp()
+        ddp = DDP(model, bucket_cap_mb=0.02)
+        state = fm.register_hook(ddp, plan="int4", check_replicas_every=2)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    for step in range(7):
+        if perturb and step == 3 and rank == 1:
+            with torch.no_grad():
+                model[2].weight[3, 3] += 1e-6  # one element, one rank, outside the all-reduce
+        try:
+            loss_of(ddp, rank, step).backward()
+        except ReplicaDriftError as e:
+            return {"step": step, "msg": str(e)}
+        opt.step()
+        opt.zero_grad()
+    timeout = state.process_group._get_backend(torch.device("cpu")).options._timeout
+    return {"step": None, "steps": state.stats()["steps"], "timeout_s": timeout.total_seconds()}
+
+
+def test_replica_drift_is_detected_on_every_rank():
+    res = run_workers(_drift, 2, True, timeout=60, pg_timeout=PG_TIMEOUT)
+    # Perturbed before step 3's forward; the check runs after steps 2, 4, 6 (at the end of the
+    # all-reduce of the step's last bucket): it fires during step 3's backward (state step 4).
+    assert res[0]["step"] == res[1]["step"] == 3, res
+    assert res[0]["msg"] == res[1]["msg"] and "replicas differ" in res[0]["msg"], res
+
+
+def test_replica_check_is_silent_when_replicas_agree():
+    for out in run_workers(_drift, 3, False, timeout=60, pg_timeout=PG_TIMEOUT):
+        assert out == {"step": None, "steps": 7, "timeout_s": PG_TIMEOUT}
