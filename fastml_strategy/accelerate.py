@@ -114,13 +114,7 @@ def setup(
     when the model is not wrapped in DDP (one process, FSDP, DeepSpeed). ``checkpoint=False`` skips
     ``register_for_checkpointing`` (then save ``state.state_dict(all_ranks=True)`` yourself).
     """
-    try:
-        resolved = resolve_plan(plan)  # a bad FASTML_PLAN fails here, on every process
-    except ValueError as e:
-        from_env = os.environ.get("FASTML_PLAN")
-        if plan is None and from_env:
-            raise ValueError(f"FASTML_PLAN={from_env!r} is not a usable plan: {e}") from None
-        raise
+    resolved = resolve_plan(plan)  # a bad FASTML_PLAN fails here, on every process, naming it
     check_every = _env_int("FASTML_CHECK_REPLICAS_EVERY", check_replicas_every, 0)
     layer_every = _env_int("FASTML_LAYER_STATS_EVERY", layer_stats_every, 10)
     ddp = _find_ddp(model)

@@ -29,7 +29,6 @@ collective with an error header, so every rank (that one included) raises the sa
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import zlib
 from dataclasses import dataclass, field

@@ -436,7 +436,7 @@ def resolve_plan(plan: Any) -> Plan:
         try:
             return resolve_plan(env)
         except ValueError as e:
-            raise ValueError(f"FASTML_PLAN={env!r} is not usable: {e}") from None
+            raise ValueError(f"FASTML_PLAN={env!r} is not a usable plan: {e}") from None
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, Mapping):

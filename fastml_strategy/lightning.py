@@ -116,14 +116,8 @@ def _positive_or_none(name: str, value: int | None) -> int | None:
 
 
 def _resolve(plan: Any) -> Plan:
-    """resolve_plan, with the variable named when the plan came from the environment."""
-    try:
-        return resolve_plan(plan)
-    except ValueError as e:
-        from_env = os.environ.get("FASTML_PLAN")
-        if plan is None and from_env:
-            raise ValueError(f"FASTML_PLAN={from_env!r} is not a usable plan: {e}") from None
-        raise
+    """resolve_plan (which names FASTML_PLAN when the plan came from the environment)."""
+    return resolve_plan(plan)
 
 
 def _reject_hook_kwargs(owner: str, kwargs: dict[str, Any]) -> None:

@@ -115,7 +115,7 @@ def test_resolve_plan_arguments(monkeypatch):
     _raises(lambda: resolve_plan(5), ValueError, "plan must be a Plan, a recipe name", "not int")
     _raises(lambda: resolve_plan("int5"), ValueError, "plan 'int5' is neither a recipe", "pass one of those")
     monkeypatch.setenv("FASTML_PLAN", "int9")
-    _raises(lambda: resolve_plan(None), ValueError, "FASTML_PLAN='int9' is not usable", "int9")
+    _raises(lambda: resolve_plan(None), ValueError, "FASTML_PLAN='int9' is not a usable plan", "int9")
 
 
 # -- register_hook (2 real ranks) ------------------------------------------------------------------------------
