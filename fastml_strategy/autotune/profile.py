@@ -108,26 +108,33 @@ def profile_workload(
     codec_t: dict[tuple[str, str], list[float]] = {}
     residual: dict[tuple[str, str], torch.Tensor] = {}
     tunable = {n for n, p in named if p.numel() >= min_numel}
+
+    def forward_backward(record: bool) -> float:
+        """One timed forward + backward; records the times (and when each gradient was ready)."""
+        batch = next(stream)
+        opt.zero_grad(set_to_none=True)
+        ready.clear()
+        _sync()
+        t0 = time.perf_counter()
+        loss = wl.loss_fn(model, batch)
+        _sync()
+        t1 = time.perf_counter()
+        t_bwd0[0] = t1
+        loss.backward()
+        _sync()
+        t2 = time.perf_counter()
+        if record:
+            fwd_t.append(t1 - t0)
+            bwd_t.append(t2 - t1)
+            for n, _ in named:
+                ready_t[n].append(ready.get(n, t2 - t1))
+        return t2
+
     try:
         for step in range(warmup + steps):
             measured = step >= warmup
-            batch = next(stream)
-            opt.zero_grad(set_to_none=True)
-            ready.clear()
-            _sync()
-            t0 = time.perf_counter()
-            loss = wl.loss_fn(model, batch)
-            _sync()
-            t1 = time.perf_counter()
-            t_bwd0[0] = t1
-            loss.backward()
-            _sync()
-            t2 = time.perf_counter()
+            forward_backward(measured)
             if measured:
-                fwd_t.append(t1 - t0)
-                bwd_t.append(t2 - t1)
-                for n, _ in named:
-                    ready_t[n].append(ready.get(n, t2 - t1))
                 for n, p in named:
                     if p.grad is None:
                         continue
@@ -158,26 +165,10 @@ def profile_workload(
         # or about 2 seconds): a single preempted step on a shared machine must not set the model.
         t_start = time.perf_counter()
         while len(fwd_t) < 20 and time.perf_counter() - t_start < 2.0:
-            batch = next(stream)
-            opt.zero_grad(set_to_none=True)
-            ready.clear()
-            _sync()
-            t0 = time.perf_counter()
-            loss = wl.loss_fn(model, batch)
-            _sync()
-            t1 = time.perf_counter()
-            t_bwd0[0] = t1
-            loss.backward()
-            _sync()
-            t2 = time.perf_counter()
+            t2 = forward_backward(True)
             opt.step()
             _sync()
-            t3 = time.perf_counter()
-            fwd_t.append(t1 - t0)
-            bwd_t.append(t2 - t1)
-            opt_t.append(t3 - t2)
-            for n, _ in named:
-                ready_t[n].append(ready.get(n, t2 - t1))
+            opt_t.append(time.perf_counter() - t2)
     finally:
         for h in handles:
             h.remove()
