@@ -255,3 +255,40 @@ def test_bad_plan_fails_on_every_rank(kind, needle):
     msgs = run_workers(_bad_plan, 2, kind, timeout=90)
     assert msgs[0] == msgs[1], "every rank must raise the same error"
     assert needle in msgs[0], msgs[0]
+
+
+def _overlap(rank, world_size):
+    # Hold the first bucket's communication until backward has computed the gradient of the FIRST
+    # layer (the last one backward reaches). If the hook communicated synchronously (blocking the
+    # autograd thread), backward could never get there: the wait would time out.
+    import threading
+
+    import fastml_strategy as fm
+
+    torch.manual_seed(0)
+    # 1 MB + 4 MB + 40 KB of gradients: at least 3 buckets from the first iteration on
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
+                                torch.nn.ReLU(), torch.nn.Linear(1024, 10))
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    state = fm.register_hook(ddp, plan="int4")
+    first_layer_done = threading.Event()
+    model[0].weight.register_hook(lambda g: first_layer_done.set())
+    waited = []
+    run = state._engine.run
+
+    def held_run(lay, buf, step, *a, **k):
+        if step == 1 and not waited:  # the first bucket of the second step (after DDP's rebuild)
+            waited.append(first_layer_done.wait(timeout=20))
+        return run(lay, buf, step, *a, **k)
+
+    state._engine.run = held_run
+    for _ in range(2):
+        first_layer_done.clear()
+        ddp(torch.randn(8, 256)).square().mean().backward()
+    return waited[0], len(state._engine.layouts)
+
+
+def test_communication_overlaps_backward():
+    for overlapped, buckets in run_workers(_overlap, 2, timeout=120):
+        assert buckets >= 3
+        assert overlapped, "bucket 0's all-reduce could not run while backward went on"
