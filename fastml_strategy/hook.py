@@ -96,7 +96,6 @@ class FastMLState:
         # -- statistics -----------------------------------------------------------------------------
         self.step = 0  # completed steps (counted at the last bucket; no_sync micro-batches call no hook)
         self.nonfinite_steps = 0  # steps whose result held NaN/inf (residuals left unchanged)
-        self._bucket_in_step = 0
         # Buckets of the current step waiting for their residuals to be committed, and whether every
         # bucket so far was finite: residuals move on only when the whole step is finite.
         self._uncommitted: list = []
@@ -255,11 +254,6 @@ class FastMLState:
         self._engine.bytes_sent = int(counters.get("bytes_sent", 0))
         self._engine.bytes_uncompressed = float(counters.get("bytes_uncompressed", 0.0))
         self._engine.load_residuals(sd.get("residuals", {}))
-
-    def wait_idle(self) -> None:
-        """Block until every queued bucket is done (DDP already waits at the end of backward)."""
-        while not self._queue.empty():
-            threading.Event().wait(0.001)
 
     def close(self) -> None:
         """Stop the communication thread (the hook then fails any further bucket)."""
