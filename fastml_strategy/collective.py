@@ -3,10 +3,11 @@ for top-k, two collectives per bucket in a fixed order.
 
 Algorithm (per bucket, on every rank; W ranks, this one ``r``)
 --------------------------------------------------------------
-1. Split the bucket by parameter and group parameters by codec (``BucketLayout``). Each *dense*
-   group (fp32 / fp16 / bf16 / quantize with the same settings) is gathered into one flat fp32 vector,
-   each parameter padded to whole quantization blocks so a block never mixes two layers' scales, and
-   cut into W chunks on block boundaries. Small tensors (under ``plan.min_numel``) form an fp32 group.
+1. Split the bucket by parameter (``BucketLayout``). Each compressed layer (fp16 / bf16 / quantize)
+   is a segment of its own, encoded straight from the bucket buffer and decoded straight back into
+   it (no gather or scatter copies when the buffer is fp32), cut into W chunks on quantization-block
+   boundaries, so a block never mixes two layers' scales. Small tensors (under ``plan.min_numel``)
+   and fp32 layers are gathered into one fp32 segment: one message part for all of them.
 2. Error feedback: the quantizer reads ``grad + residual`` and writes the new residual into a second
    buffer; the two are swapped only when the result is finite. The hook commits a whole step at once:
    a NaN/inf in any bucket, which makes GradScaler skip the step, leaves every residual untouched.
