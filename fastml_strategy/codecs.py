@@ -75,12 +75,13 @@ def encode_dense(
         dt = torch.float16 if c is Codec.FP16 else torch.bfloat16
         out[: 2 * n].view(dt).copy_(x)
     else:
+        # The encoder writes metadata and codes straight into the message (offsets are 4-aligned).
         nb = kernels.num_blocks(n, cfg.block_size)
-        packed, meta = kernels.quantize(
-            x, cfg.bits, cfg.block_size, cfg.stochastic, seed, residual, residual_out
+        kernels.quantize(
+            x, cfg.bits, cfg.block_size, cfg.stochastic, seed, residual, residual_out,
+            packed_out=out[8 * nb: 8 * nb + kernels.packed_nbytes(n, cfg.bits)],
+            meta_out=out[: 8 * nb].view(torch.float32).view(nb, 2),
         )
-        out[: 8 * nb].view(torch.float32).copy_(meta.reshape(-1))
-        out[8 * nb: 8 * nb + packed.numel()].copy_(packed)
 
 
 def decode_dense(
