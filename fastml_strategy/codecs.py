@@ -31,7 +31,14 @@ __all__ = [
     "encode_topk",
     "decode_topk_add",
     "effective_config",
+    "wire_config",
+    "chunk_unit",
+    "chunk_nbytes",
+    "encode_chunk",
+    "decode_chunk",
+    "chunk_finite",
     "wire_bytes",
+    "reduce_scatter_bytes",
     "roundtrip",
 ]
 
@@ -199,6 +206,92 @@ def decode_topk_add(buf: torch.Tensor, numel: int, cfg: CodecConfig, out: torch.
     return torch.isfinite(vals).all()
 
 
+# -- one chunk of a reduce-scatter (any codec) ----------------------------------------------------------
+# A reduce-scatter never re-encodes a sum, so top-k works there like a dense codec: each rank encodes
+# the chunk it sends to rank j (top-k of that chunk), and rank j adds the W messages it receives.
+
+
+def wire_config(cfg: CodecConfig, dtype: torch.dtype) -> CodecConfig:
+    """The codec that carries ``cfg`` for gradients of ``dtype``: an uncompressed (fp32) layer whose
+    gradients are already fp16/bf16 travels in that dtype, exactly and in half the bytes."""
+    if cfg.codec is Codec.FP32 and dtype in (torch.float16, torch.bfloat16):
+        return CodecConfig(codec=Codec.FP16 if dtype == torch.float16 else Codec.BF16)
+    return cfg
+
+
+def chunk_unit(cfg: CodecConfig) -> int:
+    """Elements a chunk boundary must be a multiple of, so that no quantization block spans two
+    chunks and every chunk's encoding stays 4-byte aligned."""
+    return cfg.block_size if cfg.codec is Codec.QUANTIZE else 16
+
+
+def chunk_nbytes(numel: int, cfg: CodecConfig) -> int:
+    """Encoded bytes of one chunk of ``numel`` elements (a multiple of 4)."""
+    if cfg.codec is Codec.TOPK:
+        return _align4(topk_nbytes(numel, cfg)) if numel else 0
+    return dense_nbytes(numel, cfg)
+
+
+def encode_chunk(
+    x: torch.Tensor,
+    cfg: CodecConfig,
+    out: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+    seed: int = 0,
+) -> None:
+    """Encode one chunk ``x`` into ``out`` (``chunk_nbytes`` long), with error feedback when
+    ``residual`` is given: the encoder reads ``x + residual`` and writes the new residual to
+    ``residual_out`` (default: ``residual``, in place). A residual may be fp32 or bf16; a non-finite
+    input leaves it unchanged (quantize: per block; top-k: the whole chunk)."""
+    if residual is not None and residual.dtype != torch.float32:
+        r32 = residual.to(torch.float32)
+        encode_chunk(x, cfg, out, r32, None, seed)
+        (residual if residual_out is None else residual_out).copy_(r32)
+        return
+    if cfg.codec is not Codec.TOPK:
+        encode_dense(x, cfg, out, residual if cfg.codec is Codec.QUANTIZE else None, residual_out, seed)
+        return
+    if x.numel() == 0:
+        return
+    v = torch.add(x, residual) if residual is not None else x.to(torch.float32)
+    idx, sent = encode_topk(v, cfg, out, seed=seed)
+    if residual is not None and bool(torch.isfinite(sent).all()):
+        v[idx] -= sent
+        (residual if residual_out is None else residual_out).copy_(v)
+    elif residual is not None and residual_out is not None:
+        residual_out.copy_(residual)
+
+
+def decode_chunk(buf: torch.Tensor, numel: int, cfg: CodecConfig, out: torch.Tensor,
+                 accumulate: bool = False) -> None:
+    """Decode one chunk into fp32 ``out`` (``+=`` when accumulating)."""
+    if cfg.codec is not Codec.TOPK:
+        decode_dense(buf, numel, cfg, out, accumulate=accumulate)
+        return
+    if not accumulate:
+        out.zero_()
+    if numel:
+        decode_topk_add(buf, numel, cfg, out)
+
+
+def chunk_finite(buf: torch.Tensor, numel: int, cfg: CodecConfig) -> torch.Tensor | None:
+    """Whether an encoded chunk decodes to finite values, read from its metadata alone (a 0-d bool
+    tensor), or None when only the decoded values can tell (fp32/fp16/bf16)."""
+    if numel == 0:
+        return None
+    if cfg.codec is Codec.QUANTIZE:
+        nb = kernels.num_blocks(numel, cfg.block_size)
+        return torch.isfinite(buf[: 8 * nb].view(torch.float32)).all()
+    if cfg.codec is Codec.TOPK:
+        k = cfg.topk_k(numel)
+        vcfg = _topk_value_cfg(cfg)
+        if vcfg is None:
+            return torch.isfinite(buf[: 4 * k].view(torch.float32)).all()
+        return chunk_finite(buf, k, vcfg)
+    return None
+
+
 # -- planning helpers -------------------------------------------------------------------------------
 def _dense_rank_bytes(numel: int, cfg: CodecConfig, world_size: int) -> float:
     return 2.0 * (world_size - 1) / world_size * dense_nbytes(numel, cfg)
@@ -228,6 +321,17 @@ def wire_bytes(numel: int, cfg: CodecConfig, world_size: int) -> int:
     if cfg.codec is Codec.TOPK:
         return (world_size - 1) * topk_nbytes(numel, cfg)
     return int(round(_dense_rank_bytes(numel, cfg, world_size)))
+
+
+def reduce_scatter_bytes(chunk_numels: list[int], cfg: CodecConfig, rank: int | None = None) -> int:
+    """Bytes one rank sends for one tensor in a compressed reduce-scatter whose chunk ``j`` (the part
+    rank ``j`` owns) has ``chunk_numels[j]`` elements: every chunk but its own (``rank``; None: the
+    mean over ranks), each encoded on its own."""
+    sizes = [chunk_nbytes(n, cfg) for n in chunk_numels]
+    if rank is not None:
+        return sum(sizes) - sizes[rank]
+    W = len(sizes)
+    return int(round(sum(sizes) * (W - 1) / W)) if W else 0
 
 
 @torch.no_grad()

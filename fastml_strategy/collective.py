@@ -1,5 +1,6 @@
-"""The compressed all-reduce of one DDP bucket: scatter-reduce-allgather for dense codecs, all_gather
-for top-k, two collectives per bucket in a fixed order.
+"""FastML's compressed collectives: the all-reduce of one DDP bucket (scatter-reduce-allgather for
+dense codecs, all_gather for top-k, two collectives per bucket in a fixed order) and, as its first
+half, the reduce-scatter of one FSDP unit (one all_to_all).
 
 Algorithm (per bucket, on every rank; W ranks, this one ``r``)
 --------------------------------------------------------------
@@ -23,6 +24,14 @@ Per-rank traffic of a dense codec is 2(W-1)/W of its encoded size, as for a ring
 layer costs (W-1) messages, which is why :func:`fastml_strategy.codecs.effective_config` falls back to
 a dense codec past the world size where that stops paying.
 
+Reduce-scatter (:class:`ShardLayout`, :meth:`CompressedAllReduce.reduce_scatter`): the input holds W
+rows, row j the part of every gradient that rank j owns (FSDP2's layout). Step 3 alone does it: each
+rank encodes row j (per parameter, with its codec and error feedback; top-k too, since nothing is
+re-encoded), one all_to_all, and rank j decodes and sums the W copies of row j into its output. No
+re-encoding, so no second collective, and no replicas to keep identical (each rank owns its shard).
+Per-rank traffic: (W-1)/W of the compressed size. The error-feedback residual of a rank covers every
+row it sends, i.e. the unsharded gradient.
+
 Every message starts with a 64-byte header. A rank whose encoder raises still takes part in the
 collective with an error header, so every rank (that one included) raises the same
 :class:`CompressionError`, naming the lowest failing rank, instead of hanging.
@@ -33,6 +42,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,7 +50,7 @@ import torch.distributed as dist
 from fastml_strategy import codecs
 from fastml_strategy.config import Codec, CodecConfig, Plan
 
-__all__ = ["BucketLayout", "CompressedAllReduce", "CompressionError"]
+__all__ = ["BucketLayout", "ShardLayout", "CompressedAllReduce", "CompressionError"]
 
 HEADER = 64  # bytes: int32 status, int32 rank, 56 bytes of UTF-8 error text
 _STATUS_OK, _STATUS_ERROR = 0, 1
@@ -62,33 +72,39 @@ def _mix(*xs: int) -> int:
 @dataclass
 class _Param:
     name: str
-    boff: int  # offset in the bucket buffer (elements)
+    boff: int  # offset in the bucket buffer (elements); -1 in a reduce-scatter (see _DenseGroup.pieces)
     numel: int
     goff: int = 0  # offset in its group's flat vector
 
 
 @dataclass
 class _DenseGroup:
-    """One segment of the dense message: a single parameter (read from and decoded straight into the
-    bucket buffer when that is fp32), or all the bucket's fp32 parameters gathered into one vector."""
+    """One segment of the message: a single parameter (read from and decoded straight into the
+    communication buffer when that is fp32, or always in a reduce-scatter), or the uncompressed
+    parameters gathered into one flat vector.
+
+    The group's flat vector is cut into W chunks at ``bounds``; chunk j is encoded for (all-reduce:
+    reduced by) rank j. ``pieces`` say where the flat vector lies in the buffer."""
 
     cfg: CodecConfig
     params: list[_Param]
     length: int  # elements
     bounds: list[int]  # W + 1 chunk boundaries (elements)
     nbytes: list[int]  # encoded bytes of chunk j
-    direct: bool = False  # True: operate on the bucket buffer's slice, no copy
+    pieces: list[tuple[int, int, int]]  # (buffer offset, flat offset, elements)
+    direct: bool = False  # True: chunk j is the buffer slice at chunk_base[j], no copy
+    chunk_base: list[int] = field(default_factory=list)
     send_off: list[int] = field(default_factory=list)  # offset of chunk j in the all_to_all buffer
     recv_off: int = 0  # offset inside this rank's chunk message
     gather_off: list[int] = field(default_factory=list)  # offset in rank j's all_gather message
     x: torch.Tensor | None = None  # flat fp32 staging vector (not direct)
     res_cur: torch.Tensor | None = None
-    res_next: torch.Tensor | None = None
+    res_next: torch.Tensor | None = None  # None: the residual is updated in place (one buffer)
     acc: torch.Tensor | None = None  # this rank's chunk sum
 
     @property
     def ef(self) -> bool:
-        return self.cfg.codec is Codec.QUANTIZE and self.cfg.error_feedback
+        return self.cfg.uses_residual
 
     @property
     def key(self) -> int:
@@ -96,12 +112,30 @@ class _DenseGroup:
         rebuilt after the first iteration; stochastic rounding must not change with them)."""
         return zlib.crc32(self.params[0].name.encode())
 
-    def view(self, buf: torch.Tensor) -> torch.Tensor:
-        """The fp32 vector this segment encodes from and decodes into."""
+    def chunk(self, buf: torch.Tensor, j: int) -> torch.Tensor:
+        """Chunk j of the flat vector: a view of ``buf`` (direct) or of the staging vector."""
+        a, b = self.bounds[j], self.bounds[j + 1]
         if self.direct:
-            p = self.params[0]
-            return buf[p.boff: p.boff + p.numel]
-        return self.x
+            return buf[self.chunk_base[j]: self.chunk_base[j] + b - a]
+        return self.x[a:b]
+
+    def gather(self, buf: torch.Tensor) -> None:
+        for boff, goff, n in self.pieces:
+            self.x[goff: goff + n].copy_(buf[boff: boff + n])
+
+    def scatter(self, buf: torch.Tensor) -> None:
+        for boff, goff, n in self.pieces:
+            buf[boff: boff + n].copy_(self.x[goff: goff + n])
+
+    def alloc_residual(self, device: torch.device, double_buffer: bool) -> None:
+        if self.ef:
+            dt = self.cfg.residual_torch_dtype
+            self.res_cur = torch.zeros(self.length, dtype=dt, device=device)
+            if double_buffer:
+                self.res_next = torch.zeros(self.length, dtype=dt, device=device)
+
+    def residual_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.res_cur, self.res_next) if t is not None)
 
 
 @dataclass
@@ -114,55 +148,21 @@ class _TopkParam:
     pending: torch.Tensor | None = None
 
 
-class BucketLayout:
-    """How one bucket's parameters map to groups, chunks and message offsets (built once per bucket
-    shape; DDP's bucket rebuild after iteration 1 builds a new one)."""
+def _chunk_bounds(length: int, unit: int, W: int) -> list[int]:
+    """W + 1 boundaries cutting ``length`` elements into W near-equal chunks on ``unit`` boundaries."""
+    units = math.ceil(length / unit)
+    return [min(length, (j * units // W) * unit) for j in range(W)] + [length]
 
-    def __init__(self, names, offsets, numels, plan: Plan, world_size: int, rank: int,
-                 device: torch.device, dtype: torch.dtype = torch.float32) -> None:
-        self.names = tuple(names)
-        self.total_numel = int(sum(numels))
-        W = world_size
-        dense: dict[CodecConfig, list[_Param]] = {}
-        self.topk: list[_TopkParam] = []
-        self.configs: dict[str, CodecConfig] = {}
-        for name, off, n in zip(names, offsets, numels):
-            cfg = codecs.effective_config(plan.for_parameter(name, n), n, W)
-            self.configs[name] = cfg
-            p = _Param(name, int(off), int(n))
-            if cfg.codec is Codec.TOPK:
-                self.topk.append(_TopkParam(cfg, p, codecs.topk_nbytes(n, cfg)))
-            else:
-                key = cfg if cfg.codec is Codec.QUANTIZE else CodecConfig(codec=cfg.codec)
-                dense.setdefault(key, []).append(p)
-        self.dense: list[_DenseGroup] = []
-        fp32_buffer = dtype == torch.float32
-        segments: list[tuple[CodecConfig, list[_Param]]] = []
-        for cfg, params in dense.items():
-            if cfg.codec is Codec.FP32:
-                segments.append((cfg, params))  # small tensors: one batched segment
-            else:
-                segments.extend((cfg, [p]) for p in params)  # one segment per compressed layer
-        for cfg, params in segments:
-            unit = cfg.block_size if cfg.codec is Codec.QUANTIZE else 16
-            pos = 0
-            for p in params:
-                p.goff = pos
-                pos += p.numel
-            length = pos
-            units = math.ceil(length / unit)
-            bounds = [min(length, (j * units // W) * unit) for j in range(W)] + [length]
-            nbytes = [codecs.dense_nbytes(bounds[j + 1] - bounds[j], cfg) for j in range(W)]
-            g = _DenseGroup(cfg, params, length, bounds, nbytes, direct=fp32_buffer and len(params) == 1)
-            if not g.direct:
-                g.x = torch.zeros(length, dtype=torch.float32, device=device)
-            g.acc = torch.empty(bounds[rank + 1] - bounds[rank], dtype=torch.float32, device=device)
-            if g.ef:
-                g.res_cur = torch.zeros(length, dtype=torch.float32, device=device)
-                g.res_next = torch.zeros(length, dtype=torch.float32, device=device)
-            self.dense.append(g)
-        # all_to_all message: for destination j, [header | group 0 chunk j | group 1 chunk j | ...]
-        self.split_sizes = []
+
+class _Messages:
+    """The all_to_all message of a layout's dense groups: for destination j,
+    ``[header | group 0 chunk j | group 1 chunk j | ...]``."""
+
+    dense: list[_DenseGroup]
+
+    def _plan_all_to_all(self, W: int, rank: int) -> None:
+        self.world_size, self.rank = W, rank
+        self.split_sizes: list[int] = []
         pos = 0
         for j in range(W):
             size = HEADER
@@ -171,13 +171,83 @@ class BucketLayout:
                 size += g.nbytes[j]
             self.split_sizes.append(size)
             pos += size
-        self.send = torch.zeros(pos, dtype=torch.uint8, device=device)
+        self.send_size = pos
         self.my_chunk = self.split_sizes[rank]
         size = HEADER
         for g in self.dense:
             g.recv_off = size
             size += g.nbytes[rank]
-        self.recv = torch.zeros(W * self.my_chunk, dtype=torch.uint8, device=device)
+        self.send = self.recv = None
+
+    # Message and staging buffers: kept for the layout's life (DDP: allocated once, reused every step)
+    # or, with persistent=False (FSDP: memory is the point), allocated per call and dropped after.
+    def acquire(self) -> bool:
+        """Allocate the buffers if they are not there; returns whether :meth:`release` should follow."""
+        if self.send is not None:
+            return False
+        self._alloc()
+        return True
+
+    def _alloc(self) -> None:
+        dev, W, r = self.device, self.world_size, self.rank
+        self.send = torch.zeros(self.send_size, dtype=torch.uint8, device=dev)
+        self.recv = torch.zeros(W * self.my_chunk, dtype=torch.uint8, device=dev)
+        for g in self.dense:
+            g.acc = torch.empty(g.bounds[r + 1] - g.bounds[r], dtype=torch.float32, device=dev)
+            if not g.direct:
+                g.x = torch.zeros(g.length, dtype=torch.float32, device=dev)
+
+    def release(self) -> None:
+        self.send = self.recv = None
+        for g in self.dense:
+            g.acc = g.x = None
+
+    def residual_nbytes(self) -> int:
+        return sum(g.residual_nbytes() for g in self.dense)
+
+
+class BucketLayout(_Messages):
+    """How one bucket's parameters map to groups, chunks and message offsets (built once per bucket
+    shape; DDP's bucket rebuild after iteration 1 builds a new one)."""
+
+    def __init__(self, names, offsets, numels, plan: Plan, world_size: int, rank: int,
+                 device: torch.device, dtype: torch.dtype = torch.float32,
+                 double_buffer: bool = True, persistent: bool = True) -> None:
+        self.device = device
+        self.names = tuple(names)
+        self.total_numel = int(sum(numels))
+        W = world_size
+        dense: dict[tuple, list[_Param]] = {}
+        self.topk: list[_TopkParam] = []
+        self.configs: dict[str, CodecConfig] = {}
+        for name, off, n in zip(names, offsets, numels):
+            planned = codecs.effective_config(plan.for_parameter(name, n), n, W)
+            cfg = codecs.wire_config(planned, dtype)
+            self.configs[name] = cfg
+            p = _Param(name, int(off), int(n))
+            if cfg.codec is Codec.TOPK:
+                self.topk.append(_TopkParam(cfg, p, codecs.topk_nbytes(n, cfg)))
+            elif planned.codec is Codec.FP32:
+                dense.setdefault(("batch", cfg), []).append(p)  # uncompressed: one batched segment
+            else:
+                dense.setdefault((name, cfg), []).append(p)  # one segment per compressed layer
+        self.dense: list[_DenseGroup] = []
+        fp32_buffer = dtype == torch.float32
+        for (_, cfg), params in dense.items():
+            pos = 0
+            for p in params:
+                p.goff = pos
+                pos += p.numel
+            length = pos
+            bounds = _chunk_bounds(length, codecs.chunk_unit(cfg), W)
+            nbytes = [codecs.chunk_nbytes(bounds[j + 1] - bounds[j], cfg) for j in range(W)]
+            direct = fp32_buffer and len(params) == 1
+            g = _DenseGroup(cfg, params, length, bounds, nbytes,
+                            pieces=[(p.boff, p.goff, p.numel) for p in params], direct=direct,
+                            chunk_base=[params[0].boff + bounds[j] for j in range(W)] if direct else [])
+            g.alloc_residual(device, double_buffer)
+            self.dense.append(g)
+        self._plan_all_to_all(W, rank)
         # all_gather message of rank j: [header | reduced group chunks j | top-k section]
         dense_sizes = []
         for j in range(W):
@@ -190,12 +260,25 @@ class BucketLayout:
         for t in self.topk:
             t.gather_off = pos
             pos += t.nbytes
-            t.residual = torch.zeros(t.param.numel, dtype=torch.float32, device=device)
+            t.residual = torch.zeros(t.param.numel, dtype=t.cfg.residual_torch_dtype, device=device)
         self.gather_size = pos
-        self.gsend = torch.zeros(pos, dtype=torch.uint8, device=device)
-        self.grecv = torch.zeros(W * pos, dtype=torch.uint8, device=device)
-        self.topk_acc = {t.param.name: torch.empty(t.param.numel, dtype=torch.float32, device=device)
+        self.gsend = self.grecv = None
+        self.topk_acc: dict[str, torch.Tensor] = {}
+        if persistent:
+            self._alloc()
+
+    def _alloc(self) -> None:
+        super()._alloc()
+        dev = self.device
+        self.gsend = torch.zeros(self.gather_size, dtype=torch.uint8, device=dev)
+        self.grecv = torch.zeros(self.world_size * self.gather_size, dtype=torch.uint8, device=dev)
+        self.topk_acc = {t.param.name: torch.empty(t.param.numel, dtype=torch.float32, device=dev)
                          for t in self.topk}
+
+    def release(self) -> None:
+        super().release()
+        self.gsend = self.grecv = None
+        self.topk_acc = {}
 
     # residual views by parameter name (unpadded)
     def residual_views(self) -> dict[str, torch.Tensor]:
@@ -209,36 +292,153 @@ class BucketLayout:
                 out[t.param.name] = t.residual
         return out
 
+    def residual_nbytes(self) -> int:
+        return super().residual_nbytes() + sum(
+            t.residual.numel() * t.residual.element_size() for t in self.topk if t.cfg.error_feedback)
+
+    def layer_rows(self, world_size: int, rank: int) -> dict[str, tuple[CodecConfig, int, int]]:
+        """name -> (codec, elements, bytes this rank sends per step)."""
+        numel = {p.name: p.numel for g in self.dense for p in g.params}
+        numel.update({t.param.name: t.param.numel for t in self.topk})
+        return {n: (cfg, numel[n], codecs.wire_bytes(numel[n], cfg, world_size))
+                for n, cfg in self.configs.items()}
+
+
+@dataclass(frozen=True)
+class ShardedTensor:
+    """One gradient in a reduce-scatter input: ``chunk_numels[j]`` real elements in row j, padded to
+    ``padded`` elements (FSDP2 pads each parameter's dim-0 chunks to equal size)."""
+
+    name: str
+    chunk_numels: tuple[int, ...]
+    padded: int
+
+    @property
+    def numel(self) -> int:
+        return sum(self.chunk_numels)
+
+
+class ShardLayout(_Messages):
+    """The compressed reduce-scatter of one flat input of W equal rows (FSDP2's layout): row j is the
+    concatenation, over ``tensors`` in order, of each tensor's chunk j padded to its ``padded`` size.
+    Rank r receives the sum of rows r into an output of one row's size (padding zero).
+
+    Each compressed tensor is a group of its own whose chunk j is read straight from row j; the
+    uncompressed ones are gathered into one batched group. Residuals cover the tensor's real elements
+    of every row (the unsharded gradient), updated in place (one buffer)."""
+
+    def __init__(self, tensors: Sequence[ShardedTensor], plan: Plan, world_size: int, rank: int,
+                 device: torch.device, dtype: torch.dtype = torch.float32) -> None:
+        W = world_size
+        self.device = device
+        self.tensors = tuple(tensors)
+        self.names = tuple(t.name for t in self.tensors)
+        self.row_numel = sum(t.padded for t in self.tensors)
+        self.input_numel = W * self.row_numel
+        self.dtype = dtype
+        self.configs: dict[str, CodecConfig] = {}
+        offsets, pos = {}, 0
+        for t in self.tensors:
+            if len(t.chunk_numels) != W or any(n < 0 or n > t.padded for n in t.chunk_numels):
+                raise ValueError(f"ShardLayout: {t.name}: chunk sizes {t.chunk_numels} do not fit "
+                                 f"{W} rows of {t.padded} elements")
+            offsets[t.name] = pos
+            pos += t.padded
+        batched: list[ShardedTensor] = []
+        self.dense: list[_DenseGroup] = []
+        for t in self.tensors:
+            planned = plan.for_parameter(t.name, t.numel)
+            cfg = codecs.wire_config(planned, dtype)
+            self.configs[t.name] = cfg
+            if planned.codec is Codec.FP32:
+                batched.append(t)
+                continue
+            bounds = [0]
+            for n in t.chunk_numels:
+                bounds.append(bounds[-1] + n)
+            g = _DenseGroup(cfg, [_Param(t.name, -1, t.numel)], t.numel, bounds,
+                            [codecs.chunk_nbytes(n, cfg) for n in t.chunk_numels],
+                            pieces=[], direct=True,
+                            chunk_base=[j * self.row_numel + offsets[t.name] for j in range(W)])
+            g.alloc_residual(device, double_buffer=False)
+            g.out_pieces = [(offsets[t.name], 0, t.chunk_numels[rank])]
+            self.dense.append(g)
+        if batched:
+            cfg = codecs.wire_config(Plan.from_recipe("none").default, dtype)
+            params = [_Param(t.name, -1, t.numel) for t in batched]
+            pieces, bounds, out_pieces, goff = [], [0], [], 0
+            for j in range(W):  # chunk-major: chunk j of the group is every tensor's chunk j
+                for t in batched:
+                    n = t.chunk_numels[j]
+                    pieces.append((j * self.row_numel + offsets[t.name], goff, n))
+                    if j == rank:
+                        out_pieces.append((offsets[t.name], goff - bounds[-1], n))
+                    goff += n
+                bounds.append(goff)
+            g = _DenseGroup(cfg, params, goff, bounds,
+                            [codecs.chunk_nbytes(bounds[j + 1] - bounds[j], cfg) for j in range(W)],
+                            pieces=pieces)
+            g.out_pieces = out_pieces
+            self.dense.append(g)
+        # the output's padding: zero, as in FSDP's own reduce-scatter of zero-padded rows
+        self.padding = [(offsets[t.name] + t.chunk_numels[rank], t.padded - t.chunk_numels[rank])
+                        for t in self.tensors if t.padded > t.chunk_numels[rank]]
+        self._plan_all_to_all(W, rank)  # buffers: allocated per call (acquire/release)
+        # bytes the uncompressed reduce-scatter would send from this rank (in the input's dtype)
+        self.baseline_bytes = (W - 1) * self.row_numel * torch.empty(0, dtype=dtype).element_size()
+
+    def residual_views(self) -> dict[str, torch.Tensor]:
+        return {g.params[0].name: g.res_cur for g in self.dense if g.ef}
+
+    def layer_rows(self, world_size: int, rank: int) -> dict[str, tuple[CodecConfig, int, int]]:
+        by_name = {t.name: t for t in self.tensors}
+        return {n: (cfg, by_name[n].numel,
+                    codecs.reduce_scatter_bytes(list(by_name[n].chunk_numels), cfg, rank))
+                for n, cfg in self.configs.items()}
+
 
 class CompressedAllReduce:
-    """Runs the compressed all-reduce of buckets on one process group (call from one thread only)."""
+    """Runs FastML's compressed collectives on one process group (call from one thread only):
+    :meth:`run` all-reduces a DDP bucket (:class:`BucketLayout`), :meth:`reduce_scatter` reduces an
+    FSDP unit's gradients (:class:`ShardLayout`)."""
 
     def __init__(self, plan: Plan, group, rank: int, world_size: int) -> None:
         self.plan = plan
         self.group = group
         self.rank = rank
         self.world_size = world_size
-        self.layouts: dict[tuple, BucketLayout] = {}
+        self.layouts: dict[tuple, BucketLayout | ShardLayout] = {}
         # residuals loaded from a checkpoint before the layout that owns them exists
         self.pending_residuals: dict[str, torch.Tensor] = {}
         # statistics
         self.bytes_sent = 0
         self.bytes_uncompressed = 0.0
-        self.layer_bytes: dict[str, int] = {}
         self.layer_error: dict[str, float] = {}
-        self.layer_codec: dict[str, str] = {}
 
     # -- layouts and residuals ----------------------------------------------------------------------
-    def layout_for(self, names, offsets, numels, device, dtype=torch.float32) -> BucketLayout:
+    def layout_for(self, names, offsets, numels, device, dtype=torch.float32,
+                   double_buffer: bool = True, persistent: bool = True) -> BucketLayout:
         key = (tuple(names), tuple(offsets), tuple(numels), dtype)
         lay = self.layouts.get(key)
         if lay is not None:
             return lay
-        lay = BucketLayout(names, offsets, numels, self.plan, self.world_size, self.rank, device, dtype)
-        new = set(names)
+        lay = BucketLayout(names, offsets, numels, self.plan, self.world_size, self.rank, device, dtype,
+                           double_buffer=double_buffer, persistent=persistent)
+        return self._adopt(key, lay)
+
+    def shard_layout_for(self, tensors: Sequence[ShardedTensor], device, dtype) -> ShardLayout:
+        key = ("rs", tuple(tensors), dtype)
+        lay = self.layouts.get(key)
+        if lay is not None:
+            return lay
+        lay = ShardLayout(tensors, self.plan, self.world_size, self.rank, device, dtype)
+        return self._adopt(key, lay)
+
+    def _adopt(self, key: tuple, lay):
+        new = set(lay.names)
         old = self.residuals()
-        # Layouts sharing a parameter with the new one are stale (DDP rebuilt its buckets). Their
-        # other parameters' residuals wait in pending_residuals for the layout that will own them.
+        # Layouts sharing a parameter with the new one are stale (DDP rebuilt its buckets, a layer was
+        # frozen). Their other parameters' residuals wait in pending_residuals for their new layout.
         for k in [k for k, v in self.layouts.items() if new & set(v.names)]:
             for name, view in self.layouts.pop(k).residual_views().items():
                 if name not in new:
@@ -250,8 +450,6 @@ class CompressedAllReduce:
             if src is not None:
                 view.copy_(src.reshape(-1).to(view.device))
         self.layouts[key] = lay
-        for name, cfg in lay.configs.items():
-            self.layer_codec[name] = cfg.describe()
         return lay
 
     def residuals(self) -> dict[str, torch.Tensor]:
@@ -259,6 +457,11 @@ class CompressedAllReduce:
         for lay in self.layouts.values():
             out.update(lay.residual_views())
         return out
+
+    def residual_nbytes(self) -> int:
+        """Bytes of error-feedback memory this rank holds."""
+        return sum(lay.residual_nbytes() for lay in self.layouts.values()) + sum(
+            t.numel() * t.element_size() for t in self.pending_residuals.values())
 
     def load_residuals(self, residuals: dict[str, torch.Tensor]) -> None:
         live: dict[str, torch.Tensor] = {}
@@ -271,7 +474,7 @@ class CompressedAllReduce:
                 self.pending_residuals[name] = t.detach().reshape(-1).clone()
 
     # -- collectives (run at world size 1 too: one code path everywhere) ------------------------------
-    def _all_to_all(self, lay: BucketLayout) -> None:
+    def _all_to_all(self, lay: _Messages) -> None:
         dist.all_to_all_single(lay.recv, lay.send, output_split_sizes=[lay.my_chunk] * self.world_size,
                                input_split_sizes=lay.split_sizes, group=self.group)
         self.bytes_sent += sum(lay.split_sizes) - lay.split_sizes[self.rank]
@@ -310,19 +513,18 @@ class CompressedAllReduce:
         if cause is not None:  # unreachable: this rank's own header carries its error
             raise CompressionError(f"FastML: compression failed during {stage}") from cause
 
-    # -- the all-reduce --------------------------------------------------------------------------------
-    @torch.no_grad()
-    def run(self, lay: BucketLayout, buf: torch.Tensor, step: int, layer_stats: bool = False,
-            commit: bool = True) -> bool:
-        """Replace flat bucket ``buf`` (any float dtype) by the mean over ranks of the compressed
-        gradients. Returns whether the result is finite; the new residuals are committed only then
-        (with ``commit=False`` not at all: the caller calls :meth:`commit` once the whole step is
-        known to be finite, so a step that GradScaler skips leaves every bucket's residuals alone)."""
-        W, r = self.world_size, self.rank
-        base = _mix(self.plan.seed, step, r)
+    # -- the shared first half: encode every chunk, all_to_all, sum this rank's chunk -------------------
+    def _scatter_reduce(self, lay: _Messages, buf: torch.Tensor, base: int, layer_stats: bool,
+                        encode_more=None) -> None:
+        """Encode the dense groups' chunks of ``buf`` (and whatever ``encode_more`` adds) and exchange
+        them: afterwards ``lay.recv`` holds every rank's encoding of this rank's chunks."""
+        W = self.world_size
         local_error: BaseException | None = None
         try:
-            self._encode(lay, buf, base, layer_stats)
+            for g in lay.dense:
+                self._encode_group(lay, g, buf, base, layer_stats)
+            if encode_more is not None:
+                encode_more()
         except Exception as e:  # noqa: BLE001 - forwarded to every rank below
             local_error = e
         for j in range(W):
@@ -332,13 +534,72 @@ class CompressedAllReduce:
         headers = [lay.recv[j * lay.my_chunk:] for j in range(W)]
         self._check_headers(headers, "encoding", local_error)
 
+    def _sum_own_chunks(self, lay: _Messages) -> None:
+        """Decode the W received copies of this rank's chunk of each group and sum them into ``acc``
+        (in rank order: every rank adds in the same order)."""
+        W, r = self.world_size, self.rank
+        for g in lay.dense:
+            n_me = g.bounds[r + 1] - g.bounds[r]
+            for src in range(W):
+                off = src * lay.my_chunk + g.recv_off
+                codecs.decode_chunk(lay.recv[off: off + g.nbytes[r]], n_me, g.cfg, g.acc,
+                                    accumulate=src > 0)
+
+    def _encode_group(self, lay: _Messages, g: _DenseGroup, buf: torch.Tensor, base: int,
+                      layer_stats: bool) -> None:
+        if not g.direct:
+            g.gather(buf)
+        err2 = nrm2 = 0.0
+        for j in range(self.world_size):
+            a, b = g.bounds[j], g.bounds[j + 1]
+            x = g.chunk(buf, j)
+            out = lay.send[g.send_off[j]: g.send_off[j] + g.nbytes[j]]
+            res = g.res_cur[a:b] if g.ef else None
+            res_out = g.res_next[a:b] if g.ef and g.res_next is not None else None
+            v = None
+            if layer_stats and b > a:
+                v = x.to(torch.float32, copy=True)
+                if res is not None:
+                    v += res
+            codecs.encode_chunk(x, g.cfg, out, res, res_out, seed=_mix(base, 0, g.key, j))
+            if v is not None:
+                # relative error ||decoded - input|| / ||input|| of the first-stage encoding
+                dec = torch.empty_like(v)
+                codecs.decode_chunk(out, b - a, g.cfg, dec)
+                err2 += float((dec - v).square().sum())
+                nrm2 += float(v.square().sum())
+        if layer_stats:
+            rel = math.sqrt(err2 / nrm2) if nrm2 > 0 else 0.0
+            for p in g.params:
+                self.layer_error[p.name] = rel
+
+    # -- the all-reduce of a DDP bucket ----------------------------------------------------------------
+    @torch.no_grad()
+    def run(self, lay: BucketLayout, buf: torch.Tensor, step: int, layer_stats: bool = False,
+            commit: bool = True, baseline_elem_size: int = 4) -> bool:
+        """Replace flat bucket ``buf`` (any float dtype) by the mean over ranks of the compressed
+        gradients. Returns whether the result is finite; the new residuals are committed only then
+        (with ``commit=False`` not at all: the caller calls :meth:`commit` once the whole step is
+        known to be finite, so a step that GradScaler skips leaves every bucket's residuals alone).
+        ``baseline_elem_size``: bytes per element of the uncompressed all-reduce the statistics
+        compare against (fp32 for DDP)."""
+        transient = lay.acquire()
         try:
+            return self._run(lay, buf, step, layer_stats, commit, baseline_elem_size)
+        finally:
+            if transient:
+                lay.release()
+
+    def _run(self, lay: BucketLayout, buf: torch.Tensor, step: int, layer_stats: bool, commit: bool,
+             baseline_elem_size: int) -> bool:
+        W, r = self.world_size, self.rank
+        base = _mix(self.plan.seed, step, r)
+        self._scatter_reduce(lay, buf, base, layer_stats,
+                             encode_more=lambda: self._encode_topk(lay, buf, base, layer_stats))
+        local_error: BaseException | None = None
+        try:
+            self._sum_own_chunks(lay)
             for g in lay.dense:
-                n_me = g.bounds[r + 1] - g.bounds[r]
-                for src in range(W):
-                    off = src * lay.my_chunk + g.recv_off
-                    codecs.decode_dense(lay.recv[off: off + g.nbytes[r]], n_me, g.cfg, g.acc,
-                                        accumulate=src > 0)
                 g.acc.div_(W)
                 off = g.gather_off[r]
                 codecs.encode_dense(g.acc, g.cfg, lay.gsend[off: off + g.nbytes[r]],
@@ -353,41 +614,34 @@ class CompressedAllReduce:
         finite = self._decode(lay, buf)
         if finite and commit:
             self.commit(lay)
-        self.bytes_uncompressed += 2.0 * (W - 1) / W * 4 * lay.total_numel
+        self.bytes_uncompressed += 2.0 * (W - 1) / W * baseline_elem_size * lay.total_numel
         return finite
 
     @staticmethod
     def commit(lay: BucketLayout) -> None:
         """Make the residuals computed by the last :meth:`run` of ``lay`` the current ones."""
         for g in lay.dense:
-            if g.ef:
+            if g.ef and g.res_next is not None:
                 g.res_cur, g.res_next = g.res_next, g.res_cur
         for t in lay.topk:
             if t.cfg.error_feedback and t.pending is not None:
-                t.residual, t.pending = t.pending, None  # v was a fresh tensor: no copy
-
-    def _encode(self, lay: BucketLayout, buf: torch.Tensor, base: int, layer_stats: bool) -> None:
-        for g in lay.dense:
-            x = g.view(buf)
-            if not g.direct:
-                for p in g.params:
-                    x[p.goff: p.goff + p.numel].copy_(buf[p.boff: p.boff + p.numel])
-            for j in range(self.world_size):
-                a, b = g.bounds[j], g.bounds[j + 1]
-                out = lay.send[g.send_off[j]: g.send_off[j] + g.nbytes[j]]
-                seed = _mix(base, 0, g.key, j)
-                if g.ef:
-                    codecs.encode_dense(x[a:b], g.cfg, out, residual=g.res_cur[a:b],
-                                        residual_out=g.res_next[a:b], seed=seed)
+                if t.residual.dtype == t.pending.dtype:
+                    t.residual, t.pending = t.pending, None  # v was a fresh tensor: no copy
                 else:
-                    codecs.encode_dense(x[a:b], g.cfg, out, seed=seed)
-            if layer_stats:
-                self._dense_layer_error(lay, g, x)
+                    t.residual.copy_(t.pending)
+                    t.pending = None
+
+    def _encode_topk(self, lay: BucketLayout, buf: torch.Tensor, base: int, layer_stats: bool) -> None:
         for t in lay.topk:
             p = t.param
             g = buf[p.boff: p.boff + p.numel]
-            # v = grad + residual in one pass (a fresh fp32 tensor: it becomes the new residual)
-            v = torch.add(g, t.residual) if t.cfg.error_feedback else g.to(torch.float32, copy=True)
+            # v = grad + residual (a fresh fp32 tensor: it becomes the new residual)
+            if t.cfg.error_feedback and g.dtype == t.residual.dtype == torch.float32:
+                v = torch.add(g, t.residual)  # one pass
+            else:
+                v = g.to(torch.float32, copy=True)
+                if t.cfg.error_feedback:
+                    v += t.residual
             out = lay.gsend[t.gather_off: t.gather_off + t.nbytes]
             idx, sent = codecs.encode_topk(v, t.cfg, out, seed=_mix(base, 2, zlib.crc32(p.name.encode())))
             if t.cfg.error_feedback or layer_stats:
@@ -397,41 +651,24 @@ class CompressedAllReduce:
                     self.layer_error[p.name] = float(v.norm()) / vn if vn > 0 else 0.0
                 t.pending = v if t.cfg.error_feedback else None
 
-    def _dense_layer_error(self, lay: BucketLayout, g: _DenseGroup, x: torch.Tensor) -> None:
-        # Relative error ||decoded - input|| / ||input|| of the first-stage encoding, per parameter.
-        if g.ef:
-            err, inp = g.res_next, x + g.res_cur
-        else:
-            dec = torch.empty(g.length, dtype=torch.float32, device=x.device)
-            for j in range(self.world_size):
-                a, b = g.bounds[j], g.bounds[j + 1]
-                codecs.decode_dense(lay.send[g.send_off[j]: g.send_off[j] + g.nbytes[j]], b - a,
-                                    g.cfg, dec[a:b])
-            err, inp = dec - x, x
-        for p in g.params:
-            s = slice(p.goff, p.goff + p.numel)
-            vn = float(inp[s].norm())
-            self.layer_error[p.name] = float(err[s].norm()) / vn if vn > 0 else 0.0
-
     def _decode(self, lay: BucketLayout, buf: torch.Tensor) -> bool:
         W = self.world_size
         checks: list[torch.Tensor] = []  # one sync at the end, not one per chunk (GPU)
         grecv = lay.grecv.view(W, lay.gather_size)
         for g in lay.dense:
-            x = g.view(buf)
             for j in range(W):
                 a, b = g.bounds[j], g.bounds[j + 1]
                 off = g.gather_off[j]
                 chunk = grecv[j, off: off + g.nbytes[j]]
-                codecs.decode_dense(chunk, b - a, g.cfg, x[a:b])
-                if g.cfg.codec is Codec.QUANTIZE and b > a:
-                    nb = math.ceil((b - a) / g.cfg.block_size)
-                    checks.append(torch.isfinite(chunk[: 8 * nb].view(torch.float32)).all())
-            if g.cfg.codec is not Codec.QUANTIZE:
-                checks.append(torch.isfinite(x).all())
+                x = g.chunk(buf, j)
+                codecs.decode_dense(chunk, b - a, g.cfg, x)
+                ok = codecs.chunk_finite(chunk, b - a, g.cfg)
+                if ok is None and b > a:
+                    ok = torch.isfinite(x).all()
+                if ok is not None:
+                    checks.append(ok)
             if not g.direct:
-                for p in g.params:
-                    buf[p.boff: p.boff + p.numel].copy_(x[p.goff: p.goff + p.numel])
+                g.scatter(buf)
         for t in lay.topk:
             p = t.param
             acc = lay.topk_acc[p.name]
@@ -443,20 +680,59 @@ class CompressedAllReduce:
             buf[p.boff: p.boff + p.numel].copy_(acc)
         return bool(torch.stack(checks).all()) if checks else True
 
+    # -- the reduce-scatter of an FSDP unit --------------------------------------------------------------
+    @torch.no_grad()
+    def reduce_scatter(self, lay: ShardLayout, inp: torch.Tensor, out: torch.Tensor, step: int,
+                       scale: float = 1.0, layer_stats: bool = False) -> bool:
+        """Write ``scale`` x the sum over ranks of row ``rank`` of ``inp`` (compressed as the plan
+        says, with error feedback) into ``out``. Returns whether this rank's result is finite."""
+        W, r = self.world_size, self.rank
+        if inp.numel() != lay.input_numel or out.numel() != lay.row_numel:
+            raise CompressionError(
+                f"FastML: reduce-scatter of {inp.numel()} -> {out.numel()} elements does not match "
+                f"the layout of {', '.join(lay.names[:4])}{', ...' if len(lay.names) > 4 else ''} "
+                f"({lay.input_numel} -> {lay.row_numel})")
+        transient = lay.acquire()
+        try:
+            return self._reduce_scatter(lay, inp, out, step, scale, layer_stats)
+        finally:
+            if transient:
+                lay.release()
+
+    def _reduce_scatter(self, lay: ShardLayout, inp: torch.Tensor, out: torch.Tensor, step: int,
+                        scale: float, layer_stats: bool) -> bool:
+        W, r = self.world_size, self.rank
+        base = _mix(self.plan.seed, step, r)
+        self._scatter_reduce(lay, inp, base, layer_stats)
+        self._sum_own_chunks(lay)
+        checks: list[torch.Tensor] = []
+        for g in lay.dense:
+            n_me = g.bounds[r + 1] - g.bounds[r]
+            for src in range(W):
+                off = src * lay.my_chunk + g.recv_off
+                ok = codecs.chunk_finite(lay.recv[off: off + g.nbytes[r]], n_me, g.cfg)
+                if ok is not None:
+                    checks.append(ok)
+            if scale != 1.0:
+                g.acc.mul_(scale)
+            if g.cfg.codec in (Codec.FP32, Codec.FP16, Codec.BF16) and n_me:
+                checks.append(torch.isfinite(g.acc).all())
+            for ooff, aoff, n in g.out_pieces:
+                out[ooff: ooff + n].copy_(g.acc[aoff: aoff + n])
+        for off, n in lay.padding:
+            out[off: off + n].zero_()
+        self.bytes_uncompressed += lay.baseline_bytes
+        return bool(torch.stack(checks).all()) if checks else True
+
     # -- statistics ---------------------------------------------------------------------------------------
     def layer_stats(self) -> dict[str, dict]:
-        from fastml_strategy.codecs import wire_bytes
-
         out = {}
         for lay in self.layouts.values():
-            for name, cfg in lay.configs.items():
-                p_numel = next((p.numel for g in lay.dense for p in g.params if p.name == name), None)
-                if p_numel is None:
-                    p_numel = next(t.param.numel for t in lay.topk if t.param.name == name)
+            for name, (cfg, numel, nbytes) in lay.layer_rows(self.world_size, self.rank).items():
                 out[name] = {
                     "codec": cfg.describe(),
-                    "numel": p_numel,
-                    "bytes": wire_bytes(p_numel, cfg, self.world_size),
+                    "numel": numel,
+                    "bytes": nbytes,
                     "rel_error": self.layer_error.get(name, float("nan")),
                 }
         return out

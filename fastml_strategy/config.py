@@ -48,6 +48,7 @@ class Codec(str, enum.Enum):
 
 
 LOSSY = frozenset({Codec.FP16, Codec.BF16, Codec.QUANTIZE, Codec.TOPK})
+RESIDUAL_DTYPES = frozenset({"fp32", "bf16"})
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,12 @@ class CodecConfig:
     topk: float | None = None
     topk_count: int | None = None
     # Error feedback: what compression drops is added back into the next step's gradient. Costs one
-    # fp32 residual per parameter (memory the size of the model); without it, top-k does not converge.
+    # residual per parameter (memory the size of the model); without it, top-k does not converge.
     error_feedback: bool = True
+    # dtype of the error-feedback residual: "fp32", or "bf16" for half the memory (the residual is
+    # rounded to bf16 after each step; the encoder still adds it in fp32). Under FSDP a residual is as
+    # large as the unsharded gradient, so this is the memory knob there (docs/fsdp.md has the table).
+    residual_dtype: str = "fp32"
     # Sparse all_gather traffic grows with the world size (each rank receives W-1 sparse messages).
     # At the world size where top-k would send more than a scatter-reduce-allgather quantized to
     # ``fallback_bits`` (None: fp32 ring all-reduce), the layer falls back to that dense codec.
@@ -120,6 +125,9 @@ class CodecConfig:
             fail("stochastic", f"is {self.stochastic!r}", "use true or false")
         if not isinstance(self.error_feedback, bool):
             fail("error_feedback", f"is {self.error_feedback!r}", "use true or false")
+        if self.residual_dtype not in RESIDUAL_DTYPES:
+            fail("residual_dtype", f"is {self.residual_dtype!r}",
+                 f"use one of {sorted(RESIDUAL_DTYPES)} (bf16 halves the residual's memory)")
 
     @property
     def lossy(self) -> bool:
@@ -129,6 +137,12 @@ class CodecConfig:
     def uses_residual(self) -> bool:
         """Whether this codec keeps an error-feedback residual (fp16/bf16 casts do not need one)."""
         return self.error_feedback and self.codec in (Codec.QUANTIZE, Codec.TOPK)
+
+    @property
+    def residual_torch_dtype(self) -> "torch.dtype":
+        import torch
+
+        return torch.bfloat16 if self.residual_dtype == "bf16" else torch.float32
 
     def topk_k(self, numel: int) -> int:
         """How many entries top-k keeps of a tensor of ``numel`` elements (at least 1, unless the
@@ -148,7 +162,9 @@ class CodecConfig:
             name = f"topk{amount}" + (f"-int{self.bits}" if self.bits else "")
         else:
             return self.codec.value
-        return name + ("" if self.error_feedback else "-noef")
+        if not self.error_feedback:
+            return name + "-noef"
+        return name + ("-rbf16" if self.residual_dtype == "bf16" else "")
 
     # -- JSON ----------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -242,18 +258,19 @@ class Plan:
         min_numel: int = DEFAULT_MIN_NUMEL,
         block_size: int = DEFAULT_BLOCK_SIZE,
         codec: str | Codec | None = None,
+        residual_dtype: str = "fp32",
     ) -> "Plan":
         """One setting for every layer: ``bits`` alone quantizes, ``topk`` alone sparsifies, both
-        give top-k with quantized values; ``codec="fp16"`` (or fp32/bf16) for plain casts."""
+        give top-k with quantized values; ``codec="fp16"`` (or fp32/bf16) for plain casts.
+        ``residual_dtype="bf16"`` halves the error-feedback memory."""
+        common = dict(block_size=block_size, stochastic=stochastic, error_feedback=error_feedback,
+                      residual_dtype=residual_dtype)
         if codec is not None:
-            cfg = CodecConfig(codec=codec, bits=bits, topk=topk, block_size=block_size,
-                              stochastic=stochastic, error_feedback=error_feedback)
+            cfg = CodecConfig(codec=codec, bits=bits, topk=topk, **common)
         elif topk is not None:
-            cfg = CodecConfig(codec=Codec.TOPK, topk=topk, bits=bits, block_size=block_size,
-                              stochastic=stochastic, error_feedback=error_feedback)
+            cfg = CodecConfig(codec=Codec.TOPK, topk=topk, bits=bits, **common)
         elif bits is not None:
-            cfg = CodecConfig(codec=Codec.QUANTIZE, bits=bits, block_size=block_size,
-                              stochastic=stochastic, error_feedback=error_feedback)
+            cfg = CodecConfig(codec=Codec.QUANTIZE, bits=bits, **common)
         else:
             raise ValueError("Plan.uniform: give bits=1..8, topk=(0, 1], or codec='fp32'/'fp16'/'bf16'")
         return cls(default=cfg, min_numel=min_numel, name=cfg.describe())

@@ -322,6 +322,44 @@ def _agree(group, world_size: int, payload: Any) -> list:
     return out
 
 
+def agreed_plan(plan: Any, names: list, group: Any, world_size: int, check: Any = None) -> Plan:
+    """Resolve ``plan`` and check it against the parameter ``names`` on every rank, then agree: every
+    rank raises the same ValueError if the plan (or ``check()``, any further validation) failed on any
+    rank, or if ranks hold different plans. A collective on ``group``."""
+    # Validate locally, then agree: a rank whose plan is bad must not leave the others waiting.
+    error, digest, plan_obj, failed_check = None, None, None, None
+    try:
+        if check is not None:
+            try:
+                check()
+            except (TypeError, ValueError, RuntimeError) as e:
+                failed_check = type(e).__name__
+                raise
+        plan_obj = resolve_plan(plan)
+        plan_obj.check_parameters(names)
+        digest = plan_obj.digest()
+    except Exception as e:  # noqa: BLE001 - any local failure must reach every rank, or they hang
+        error = str(e) if isinstance(e, ValueError) or failed_check else f"{type(e).__name__}: {e}"
+    reports = _agree(group, world_size, (error, digest, plan_obj.name if plan_obj else None,
+                                         failed_check))
+    bad = [(r, rep[0], rep[3]) for r, rep in enumerate(reports) if rep[0] is not None]
+    if bad:
+        ranks = [r for r, _, _ in bad]
+        kind = bad[0][2]
+        if kind is not None:  # the caller's own check: its exception type, on every rank
+            exc = {"TypeError": TypeError, "ValueError": ValueError}.get(kind, RuntimeError)
+            raise exc(f"{bad[0][1]} (found on rank(s) {ranks})")
+        raise ValueError(f"FastML plan rejected on rank(s) {ranks}: {bad[0][1]}")
+    digests = {rep[1] for rep in reports}
+    if len(digests) > 1:
+        desc = ", ".join(f"rank {r}: {rep[2]!r} ({rep[1][:12]})" for r, rep in enumerate(reports))
+        raise ValueError(
+            f"FastML: ranks hold different plans ({desc}); give every rank the same plan (the same "
+            f"file, recipe or FASTML_PLAN), or the ranks' messages would not match"
+        )
+    return plan_obj
+
+
 def register_hook(
     model: torch.nn.parallel.DistributedDataParallel,
     plan: Any = None,
@@ -377,26 +415,7 @@ def register_hook(
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     names = {id(p): n for n, p in named}
 
-    # Validate locally, then agree: a rank whose plan is bad must not leave the others waiting.
-    error, digest, plan_obj = None, None, None
-    try:
-        plan_obj = resolve_plan(plan)
-        plan_obj.check_parameters([n for n, _ in named])
-        digest = plan_obj.digest()
-    except Exception as e:  # noqa: BLE001 - any local failure must reach every rank, or they hang
-        error = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-    reports = _agree(process_group, world_size, (error, digest, plan_obj.name if plan_obj else None))
-    bad = [(r, rep[0]) for r, rep in enumerate(reports) if rep[0] is not None]
-    if bad:
-        ranks = [r for r, _ in bad]
-        raise ValueError(f"FastML plan rejected on rank(s) {ranks}: {bad[0][1]}")
-    digests = {rep[1] for rep in reports}
-    if len(digests) > 1:
-        desc = ", ".join(f"rank {r}: {rep[2]!r} ({rep[1][:12]})" for r, rep in enumerate(reports))
-        raise ValueError(
-            f"FastML: ranks hold different plans ({desc}); give every rank the same plan (the same "
-            f"file, recipe or FASTML_PLAN), or the ranks' messages would not match"
-        )
+    plan_obj = agreed_plan(plan, [n for n, _ in named], process_group, world_size)
     state = FastMLState(plan_obj, process_group, rank, world_size, names, [p for _, p in named],
                         check_replicas_every=check_replicas_every, layer_stats_every=layer_stats_every)
     model.register_comm_hook(state, _fastml_hook)

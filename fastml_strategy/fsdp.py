@@ -1,0 +1,552 @@
+"""FastML under sharded training: per-layer compressed gradients for FSDP2 (``fully_shard``) and HSDP.
+
+What it replaces
+----------------
+FSDP2 reduces each unit's gradients (one ``fully_shard`` module's parameters) with one reduce-scatter;
+HSDP (shard inside a node, replicate across nodes) then all-reduces every shard across the replicas,
+over the slow link. :func:`register` swaps in FastML's collectives:
+
+- **FSDP** (1-D mesh): the unit's reduce-scatter becomes FastML's compressed reduce-scatter
+  (:meth:`fastml_strategy.collective.CompressedAllReduce.reduce_scatter`): each rank encodes the W
+  chunks of every gradient with the layer's codec and error feedback, one all_to_all, and each rank
+  decodes and sums its own chunk. Bytes per rank: (W-1)/W of the compressed size.
+- **HSDP**: the cross-replica all-reduce of each reduced shard becomes FastML's scatter-reduce-
+  allgather over the replicas (the DDP path's collective: replicas stay bit-identical), with error
+  feedback on the shard (1/S of the model per rank). The intra-node reduce-scatter stays FSDP's own
+  (fast link) unless ``shard_plan`` compresses it too.
+
+HSDP comes in two forms, both supported: ``fully_shard(m, mesh=mesh_2d)`` on a
+``("replicate", "shard")`` mesh (FastML takes the cross-replica all-reduce over from FSDP), or
+``fully_shard(m, mesh=mesh_2d["shard"])`` plus ``register(..., replicate_group=mesh_2d["replicate"]
+.get_group())``.
+
+Memory
+------
+A reduce-scatter's error feedback keeps, on every rank, a residual for every chunk it sends: as large
+as the unsharded gradient (4 bytes per parameter in fp32). ``stats()["residual_bytes"]`` says what this
+rank holds; ``CodecConfig(residual_dtype="bf16")`` halves it and ``error_feedback=False`` removes it
+(docs/fsdp.md has the table and the accuracy each choice costs). Residuals are updated in place (one
+buffer, not DDP's two); a block that is not finite keeps its residual, and message buffers exist only
+during the call.
+
+Usage::
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    state = fastml_strategy.fsdp.register(model, plan="int4")
+    ...train as usual (set_requires_gradient_sync(False) micro-batches are not compressed)...
+    state.stats()["compression_ratio"], state.stats()["residual_bytes"]
+
+The plan is keyed by the parameter names of ``model.named_parameters()`` (FSDP2 keeps them), so one
+plan file serves DDP and FSDP alike. Relies on FSDP2 extension points (``set_custom_reduce_scatter``,
+``set_all_reduce_hook``, ``set_reduce_scatter_unused_params``) and some FSDP2 internals (the unit's
+parameter list and mesh); :func:`register` checks they exist and names the torch version otherwise.
+"""
+
+# No `from __future__ import annotations`: torch's ReduceScatter is an ABC with annotated signatures.
+
+import math
+import warnings
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from fastml_strategy.collective import CompressedAllReduce, CompressionError, ShardedTensor
+from fastml_strategy.config import Plan, resolve_plan
+from fastml_strategy.hook import _default_group_timeout, agreed_plan  # noqa: F401
+
+__all__ = ["register", "FSDPState", "shard_chunks", "TESTED_TORCH"]
+
+STATE_FORMAT_VERSION = 1
+TESTED_TORCH = "2.13"
+_NEEDED = ("set_custom_reduce_scatter", "set_all_reduce_hook", "set_reduce_scatter_unused_params")
+
+
+# -- FSDP2's sharding rule, in one place ----------------------------------------------------------------
+def shard_chunks(shape: Sequence[int], world_size: int, shard_dim: int = 0) -> tuple[tuple[int, ...], int]:
+    """How FSDP2 lays out one gradient in its reduce-scatter input: ``(elements of chunk j for each
+    rank j, padded elements per chunk)``.
+
+    ``Shard(0)``: dim 0 is cut with ``torch.chunk`` (chunks of ``ceil(d0 / W)`` rows, the last ones
+    shorter or empty), each chunk zero-padded to ``ceil(d0 / W)`` rows. ``Shard(i)``, i > 0, needs
+    ``d_i`` divisible by W and gives W equal chunks (FSDP concatenates them along dim 0 first). The
+    chunks, in rank order, are the gradient's elements in order (dim 0) or its dim-i chunks in order.
+    """
+    shape = tuple(int(d) for d in shape)
+    if not shape:  # a scalar parameter is sharded as a 1-element vector
+        shape = (1,)
+    numel = math.prod(shape)
+    if shard_dim != 0:
+        if shape[shard_dim] % world_size:
+            raise ValueError(f"Shard({shard_dim}) of a {list(shape)} tensor needs dim {shard_dim} "
+                             f"divisible by {world_size}")
+        n = numel // world_size
+        return (n,) * world_size, n
+    d0 = shape[0]
+    rest = numel // d0 if d0 else 0
+    rows = -(-d0 // world_size)
+    chunks = tuple(max(0, min(rows, d0 - j * rows)) * rest for j in range(world_size))
+    return chunks, rows * rest
+
+
+# -- checks of the torch we run on ---------------------------------------------------------------------------
+def _fsdp_api():
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+        from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+    except ImportError as e:
+        raise RuntimeError(
+            f"FastML's FSDP support needs FSDP2 (torch.distributed.fsdp.fully_shard with custom "
+            f"reduce-scatter hooks: torch 2.9 or newer; tested with {TESTED_TORCH}); this is torch "
+            f"{torch.__version__} ({e}). Upgrade torch, or train with DDP and register_hook."
+        ) from None
+    missing = [m for m in _NEEDED if not hasattr(FSDPModule, m)]
+    if missing:
+        raise RuntimeError(
+            f"FastML's FSDP support needs FSDPModule.{', '.join(missing)} (torch 2.9 or newer; tested "
+            f"with {TESTED_TORCH}); this is torch {torch.__version__}. Upgrade torch, or train with "
+            f"DDP and register_hook.")
+    return FSDPModule, ReduceScatter, FSDPMeshInfo, HSDPMeshInfo
+
+
+# -- one FSDP unit ---------------------------------------------------------------------------------------
+class _Unit:
+    """One FSDP parameter group (a ``fully_shard`` module's own parameters) and its names."""
+
+    def __init__(self, index: int, module, group, names: dict) -> None:
+        self.index = index
+        self.module = module
+        self.group = group  # FSDPParamGroup (private)
+        self.params = list(group.fsdp_params)
+        self.names = [names[id(fp.sharded_param)] for fp in self.params]
+
+    def layout_of(self, fp, world_size: int) -> tuple[tuple[int, ...], int]:
+        return shard_chunks(fp._orig_size, world_size, fp.fsdp_placement.dim)
+
+    def tensors(self, world_size: int) -> list[ShardedTensor]:
+        """The gradients in this step's reduce-scatter input, in FSDP's order. FastML turns on
+        ``set_reduce_scatter_unused_params``, so these are every parameter that requires a gradient
+        (a parameter no rank used travels as zeros, as FSDP does it) and not the frozen ones."""
+        out = []
+        for fp, name in zip(self.params, self.names):
+            up = getattr(fp, "_unsharded_param", None)
+            if up is None or not up.requires_grad:
+                continue
+            chunks, padded = self.layout_of(fp, world_size)
+            out.append(ShardedTensor(name, chunks, padded))
+        return out
+
+
+def _scale_of(op, world_size: int, group) -> float:
+    """The factor FSDP asks the reduce-scatter to apply: AVG divides by W, SUM by nothing, and a
+    pre-multiplied sum (``set_gradient_divide_factor``) by the unit's divide factor."""
+    name = getattr(op, "name", None) or str(op)
+    if "AVG" in name:
+        return 1.0 / world_size
+    if name.endswith("SUM") and "PREMUL" not in name:
+        return 1.0
+    factor = getattr(group, "gradient_divide_factor", None)
+    if factor:
+        return 1.0 / float(factor)
+    raise CompressionError(f"FastML: FSDP asked for a reduce-scatter with op {op!r}, which FastML does "
+                           f"not know; use FSDP's default (AVG) or set_gradient_divide_factor")
+
+
+class FSDPState:
+    """FastML's state for one FSDP2 model on one rank (the same contract as the DDP
+    :class:`~fastml_strategy.hook.FastMLState`): ``stats()``, ``state_dict()`` /
+    ``load_state_dict()`` (residuals, step, plans), ``close()``."""
+
+    def __init__(self, model, units: list, plan: Optional[Plan], shard_plan: Optional[Plan],
+                 shard_size: int, shard_rank: int, replicate_group, layer_stats_every: int,
+                 restore: list) -> None:
+        self.model = model
+        self.plan = plan  # the plan of the slow hop: the reduce-scatter (FSDP) or cross-replica (HSDP)
+        self.shard_plan = shard_plan  # HSDP: the intra-node reduce-scatter's plan (None: FSDP's own)
+        self.layer_stats_every = layer_stats_every
+        self.shard_size, self.shard_rank = shard_size, shard_rank
+        self.replicate_group = replicate_group
+        self.replicate_size = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+        self.replicate_rank = dist.get_rank(replicate_group) if replicate_group is not None else 0
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self._units = units
+        self._restore = restore  # callables that undo what register changed (close)
+        rs_plan = shard_plan if replicate_group is not None else plan
+        # the reduce-scatter engine: its process group is FSDP's own shard group, passed per call
+        self._rs = CompressedAllReduce(rs_plan, None, shard_rank, shard_size) if rs_plan else None
+        self._ar = (CompressedAllReduce(plan, replicate_group, self.replicate_rank, self.replicate_size)
+                    if replicate_group is not None else None)
+        self.step = 0
+        self.nonfinite_steps = 0
+        self._in_step = False
+        self._step_finite = True
+        self._failure: Optional[BaseException] = None
+        self._closed = False
+
+    # -- the step counter: one step per backward that reduces gradients ----------------------------------
+    def _begin(self) -> None:
+        if self._closed:
+            raise RuntimeError("FastML: this FSDP state was closed; call fastml_strategy.fsdp.register "
+                               "again to compress this model's gradients")
+        if self._failure is not None:
+            raise self._failure
+        if not self._in_step:
+            self._in_step = True
+            self._step_finite = True
+            # runs once backward (FSDP's own final callback included) is over
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_step)
+
+    def _end_step(self) -> None:
+        self._in_step = False
+        if not self._step_finite:
+            self.nonfinite_steps += 1
+        self.step += 1
+
+    def _layer_stats_now(self) -> bool:
+        every = self.layer_stats_every
+        return every > 0 and self.step % every == 0
+
+    def _fail(self, e: BaseException, what: str, unit: _Unit) -> BaseException:
+        if isinstance(e, (CompressionError, ValueError)):
+            err = e
+        else:
+            err = CompressionError(
+                f"FastML: the compressed {what} of FSDP unit {unit.index} ({unit.names[0]}, ...) at step "
+                f"{self.step} failed on rank {self.rank} ({type(e).__name__}: {e}). If another rank "
+                f"died or timed out, its log has the cause; restart from the last checkpoint.")
+            err.__cause__ = e
+        if self._failure is None:
+            self._failure = err
+        return err
+
+    # -- called by FSDP ------------------------------------------------------------------------------------
+    def _reduce_scatter(self, unit: _Unit, out: torch.Tensor, inp: torch.Tensor, group, op) -> None:
+        self._begin()
+        eng = self._rs
+        eng.group = group
+        try:
+            lay = eng.shard_layout_for(unit.tensors(self.shard_size), inp.device, inp.dtype)
+            finite = eng.reduce_scatter(lay, inp.view(-1), out.view(-1), self.step,
+                                        scale=_scale_of(op, self.shard_size, unit.group),
+                                        layer_stats=self._layer_stats_now())
+        except BaseException as e:  # noqa: BLE001
+            raise self._fail(e, "reduce-scatter", unit) from None
+        self._step_finite = self._step_finite and finite
+
+    def _all_reduce(self, unit: _Unit, reduce_output: torch.Tensor) -> None:
+        self._begin()
+        eng = self._ar
+        try:
+            names, offsets, numels, pos = [], [], [], 0
+            for t in unit.tensors(self.shard_size):
+                names.append(t.name)
+                offsets.append(pos)
+                numels.append(t.chunk_numels[self.shard_rank])
+                pos += t.padded
+            buf = reduce_output.view(-1)
+            if pos != buf.numel():
+                raise CompressionError(
+                    f"FastML: the reduced shard of FSDP unit {unit.index} has {buf.numel()} elements, "
+                    f"its parameters {pos}")
+            lay = eng.layout_for(names, offsets, numels, buf.device, buf.dtype, double_buffer=False,
+                                 persistent=False)
+            finite = eng.run(lay, buf, self.step, layer_stats=self._layer_stats_now(), commit=True,
+                             baseline_elem_size=buf.element_size())
+        except BaseException as e:  # noqa: BLE001
+            raise self._fail(e, "cross-replica all-reduce", unit) from None
+        self._step_finite = self._step_finite and finite
+
+    # -- public ---------------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Cumulative figures of this rank: bytes FastML sent against what FSDP's own collectives
+        would have sent for the same gradients (in their reduce dtype), and the error-feedback memory."""
+        parts = {}
+        for key, eng in (("reduce_scatter", self._rs), ("all_reduce", self._ar)):
+            if eng is None:
+                continue
+            unc = int(round(eng.bytes_uncompressed))
+            parts[key] = {"bytes_sent": int(eng.bytes_sent), "bytes_uncompressed": unc,
+                          "compression_ratio": unc / eng.bytes_sent if eng.bytes_sent else 1.0,
+                          "layers": eng.layer_stats()}
+        sent = sum(p["bytes_sent"] for p in parts.values())
+        unc = sum(p["bytes_uncompressed"] for p in parts.values())
+        layers: dict = {}
+        for p in parts.values():
+            for name, row in p["layers"].items():
+                if name in layers:  # HSDP with a compressed reduce-scatter too: both hops
+                    prev = layers[name]
+                    row = dict(row, bytes=prev["bytes"] + row["bytes"],
+                               codec=f"{prev['codec']} + {row['codec']}")
+                layers[name] = row
+        return {
+            "steps": self.step,
+            "world_size": self.world_size,
+            "shard_size": self.shard_size,
+            "replicate_size": self.replicate_size,
+            "plan": self.plan.name if self.plan is not None else None,
+            "shard_plan": self.shard_plan.name if self.shard_plan is not None else None,
+            "bytes_sent": sent,
+            "bytes_uncompressed": unc,
+            "compression_ratio": unc / sent if sent else 1.0,
+            "residual_bytes": sum(e.residual_nbytes() for e in (self._rs, self._ar) if e is not None),
+            "nonfinite_steps": self.nonfinite_steps,
+            "layers": layers,
+            **parts,
+        }
+
+    def state_dict(self, all_ranks: bool = False) -> dict:
+        """This rank's state (residuals of both hops, step, plans, counters); with ``all_ranks=True``
+        (a collective on every rank, between steps) every rank's, as ``{"per_rank": [...]}``.
+
+        For a distributed checkpoint (``torch.distributed.checkpoint``), save
+        ``{"fastml": state.distributed_state_dict()}``: every rank writes its own entry."""
+        own = {
+            "format_version": STATE_FORMAT_VERSION,
+            "kind": "fsdp",
+            "plan": self.plan.to_dict() if self.plan is not None else None,
+            "shard_plan": self.shard_plan.to_dict() if self.shard_plan is not None else None,
+            "step": self.step,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "shard_size": self.shard_size,
+            "counters": {k: [e.bytes_sent, e.bytes_uncompressed] if e is not None else None
+                         for k, e in (("reduce_scatter", self._rs), ("all_reduce", self._ar))},
+            "residuals": {k: ({n: v.detach().cpu().clone() for n, v in e.residuals().items()}
+                              if e is not None else {})
+                          for k, e in (("reduce_scatter", self._rs), ("all_reduce", self._ar))},
+        }
+        if not all_ranks:
+            return own
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, own)
+        return {"format_version": STATE_FORMAT_VERSION, "per_rank": gathered}
+
+    def distributed_state_dict(self) -> dict:
+        """``{"rank<R>": this rank's state}``: a key only this rank has, so that
+        ``torch.distributed.checkpoint`` saves (and loads back) every rank's residuals."""
+        return {f"rank{self.rank}": self.state_dict()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Load what :meth:`state_dict` (one rank, or ``all_ranks=True``) or
+        :meth:`distributed_state_dict` returned; call before the first step of the resumed run."""
+        if isinstance(sd, dict) and f"rank{self.rank}" in sd and "format_version" not in sd:
+            sd = sd[f"rank{self.rank}"]
+        if not isinstance(sd, dict) or "format_version" not in sd:
+            raise ValueError("FSDPState.load_state_dict: not a FastML state (no 'format_version'); pass "
+                             "what state_dict() or distributed_state_dict() returned")
+        if sd["format_version"] != STATE_FORMAT_VERSION:
+            raise ValueError(f"FastML FSDP state format_version {sd['format_version']!r} is not "
+                             f"supported (this FastML reads {STATE_FORMAT_VERSION})")
+        if "per_rank" in sd:
+            per = sd["per_rank"]
+            if len(per) != self.world_size:
+                raise ValueError(
+                    f"the checkpoint holds FastML state of {len(per)} ranks but this run has "
+                    f"{self.world_size}; resume with the same world size, or drop the FastML entry to "
+                    f"restart error feedback from zero")
+            sd = per[self.rank]
+        if sd.get("kind") != "fsdp":
+            raise ValueError("FSDPState.load_state_dict: this is a DDP FastML state (from register_hook); "
+                             "load it with FastMLState.load_state_dict, or drop it to start fresh")
+        if sd.get("world_size") != self.world_size or sd.get("shard_size") != self.shard_size:
+            raise ValueError(
+                f"the FastML state was saved with {sd.get('world_size')} ranks in shards of "
+                f"{sd.get('shard_size')}; this run has {self.world_size} in shards of "
+                f"{self.shard_size}: residuals are per rank and per shard, so resume with the same "
+                f"layout, or drop the FastML entry to restart error feedback from zero")
+        for key, mine in (("plan", self.plan), ("shard_plan", self.shard_plan)):
+            saved = sd.get(key)
+            if (saved is None) != (mine is None) or (
+                    saved is not None and Plan.from_dict(saved).digest() != mine.digest()):
+                warnings.warn(f"FastML: the checkpoint's {key} differs from this run's; residuals are "
+                              f"loaded for the layers present in both. Pass the checkpoint's plan to "
+                              f"resume exactly.", stacklevel=2)
+        self.step = int(sd["step"])
+        for key, eng in (("reduce_scatter", self._rs), ("all_reduce", self._ar)):
+            if eng is None:
+                continue
+            counters = (sd.get("counters") or {}).get(key) or [0, 0.0]
+            eng.bytes_sent, eng.bytes_uncompressed = int(counters[0]), float(counters[1])
+            eng.load_residuals((sd.get("residuals") or {}).get(key, {}))
+
+    def close(self) -> None:
+        """Give the model back to FSDP's own collectives (FastML's residuals are dropped)."""
+        if not self._closed:
+            for undo in reversed(self._restore):
+                undo()
+            self._closed = True
+
+    def __getstate__(self) -> dict:
+        raise TypeError("FSDPState holds process groups and hooks on a live model and cannot be "
+                        "pickled; save state.state_dict() (or distributed_state_dict()) instead")
+
+
+def _make_comm(ReduceScatter, state: FSDPState, unit: _Unit):
+    class _FastMLReduceScatter(ReduceScatter):
+        """FSDP's reduce-scatter of one unit, compressed (see :mod:`fastml_strategy.fsdp`)."""
+
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            state._reduce_scatter(unit, output_tensor, input_tensor, group, op)
+            return None
+
+    return _FastMLReduceScatter()
+
+
+def register(
+    model: torch.nn.Module,
+    plan: Any = None,
+    *,
+    replicate_group: Any = None,
+    shard_plan: Any = None,
+    layer_stats_every: int = 10,
+) -> FSDPState:
+    """Compress an FSDP2 model's gradient reduction with FastML; returns its :class:`FSDPState`.
+
+    Call on every rank after ``fully_shard`` has been applied (submodules first, the root last) and
+    before the first backward. ``plan``: a :class:`~fastml_strategy.Plan`, a recipe name, a plan
+    JSON path, a dict, or None (``FASTML_PLAN``, else ``int4``), keyed by the names of
+    ``model.named_parameters()``; it compresses the reduce-scatter (FSDP) or, with HSDP, the
+    cross-replica all-reduce. ``replicate_group``: HSDP with a 1-D shard mesh, the process group of
+    this rank's replicas (omit it for a 2-D ``("replicate", "shard")`` mesh: FastML reads it there).
+    ``shard_plan``: HSDP only, a plan for the intra-node reduce-scatter too (default None: FSDP's own,
+    uncompressed, for the fast link inside a node). ``layer_stats_every``: measure per-layer error
+    every N steps (0: never).
+
+    Every rank raises the same error before any step if the model, the plans or the groups are wrong
+    on any of them.
+    """
+    FSDPModule, ReduceScatter, FSDPMeshInfo, HSDPMeshInfo = _fsdp_api()
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("fastml_strategy.fsdp.register: torch.distributed is not initialised; call "
+                           "dist.init_process_group (torchrun sets the environment) before fully_shard")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"fastml_strategy.fsdp.register: model is a {type(model).__name__}; pass the "
+                        f"root module that fully_shard was applied to")
+    if not isinstance(layer_stats_every, int) or isinstance(layer_stats_every, bool) or layer_stats_every < 0:
+        raise ValueError(f"fastml_strategy.fsdp.register: layer_stats_every={layer_stats_every!r}; use a "
+                         f"whole number >= 0 (0 turns it off)")
+    world = dist.group.WORLD
+    world_size = dist.get_world_size()
+
+    # Everything that can be wrong is checked locally first, then agreed across ranks (no rank hangs).
+    found: dict = {}
+
+    def inspect() -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if isinstance(model, FullyShardedDataParallel) or any(
+                isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+            raise TypeError(
+                "fastml_strategy.fsdp.register: this model is wrapped in FSDP1 "
+                "(FullyShardedDataParallel), which FastML does not compress; shard it with FSDP2 "
+                "(torch.distributed.fsdp.fully_shard) instead, or in Lightning use "
+                "strategy='fastml_fsdp'")
+        if not isinstance(model, FSDPModule):
+            raise TypeError(
+                f"fastml_strategy.fsdp.register: the model ({type(model).__name__}) is not an FSDP2 "
+                f"module; apply fully_shard first (each block, then the root: fully_shard(model)) and "
+                f"register afterwards, on every rank")
+        named = dict(model.named_parameters())
+        names = {id(p): n for n, p in named.items()}
+        units, mesh_infos = [], set()
+        for mod in model.modules():
+            if not isinstance(mod, FSDPModule):
+                continue
+            groups = mod._get_fsdp_state()._fsdp_param_groups
+            if len(groups) > 1:
+                raise ValueError(
+                    f"fastml_strategy.fsdp.register: module {type(mod).__name__} has {len(groups)} FSDP "
+                    f"parameter groups (shard_placement_fn with per-parameter meshes); FSDP's custom "
+                    f"reduce-scatter takes one group per module: shard those parameters on one mesh")
+            for g in groups:
+                unit = _Unit(len(units), mod, g, names)
+                for fp, name in zip(unit.params, unit.names):
+                    chunks, padded = unit.layout_of(fp, g.mesh_info.shard_mesh_size)
+                    if padded != fp.padded_sharded_param_size.numel():
+                        raise RuntimeError(
+                            f"FastML's FSDP2 layout rule gives {padded} padded elements per shard for "
+                            f"{name} {list(fp._orig_size)}, FSDP {fp.padded_sharded_param_size.numel()}; "
+                            f"this torch ({torch.__version__}) shards differently from {TESTED_TORCH}")
+                units.append(unit)
+                mi = g.mesh_info
+                if getattr(mi, "is_spmd_mesh", False):
+                    raise ValueError("fastml_strategy.fsdp.register: FSDP on an SPMD mesh with "
+                                     "dp_mesh_dims (tensor parallel) is not supported yet")
+                mesh_infos.add((type(mi).__name__, mi.shard_mesh_size,
+                                isinstance(mi, HSDPMeshInfo)))
+        if not units:
+            raise ValueError("fastml_strategy.fsdp.register: the model has no FSDP-managed parameters; "
+                             "apply fully_shard to the modules that hold them")
+        if len(mesh_infos) > 1:
+            raise ValueError(f"fastml_strategy.fsdp.register: FSDP units use different meshes "
+                             f"({sorted(mesh_infos)}); shard every unit on the same mesh")
+        native_hsdp = next(iter(mesh_infos))[2]
+        if native_hsdp and replicate_group is not None:
+            raise ValueError(
+                "fastml_strategy.fsdp.register: the model is sharded on a 2-D (replicate, shard) mesh, "
+                "which already names the replicas; drop replicate_group (or shard on the 1-D shard "
+                "mesh and keep it)")
+        if replicate_group is not None and not isinstance(replicate_group, dist.ProcessGroup):
+            raise TypeError(f"fastml_strategy.fsdp.register: replicate_group is a "
+                            f"{type(replicate_group).__name__}; pass a torch.distributed ProcessGroup "
+                            f"(e.g. mesh['replicate'].get_group()) or None")
+        shard_size = units[0].group.mesh_info.shard_mesh_size
+        rep = (units[0].group.mesh_info.replicate_process_group if native_hsdp else replicate_group)
+        rep_size = dist.get_world_size(rep) if rep is not None else 1
+        if shard_size * rep_size != world_size:
+            raise ValueError(
+                f"fastml_strategy.fsdp.register: shards of {shard_size} ranks x {rep_size} replicas is "
+                f"not the world size {world_size}; the replicate group must hold one rank of every "
+                f"shard group (mesh['replicate'].get_group() of an (R, S) mesh)")
+        if shard_plan is not None and rep is None:
+            raise ValueError("fastml_strategy.fsdp.register: shard_plan is for HSDP (the intra-node "
+                             "reduce-scatter); with plain FSDP, give the plan as plan=")
+        if shard_plan is not None:
+            sp = resolve_plan(shard_plan)
+            sp.check_parameters(list(named))
+            found["shard_plan"] = sp
+        found.update(units=units, native_hsdp=native_hsdp, shard_size=shard_size, rep=rep)
+
+    names_all = [n for n, _ in model.named_parameters()] if isinstance(model, torch.nn.Module) else []
+    plan_obj = agreed_plan(plan, names_all, world, world_size, check=inspect)
+    shard_plan_obj = found.get("shard_plan")
+    if shard_plan_obj is not None:  # the same on every rank too
+        agreed_plan(shard_plan_obj, names_all, world, world_size)
+    units, native_hsdp, shard_size, rep = (found["units"], found["native_hsdp"], found["shard_size"],
+                                           found["rep"])
+    shard_rank = units[0].group.mesh_info.shard_mesh_rank
+
+    restore: list = []
+    state = FSDPState(model, units, plan_obj, shard_plan_obj, shard_size, shard_rank, rep,
+                      layer_stats_every, restore)
+    for unit in units:
+        g, mod = unit.group, unit.module
+        # Every parameter that requires a gradient takes part in every reduce-scatter (zeros when no
+        # rank used it): the layout then depends only on requires_grad, the same on every rank.
+        was_unused = g.reduce_scatter_unused_params
+        g.reduce_scatter_unused_params = True
+        restore.append(lambda g=g, v=was_unused: setattr(g, "reduce_scatter_unused_params", v))
+        if native_hsdp:
+            # FastML takes the cross-replica all-reduce over: FSDP sees a 1-D shard mesh (its own
+            # reduce-scatter then averages over the shard only, and calls the all-reduce hook).
+            hsdp_info = g.mesh_info
+            one_d = FSDPMeshInfo(mesh=hsdp_info.mesh, shard_mesh_dim=hsdp_info.shard_mesh_dim)
+            one_d.reduce_scatter_process_group = hsdp_info.reduce_scatter_process_group
+            g.mesh_info = one_d
+            restore.append(lambda g=g, m=hsdp_info: setattr(g, "mesh_info", m))
+        if state._rs is not None:
+            old = g._reduce_scatter_comm
+            mod.set_custom_reduce_scatter(_make_comm(ReduceScatter, state, unit))
+            restore.append(lambda g=g, c=old: setattr(g, "_reduce_scatter_comm", c))
+        if rep is not None:
+            old_hook = g._all_reduce_hook
+            mod.set_all_reduce_hook(lambda out, unit=unit: state._all_reduce(unit, out))
+            restore.append(lambda g=g, h=old_hook: setattr(g, "_all_reduce_hook", h))
+    return state
