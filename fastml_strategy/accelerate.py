@@ -19,14 +19,28 @@ What :func:`setup` does, on every process:
 2. If the prepared model is a ``DistributedDataParallel`` (``MULTI_GPU``, ``MULTI_CPU``, multi-node),
    registers FastML's comm hook on it (:func:`fastml_strategy.register_hook`: every rank agrees on
    the plan before the first step, or every rank raises the same error).
+   If it is an FSDP2 module (Accelerate's FSDP plugin with ``fsdp_version: 2``, or a model you
+   sharded yourself with ``torch.distributed.fsdp.fully_shard``), calls
+   :func:`fastml_strategy.fsdp.register` instead: FastML's compressed reduce-scatter, or, when the
+   model is sharded on a 2-D (replicate, shard) mesh (``parallelism_config_dp_replicate_size`` > 1:
+   HSDP), the compressed cross-replica all-reduce. A model wrapped in FSDP1
+   (``FullyShardedDataParallel``, ``fsdp_version: 1``) raises TypeError: FastML does not compress it.
 3. Registers the FastML state of every rank with ``accelerator.register_for_checkpointing``, so
    ``accelerator.save_state(dir)`` stores it (plan, step, error-feedback residuals) and
    ``accelerator.load_state(dir)`` restores it. Call ``setup`` before ``load_state``, and on every
    process: saving gathers every rank's residuals (a collective), as ``save_state`` itself expects
-   to be called everywhere.
+   to be called everywhere. Under FSDP each rank's residuals are as large as the unsharded gradient
+   of the layers they cover, so the main process holds world_size of them while it writes the file.
 
-In one process (no DDP wrapper) it returns None and changes nothing. Under FSDP or DeepSpeed, which
-do not use DDP's comm hooks, it warns and returns None: training continues uncompressed.
+In one process (no DDP or FSDP) it returns None and changes nothing. Under DeepSpeed, which uses
+neither, it warns and returns None: training continues uncompressed.
+
+On CPU, Accelerate (1.15) ignores its FSDP plugin: ``distributed_type`` stays ``MULTI_CPU`` and
+``prepare`` wraps the model in DDP (which FastML then compresses). For FSDP2 on CPU, apply
+``fully_shard`` yourself, give ``prepare`` only the data loaders (it would wrap the sharded model in
+DDP, and ``save_state`` would write the main process's optimizer shards only), call ``setup`` on the
+sharded model, and save model and optimizer with ``torch.distributed.checkpoint``
+(``recipes/train_accelerate.py --fully-shard`` does all of this).
 
 Settings come from arguments or, because the launcher passes the environment through and its
 config file cannot carry them, from environment variables:
@@ -35,7 +49,7 @@ config file cannot carry them, from environment variables:
 variable                        meaning                                                     default
 =============================== =========================================================== ========
 ``FASTML_PLAN``                 recipe name (``int4``, ``int8``, ``topk1``...) or plan JSON int4
-``FASTML_CHECK_REPLICAS_EVERY`` compare parameter checksums across ranks every N steps      0 (off)
+``FASTML_CHECK_REPLICAS_EVERY`` compare parameter checksums across ranks every N steps (DDP) 0 (off)
 ``FASTML_LAYER_STATS_EVERY``    measure per-layer compression error every N steps           10
 =============================== =========================================================== ========
 
@@ -48,12 +62,15 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
 from fastml_strategy.config import Plan, resolve_plan
 from fastml_strategy.hook import FastMLState, register_hook
+
+if TYPE_CHECKING:
+    from fastml_strategy.fsdp import FSDPState
 
 __all__ = ["setup", "prepare", "CheckpointState"]
 
@@ -73,13 +90,14 @@ def _env_int(name: str, value: int | None, default: int) -> int:
 
 
 class CheckpointState:
-    """What ``accelerator.register_for_checkpointing`` holds: the FastML state of every rank.
+    """What ``accelerator.register_for_checkpointing`` holds: the FastML state of every rank (DDP's
+    :class:`~fastml_strategy.FastMLState` or FSDP's :class:`~fastml_strategy.fsdp.FSDPState`).
 
     ``state_dict()`` is a collective (it gathers every rank's residuals for the main process to
     write); ``load_state_dict()`` gives each rank its own part back.
     """
 
-    def __init__(self, state: FastMLState) -> None:
+    def __init__(self, state: FastMLState | FSDPState) -> None:
         self.state = state
 
     def state_dict(self) -> dict:
@@ -89,14 +107,40 @@ class CheckpointState:
         self.state.load_state_dict(state_dict)
 
 
-def _find_ddp(model: Any) -> torch.nn.parallel.DistributedDataParallel | None:
+def _unwrap(model: Any) -> Iterator[Any]:
+    """The model and what torch.compile wraps (``_orig_mod``), outermost first."""
     seen = 0
     while model is not None and seen < 4:  # torch.compile(DDP(model)) keeps DDP in _orig_mod
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            return model
+        yield model
         model = getattr(model, "_orig_mod", None)
         seen += 1
-    return None
+
+
+def _find_ddp(model: Any) -> torch.nn.parallel.DistributedDataParallel | None:
+    return next((m for m in _unwrap(model) if isinstance(m, torch.nn.parallel.DistributedDataParallel)), None)
+
+
+def _find_fsdp2(model: Any) -> torch.nn.Module | None:
+    """The FSDP2 root (an ``FSDPModule``: Accelerate's ``fsdp_version: 2`` or your own ``fully_shard``)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return None
+    return next((m for m in _unwrap(model) if isinstance(m, FSDPModule)), None)
+
+
+def _reject_fsdp1(model: Any) -> None:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # torch built without distributed
+        return
+    if isinstance(model, torch.nn.Module) and any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise TypeError(
+            "fastml_strategy.accelerate.setup: the model is wrapped in FSDP1 (FullyShardedDataParallel: "
+            "Accelerate's FSDP plugin with fsdp_version: 1, its default), which FastML does not compress. "
+            "Use FSDP2: fsdp_version: 2 in the accelerate config (FullyShardedDataParallelPlugin("
+            "fsdp_version=2); see recipes/accelerate/fsdp2.yaml), or shard with torch.distributed.fsdp."
+            "fully_shard yourself; in Lightning use strategy='fastml_fsdp'")
 
 
 def setup(
@@ -107,30 +151,53 @@ def setup(
     check_replicas_every: int | None = None,
     layer_stats_every: int | None = None,
     checkpoint: bool = True,
-) -> FastMLState | None:
+    shard_plan: Plan | str | os.PathLike | dict | None = None,
+    replicate_group: Any = None,
+) -> FastMLState | FSDPState | None:
     """Register FastML on a model returned by ``accelerator.prepare``; call it on every process.
 
-    Returns the :class:`~fastml_strategy.FastMLState` (``.stats()`` for compression figures), or None
-    when the model is not wrapped in DDP (one process, FSDP, DeepSpeed). ``checkpoint=False`` skips
-    ``register_for_checkpointing`` (then save ``state.state_dict(all_ranks=True)`` yourself).
+    Returns the :class:`~fastml_strategy.FastMLState` (DDP) or :class:`~fastml_strategy.fsdp.FSDPState`
+    (FSDP2; ``.stats()`` for compression figures), or None when the model is neither (one process,
+    DeepSpeed). ``checkpoint=False`` skips ``register_for_checkpointing`` (then save
+    ``state.state_dict(all_ranks=True)`` yourself). ``shard_plan`` and ``replicate_group`` are
+    :func:`fastml_strategy.fsdp.register`'s (HSDP only); ``check_replicas_every`` is DDP's.
+    Raises TypeError, on every process, for a model wrapped in FSDP1.
     """
     resolved = resolve_plan(plan)  # a bad FASTML_PLAN fails here, on every process, naming it
     check_every = _env_int("FASTML_CHECK_REPLICAS_EVERY", check_replicas_every, 0)
     layer_every = _env_int("FASTML_LAYER_STATS_EVERY", layer_stats_every, 10)
+    _reject_fsdp1(model)
     ddp = _find_ddp(model)
-    if ddp is None:
+    fsdp = _find_fsdp2(model) if ddp is None else None
+    if ddp is None and fsdp is None and (shard_plan is not None or replicate_group is not None):
+        raise ValueError("fastml_strategy.accelerate.setup: shard_plan and replicate_group are for an FSDP2 "
+                         "(HSDP) model; this one is not sharded with fully_shard")
+    if ddp is not None:
+        if shard_plan is not None or replicate_group is not None:
+            raise ValueError("fastml_strategy.accelerate.setup: shard_plan and replicate_group are for an "
+                             "FSDP2 (HSDP) model; this one is DistributedDataParallel")
+        state: Any = register_hook(ddp, resolved, check_replicas_every=check_every, layer_stats_every=layer_every)
+    elif fsdp is not None:
+        if check_every:
+            warnings.warn("fastml_strategy.accelerate.setup: check_replicas_every (FASTML_CHECK_REPLICAS_EVERY) "
+                          "applies to DDP models only; this FSDP2 model is not checked", stacklevel=2)
+        from fastml_strategy.fsdp import register
+
+        state = register(fsdp, resolved, replicate_group=replicate_group, shard_plan=shard_plan,
+                         layer_stats_every=layer_every)
+    else:
         inner = accelerator.unwrap_model(model) if hasattr(accelerator, "unwrap_model") else model
         resolved.check_parameters([n for n, p in inner.named_parameters() if p.requires_grad])
         if getattr(accelerator, "num_processes", 1) > 1:
             warnings.warn(
-                f"fastml_strategy.accelerate.setup: the prepared model is a {type(model).__name__}, not a "
-                f"DistributedDataParallel (distributed_type={getattr(accelerator, 'distributed_type', '?')}); "
-                f"FastML compresses DDP gradients only, so this run trains uncompressed. Use a MULTI_GPU or "
-                f"MULTI_CPU configuration to compress",
+                f"fastml_strategy.accelerate.setup: the prepared model is a {type(model).__name__}, neither a "
+                f"DistributedDataParallel nor an FSDP2 module (distributed_type="
+                f"{getattr(accelerator, 'distributed_type', '?')}); FastML compresses DDP and FSDP2 gradients "
+                f"only, so this run trains uncompressed. Use a MULTI_GPU, MULTI_CPU or FSDP (fsdp_version: 2) "
+                f"configuration to compress",
                 stacklevel=2,
             )
         return None
-    state = register_hook(ddp, resolved, check_replicas_every=check_every, layer_stats_every=layer_every)
     if checkpoint:
         accelerator.register_for_checkpointing(CheckpointState(state))
     return state
@@ -148,7 +215,7 @@ def prepare(
     """``accelerator.prepare(*objects)``, then :func:`setup` on the model among them (exactly one).
 
     Returns what ``accelerator.prepare`` returns; the FastML state is then ``fastml_strategy.accelerate
-    .setup``'s return value, kept as ``accelerator.fastml_state`` (None without DDP).
+    .setup``'s return value, kept as ``accelerator.fastml_state`` (None without DDP or FSDP2).
     """
     prepared = accelerator.prepare(*objects, **prepare_kwargs)
     items = prepared if isinstance(prepared, tuple) else (prepared,)

@@ -212,7 +212,8 @@ class BucketLayout(_Messages):
 
     def __init__(self, names, offsets, numels, plan: Plan, world_size: int, rank: int,
                  device: torch.device, dtype: torch.dtype = torch.float32,
-                 double_buffer: bool = True, persistent: bool = True) -> None:
+                 double_buffer: bool = True, persistent: bool = True,
+                 plan_numels: Sequence[int] | None = None) -> None:
         self.device = device
         self.names = tuple(names)
         self.total_numel = int(sum(numels))
@@ -220,8 +221,10 @@ class BucketLayout(_Messages):
         dense: dict[tuple, list[_Param]] = {}
         self.topk: list[_TopkParam] = []
         self.configs: dict[str, CodecConfig] = {}
-        for name, off, n in zip(names, offsets, numels):
-            planned = codecs.effective_config(plan.for_parameter(name, n), n, W)
+        # plan_numels: the parameters' own sizes, when the bucket holds only a shard of them (HSDP):
+        # whether a tensor is small enough to travel uncompressed is a property of the parameter.
+        for name, off, n, pn in zip(names, offsets, numels, plan_numels or numels):
+            planned = codecs.effective_config(plan.for_parameter(name, pn), n, W)
             cfg = codecs.wire_config(planned, dtype)
             self.configs[name] = cfg
             p = _Param(name, int(off), int(n))
@@ -417,13 +420,14 @@ class CompressedAllReduce:
 
     # -- layouts and residuals ----------------------------------------------------------------------
     def layout_for(self, names, offsets, numels, device, dtype=torch.float32,
-                   double_buffer: bool = True, persistent: bool = True) -> BucketLayout:
+                   double_buffer: bool = True, persistent: bool = True,
+                   plan_numels: Sequence[int] | None = None) -> BucketLayout:
         key = (tuple(names), tuple(offsets), tuple(numels), dtype)
         lay = self.layouts.get(key)
         if lay is not None:
             return lay
         lay = BucketLayout(names, offsets, numels, self.plan, self.world_size, self.rank, device, dtype,
-                           double_buffer=double_buffer, persistent=persistent)
+                           double_buffer=double_buffer, persistent=persistent, plan_numels=plan_numels)
         return self._adopt(key, lay)
 
     def shard_layout_for(self, tensors: Sequence[ShardedTensor], device, dtype) -> ShardLayout:

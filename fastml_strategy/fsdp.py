@@ -53,6 +53,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from fastml_strategy import codecs
 from fastml_strategy.collective import CompressedAllReduce, CompressionError, ShardedTensor
 from fastml_strategy.config import Plan, resolve_plan
 from fastml_strategy.hook import _default_group_timeout, agreed_plan  # noqa: F401
@@ -180,12 +181,33 @@ class FSDPState:
         self._rs = CompressedAllReduce(rs_plan, None, shard_rank, shard_size) if rs_plan else None
         self._ar = (CompressedAllReduce(plan, replicate_group, self.replicate_rank, self.replicate_size)
                     if replicate_group is not None else None)
+        self._create_residuals()
         self.step = 0
         self.nonfinite_steps = 0
         self._in_step = False
         self._step_finite = True
         self._failure: Optional[BaseException] = None
         self._closed = False
+
+    def _create_residuals(self) -> None:
+        """Zero residuals for every gradient that will keep one, made now rather than at the first
+        step, so that ``state_dict()`` of a fresh state already has every entry (a distributed
+        checkpoint loads into them in place) and ``residual_bytes`` is known before training."""
+        for unit in self._units:
+            for fp, name in zip(unit.params, unit.names):
+                if not fp.sharded_param.requires_grad:
+                    continue
+                chunks, _ = unit.layout_of(fp, self.shard_size)
+                numel = sum(chunks)
+                for eng, n in ((self._rs, numel), (self._ar, chunks[self.shard_rank])):
+                    if eng is None:
+                        continue
+                    cfg = eng.plan.for_parameter(name, numel)  # (the wire dtype keeps no residual)
+                    if eng is self._ar:
+                        cfg = codecs.effective_config(cfg, n, eng.world_size)
+                    if cfg.uses_residual and name not in eng.pending_residuals:
+                        eng.pending_residuals[name] = torch.zeros(
+                            n, dtype=cfg.residual_torch_dtype, device=fp.sharded_param.device)
 
     # -- the step counter: one step per backward that reduces gradients ----------------------------------
     def _begin(self) -> None:
@@ -241,11 +263,12 @@ class FSDPState:
         self._begin()
         eng = self._ar
         try:
-            names, offsets, numels, pos = [], [], [], 0
+            names, offsets, numels, full, pos = [], [], [], [], 0
             for t in unit.tensors(self.shard_size):
                 names.append(t.name)
                 offsets.append(pos)
                 numels.append(t.chunk_numels[self.shard_rank])
+                full.append(t.numel)
                 pos += t.padded
             buf = reduce_output.view(-1)
             if pos != buf.numel():
@@ -253,7 +276,7 @@ class FSDPState:
                     f"FastML: the reduced shard of FSDP unit {unit.index} has {buf.numel()} elements, "
                     f"its parameters {pos}")
             lay = eng.layout_for(names, offsets, numels, buf.device, buf.dtype, double_buffer=False,
-                                 persistent=False)
+                                 persistent=False, plan_numels=full)
             finite = eng.run(lay, buf, self.step, layer_stats=self._layer_stats_now(), commit=True,
                              baseline_elem_size=buf.element_size())
         except BaseException as e:  # noqa: BLE001

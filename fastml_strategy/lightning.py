@@ -1,7 +1,7 @@
-"""Lightning and Fabric: ``Trainer(strategy="fastml")`` and ``Fabric(strategy="fastml")``.
+"""Lightning and Fabric: ``strategy="fastml"`` (DDP) and ``strategy="fastml_fsdp"`` (FSDP2 / HSDP).
 
-What the strategy does
-----------------------
+``strategy="fastml"``: DDP with a compressed all-reduce
+------------------------------------------------------
 ``FastMLStrategy`` is Lightning's ``DDPStrategy`` with one change of substance: once Lightning has
 wrapped the model in ``DistributedDataParallel`` it calls :func:`fastml_strategy.register_hook`, so
 every gradient bucket is compressed as the plan says (quantized, top-k, or cast) before it crosses
@@ -36,11 +36,45 @@ gradients and propagates a non-finite value to every rank, so GradScaler skips t
 Fabric's ``DDPStrategy`` has no hook arguments at all: ``FastMLFabricStrategy`` registers the hook in
 ``setup_module`` and adds the FastML state to ``fabric.save``/``fabric.load`` the same way.
 
-Registering the name ``"fastml"`` without paying for it
--------------------------------------------------------
+``strategy="fastml_fsdp"``: FSDP2 (``fully_shard``) with a compressed reduce-scatter
+-----------------------------------------------------------------------------------
+``FastMLFSDPStrategy`` / ``FastMLFSDPFabricStrategy`` are Lightning's ``ModelParallelStrategy`` (the
+FSDP2 strategy; Lightning's own ``FSDPStrategy`` is FSDP1, which FastML does not compress) with four
+changes:
+
+1. The mesh is data-parallel only: 1-D ``("shard",)`` over every rank (FSDP), or, with
+   ``replicate_size=R`` (``hybrid=True``: R = number of nodes), 2-D ``("replicate", "shard")`` of
+   shape (R, world/R): shard inside a node, replicate across nodes (HSDP). Consecutive ranks (one
+   node) form a shard group. Every rank gets its own slice of the data.
+2. Sharding: if ``configure_model`` (Trainer) or ``parallelize_fn`` (Fabric) applied ``fully_shard``
+   (pass ``mesh=self.device_mesh``), that sharding is kept and the strategy adds the root unit if the
+   user did not. Otherwise the strategy shards by ``auto_wrap_policy``, deepest modules first and the
+   root last: a set of module classes (``{TransformerBlock}``), a predicate ``module -> bool``, or a
+   whole number N (every module whose OWN parameters hold >= N elements). The default is
+   N = 2**20: large layers become units of their own (a unit's reduce-scatter carries at least 4 MiB
+   of fp32 gradient), small layers, norms and biases stay in the root unit. ``configure_model`` is
+   optional, unlike with ``ModelParallelStrategy``.
+3. Then :func:`fastml_strategy.fsdp.register` replaces FSDP's reduce-scatter (FSDP) or its
+   cross-replica all-reduce (HSDP; ``shard_plan`` compresses the intra-node reduce-scatter too) with
+   FastML's compressed collectives. Gradient-accumulation micro-batches do not reduce at all
+   (``set_requires_gradient_sync(False)``: unsharded gradients are kept until the last micro-batch).
+4. Checkpoints: with ``save_distributed_checkpoint=True`` (the default) Lightning writes a folder of
+   per-rank shards (``torch.distributed.checkpoint``); every rank adds its own FastML state
+   (:meth:`~fastml_strategy.fsdp.FSDPState.distributed_state_dict`: residuals, step, plans) in the
+   subfolder ``fastml_strategy/`` (its own DCP checkpoint, written after Lightning's part), so no
+   rank holds another's residuals. A single-file checkpoint (``save_distributed_checkpoint=False``)
+   gathers them under ``checkpoint["fastml_strategy"]`` as for DDP. Resuming
+   (``fit(ckpt_path=...)``, ``fabric.load``) gives each rank its part back; the run continues bit
+   for bit. Resume with the same number of processes and the same mesh.
+
+Statistics and logging are those of the DDP strategies, plus ``fastml/residual_bytes`` (the
+error-feedback memory of a rank).
+
+Registering the names without paying for them
+---------------------------------------------
 ``import fastml_strategy`` calls :func:`_register_strategies`. Importing Lightning costs about 2.6 s
-and pulls in Triton, so it is not imported here: the name is registered at once with the frameworks
-already imported, and for the others a small import hook registers it right after
+and pulls in Triton, so it is not imported here: the names are registered at once with the frameworks
+already imported, and for the others a small import hook registers them right after
 ``lightning.pytorch`` / ``pytorch_lightning`` / ``lightning.fabric`` / ``lightning_fabric`` finishes
 importing. The strategy classes are built on first use (``fastml_strategy.lightning.FastMLStrategy``
 imports ``lightning.pytorch``), once per framework, because ``lightning.pytorch`` and the standalone
@@ -48,51 +82,93 @@ imports ``lightning.pytorch``), once per framework, because ``lightning.pytorch`
 
 Example::
 
-    import fastml_strategy  # registers "fastml"
+    import fastml_strategy  # registers "fastml" and "fastml_fsdp"
     trainer = L.Trainer(strategy="fastml", accelerator="cpu", devices=2)  # plan from FASTML_PLAN
     # or explicitly:
-    from fastml_strategy.lightning import FastMLStrategy
+    from fastml_strategy.lightning import FastMLFSDPStrategy, FastMLStrategy
     trainer = L.Trainer(strategy=FastMLStrategy(plan="int4", static_graph=True), devices=8)
+    trainer = L.Trainer(strategy=FastMLFSDPStrategy(plan="int4", auto_wrap_policy={Block}, hybrid=True),
+                        devices=8, num_nodes=4)
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import importlib.abc
+import inspect
+import json
+import logging
 import math
 import os
 import sys
 import threading
 import warnings
-from typing import TYPE_CHECKING, Any, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import torch
 
 from fastml_strategy.config import Plan, resolve_plan
 from fastml_strategy.hook import FastMLState, register_hook
 
 if TYPE_CHECKING:  # the real classes are built lazily, see strategy_class()
     from lightning.fabric.strategies import DDPStrategy as FastMLFabricStrategy  # noqa: F401
+    from lightning.fabric.strategies import ModelParallelStrategy as FastMLFSDPFabricStrategy  # noqa: F401
     from lightning.pytorch.strategies import DDPStrategy as FastMLStrategy  # noqa: F401
+    from lightning.pytorch.strategies import ModelParallelStrategy as FastMLFSDPStrategy  # noqa: F401
 
-__all__ = ["FastMLStrategy", "FastMLFabricStrategy", "strategy_class", "CHECKPOINT_KEY", "STRATEGY_NAME"]
+__all__ = ["FastMLStrategy", "FastMLFabricStrategy", "FastMLFSDPStrategy", "FastMLFSDPFabricStrategy",
+           "strategy_class", "CHECKPOINT_KEY", "STRATEGY_NAME", "FSDP_STRATEGY_NAME", "DEFAULT_MIN_WRAP_NUMEL"]
+
+log = logging.getLogger(__name__)
 
 STRATEGY_NAME = "fastml"
-# Key of the FastML state inside a Lightning checkpoint or a Fabric checkpoint dict.
+FSDP_STRATEGY_NAME = "fastml_fsdp"
+# Key of the FastML state inside a Lightning checkpoint or a Fabric checkpoint dict, and the name of the
+# subfolder of a distributed (DCP) checkpoint that holds every rank's FastML state.
 CHECKPOINT_KEY = "fastml_strategy"
 # DDPStrategy arguments that install another comm hook; FastML owns the hook.
 _HOOK_KWARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+# ModelParallelStrategy arguments the FSDP strategies set themselves (they build a data-parallel mesh).
+_MESH_KWARGS = ("data_parallel_size", "tensor_parallel_size")
+# Default auto-wrap rule of the FSDP strategies: a module whose OWN parameters hold at least this many
+# elements becomes an FSDP unit. 2**20 elements: each unit's reduce-scatter carries >= 4 MiB of fp32
+# gradient (one large message rather than many small, latency-bound ones); smaller layers, norms and
+# biases stay in the root unit. A choice, not a measurement: pass auto_wrap_policy for your model.
+DEFAULT_MIN_WRAP_NUMEL = 1 << 20
 
-# package -> (kind, attribute holding its strategy registry, public name of our class there)
+# framework package -> (kind, attribute holding its strategy registry, the matching fabric package)
 _FRAMEWORKS: dict[str, tuple[str, str, str]] = {
-    "lightning.pytorch": ("trainer", "StrategyRegistry", "FastMLStrategy"),
-    "pytorch_lightning": ("trainer", "StrategyRegistry", "_PLFastMLStrategy"),
-    "lightning.fabric": ("fabric", "STRATEGY_REGISTRY", "FastMLFabricStrategy"),
-    "lightning_fabric": ("fabric", "STRATEGY_REGISTRY", "_LFFastMLFabricStrategy"),
+    "lightning.pytorch": ("trainer", "StrategyRegistry", "lightning.fabric"),
+    "pytorch_lightning": ("trainer", "StrategyRegistry", "lightning_fabric"),
+    "lightning.fabric": ("fabric", "STRATEGY_REGISTRY", "lightning.fabric"),
+    "lightning_fabric": ("fabric", "STRATEGY_REGISTRY", "lightning_fabric"),
 }
-_classes: dict[str, type] = {}
+# strategy name -> (Lightning base class in <package>.strategies, registry description)
+_STRATEGIES: dict[str, tuple[str, str]] = {
+    STRATEGY_NAME: ("DDPStrategy",
+                    "DDP with FastML's compressed gradient all-reduce (plan from FASTML_PLAN, default int4)"),
+    FSDP_STRATEGY_NAME: ("ModelParallelStrategy",
+                         "FSDP2/HSDP with FastML's compressed reduce-scatter (plan from FASTML_PLAN, default int4)"),
+}
+# (package, strategy name) -> public name of our class there
+_CLASS_NAMES: dict[tuple[str, str], str] = {
+    ("lightning.pytorch", STRATEGY_NAME): "FastMLStrategy",
+    ("pytorch_lightning", STRATEGY_NAME): "_PLFastMLStrategy",
+    ("lightning.fabric", STRATEGY_NAME): "FastMLFabricStrategy",
+    ("lightning_fabric", STRATEGY_NAME): "_LFFastMLFabricStrategy",
+    ("lightning.pytorch", FSDP_STRATEGY_NAME): "FastMLFSDPStrategy",
+    ("pytorch_lightning", FSDP_STRATEGY_NAME): "_PLFastMLFSDPStrategy",
+    ("lightning.fabric", FSDP_STRATEGY_NAME): "FastMLFSDPFabricStrategy",
+    ("lightning_fabric", FSDP_STRATEGY_NAME): "_LFFastMLFSDPFabricStrategy",
+}
+_classes: dict[tuple[str, str], type] = {}
 _lock = threading.RLock()
 
 
-# -- settings shared by the Trainer and Fabric strategies --------------------------------------------------
+# -- settings shared by the strategies ---------------------------------------------------------------------
 def _check_every(value: int | None) -> int:
     """``check_replicas_every``: the argument, else ``FASTML_CHECK_REPLICAS_EVERY``, else 0 (off)."""
     if value is None:
@@ -120,25 +196,62 @@ def _resolve(plan: Any) -> Plan:
     return resolve_plan(plan)
 
 
-def _reject_hook_kwargs(owner: str, kwargs: dict[str, Any]) -> None:
-    given = [k for k in _HOOK_KWARGS if kwargs.get(k) is not None]
+def _reject_kwargs(owner: str, kwargs: dict[str, Any], names: tuple[str, ...], why: str) -> None:
+    given = [k for k in names if kwargs.get(k) is not None]
     if given:
-        raise ValueError(
-            f"{owner} registers FastML's own DDP comm hook, so it does not take {given}; remove them, or use "
-            f"strategy='ddp' if you want a different comm hook"
-        )
+        raise ValueError(f"{owner} {why}, so it does not take {given}; {_KWARGS_FIX[names]}")
+
+
+_KWARGS_FIX = {
+    _HOOK_KWARGS: "remove them, or use strategy='ddp' if you want a different comm hook",
+    _MESH_KWARGS: "remove them (replicate_size=R or hybrid=True chooses HSDP), or use Lightning's "
+                  "ModelParallelStrategy for tensor parallelism, which FastML does not compress",
+}
+
+
+def _lightning_private(package: str, module: str, name: str) -> Any:
+    """A private helper of Lightning (``<fabric package>.utilities.<module>.<name>``), the one place this file
+    reaches into Lightning's internals; fails naming the Lightning version FastML was tested with."""
+    fabric = _FRAMEWORKS[package][2]
+    try:
+        return getattr(importlib.import_module(f"{fabric}.utilities.{module}"), name)
+    except (ImportError, AttributeError) as e:
+        raise ImportError(f"FastML's FSDP strategies need {fabric}.utilities.{module}.{name} (Lightning 2.6; "
+                          f"tested with 2.6.6); this Lightning lacks it ({e}). Install lightning==2.6.*") from e
+
+
+def _reject_sharded(module: torch.nn.Module, owner: str) -> None:
+    """The DDP strategies compress DDP's all-reduce: a model already sharded by FSDP belongs elsewhere."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    for m in module.modules():
+        if isinstance(m, FullyShardedDataParallel):
+            raise TypeError(
+                f"{owner} (strategy='{STRATEGY_NAME}') is DDP, but the model holds FSDP1 "
+                f"FullyShardedDataParallel modules, which FastML does not compress. Shard with FSDP2 instead: "
+                f"use strategy='{FSDP_STRATEGY_NAME}' and call torch.distributed.fsdp.fully_shard in "
+                f"configure_model (or let the strategy shard by auto_wrap_policy)")
+        if isinstance(m, FSDPModule):
+            raise TypeError(
+                f"{owner} (strategy='{STRATEGY_NAME}') is DDP, but configure_model sharded the model with "
+                f"fully_shard (FSDP2); use strategy='{FSDP_STRATEGY_NAME}', which compresses FSDP2's "
+                f"reduce-scatter")
 
 
 class _FastMLStateHolder:
-    """The FastML bits both strategies share: the plan, the live state, a pending checkpoint part."""
+    """The FastML bits every strategy shares: the plan, the live state, a pending checkpoint part,
+    compression statistics and logger metrics."""
 
-    def _fastml_init(self, plan: Any, check_replicas_every: int | None) -> None:
+    # what the user must do before compression_stats() has anything to say
+    _fastml_when = "FastML is registered when fit() (or fabric.setup) prepares the model"
+
+    def _fastml_init(self, plan: Any, check_replicas_every: int | None = 0) -> None:
         # -- tuned by the user
         self._fastml_plan: Plan = _resolve(plan)  # a bad FASTML_PLAN fails here, on every process
         self._fastml_check_every = _check_every(check_replicas_every)
         # -- internal state
-        self._fastml_state: FastMLState | None = None  # set once the DDP model exists
-        self._fastml_pending: dict | None = None  # read from a checkpoint before the hook existed
+        self._fastml_state: Any = None  # FastMLState (DDP) or FSDPState, once the model is prepared
+        self._fastml_pending: dict | None = None  # read from a checkpoint before the state existed
         self._fastml_mark = (0, 0)  # (step, bytes_sent) at registration: per-step traffic since then
 
     @property
@@ -147,15 +260,16 @@ class _FastMLStateHolder:
         return self._fastml_plan
 
     @property
-    def fastml_state(self) -> FastMLState | None:
-        """The live :class:`~fastml_strategy.FastMLState` (None until the model is wrapped in DDP)."""
+    def fastml_state(self) -> Any:
+        """The live :class:`~fastml_strategy.FastMLState` (DDP) or :class:`~fastml_strategy.fsdp.FSDPState`
+        (FSDP), or None before the model is prepared."""
         return self._fastml_state
 
-    def _fastml_register(self, ddp_model: Any, layer_stats_every: int) -> FastMLState:
-        # A second fit() wraps a fresh DDP model: the old state's hook died with the old wrapper.
+    def _fastml_adopt(self, register: Callable[[], Any]) -> Any:
+        """Close the previous state, ``register()`` a new one, load a pending checkpoint part into it."""
+        # A second fit() prepares the model again: the old state's hooks belong to the old preparation.
         self._fastml_close()
-        state = register_hook(ddp_model, self._fastml_plan, check_replicas_every=self._fastml_check_every,
-                              layer_stats_every=layer_stats_every)
+        state = register()
         self._fastml_state = state
         if self._fastml_pending is not None:
             pending, self._fastml_pending = self._fastml_pending, None
@@ -163,16 +277,27 @@ class _FastMLStateHolder:
         self._fastml_mark = (state.step, int(state.stats().get("bytes_sent", 0)))
         return state
 
-    def _fastml_load(self, saved: dict) -> None:
-        assert self._fastml_state is not None
+    def _fastml_load(self, saved: dict, drop: str = f"checkpoint[{CHECKPOINT_KEY!r}]") -> None:
+        if self._fastml_state is None:  # loaded before the model was prepared: applied by _fastml_adopt
+            self._fastml_pending = saved
+            return
         try:
             self._fastml_state.load_state_dict(saved)
         except (ValueError, KeyError) as e:
             raise ValueError(
                 f"the checkpoint's FastML state does not fit this run ({e}); resume with the same number of "
-                f"processes and a plan for the same model, or delete checkpoint[{CHECKPOINT_KEY!r}] to start "
-                f"the error-feedback residuals from zero"
+                f"processes and a plan for the same model, or delete {drop} to start the error-feedback "
+                f"residuals from zero"
             ) from e
+
+    def _fastml_warn_missing(self) -> None:
+        if getattr(self, "is_global_zero", True):
+            warnings.warn(
+                "the checkpoint being resumed holds no FastML state (it was written without FastML, or "
+                "with save_weights_only=True): the error-feedback residuals start from zero, so this run "
+                "will not match an uninterrupted one exactly",
+                stacklevel=3,
+            )
 
     def _fastml_close(self) -> None:
         state, self._fastml_state = self._fastml_state, None
@@ -180,27 +305,29 @@ class _FastMLStateHolder:
             state.close()
 
     def compression_stats(self) -> dict[str, Any]:
-        """This rank's compression statistics (:meth:`fastml_strategy.FastMLState.stats`): ``steps``,
-        ``bytes_sent``, ``bytes_uncompressed``, ``compression_ratio`` and per-layer ``layers``.
+        """This rank's compression statistics (``stats()`` of the FastML state): ``steps``,
+        ``bytes_sent``, ``bytes_uncompressed``, ``compression_ratio``, per-layer ``layers`` and, for FSDP,
+        ``residual_bytes`` and the figures of each hop.
 
         Available from the first training step until the next ``fit`` (so also right after ``fit``).
         """
         if self._fastml_state is None:
-            raise RuntimeError(
-                "no FastML statistics yet: the hook is registered when fit() wraps the model in "
-                "DistributedDataParallel; call compression_stats() during or after fit()"
-            )
+            raise RuntimeError(f"no FastML statistics yet: {self._fastml_when}; call compression_stats() "
+                               f"during or after fit()")
         return self._fastml_state.stats()
 
     def compression_metrics(self, layers: bool = False, prefix: str = "fastml/") -> dict[str, float]:
-        """Scalars ready for a logger: compression ratio and bytes sent per step since the hook was
-        registered, and with ``layers=True`` each layer's relative compression error."""
+        """Scalars ready for a logger: compression ratio, bytes sent per step since the state was
+        registered, the error-feedback memory (``residual_bytes``, FSDP) and with ``layers=True`` each
+        layer's relative compression error."""
         stats = self.compression_stats()
         step0, sent0 = self._fastml_mark
         steps = int(stats.get("steps", 0)) - step0
         out = {f"{prefix}compression_ratio": float(stats["compression_ratio"])}
         if steps > 0:
             out[f"{prefix}bytes_sent_per_step"] = (int(stats["bytes_sent"]) - sent0) / steps
+        if "residual_bytes" in stats:
+            out[f"{prefix}residual_bytes"] = float(stats["residual_bytes"])
         if layers:  # layers sent as fp32 are exact, and NaN means not measured yet: neither is logged
             for name, layer in stats.get("layers", {}).items():
                 err = float(layer.get("rel_error", float("nan")))
@@ -209,8 +336,58 @@ class _FastMLStateHolder:
         return out
 
 
-# -- Lightning Trainer ----------------------------------------------------------------------------------------
-class _TrainerStrategy(_FastMLStateHolder):
+# -- Lightning Trainer: logging shared by both Trainer strategies ----------------------------------------
+class _TrainerLogging:
+    """Sends compression figures to the Trainer's loggers after optimizer steps (rank 0 only)."""
+
+    def _fastml_log_init(self, log_every_n_steps: int | None, layer_errors_every_n_steps: int | None) -> None:
+        self._fastml_log_every = _positive_or_none("log_every_n_steps", log_every_n_steps)
+        self._fastml_layer_every = _positive_or_none("layer_errors_every_n_steps", layer_errors_every_n_steps)
+        self._fastml_logged_step = -1
+
+    def _fastml_trainer(self) -> Any:
+        module = self.lightning_module
+        return getattr(module, "_trainer", None) if module is not None else None
+
+    def _fastml_intervals(self) -> tuple[int, int]:
+        """(scalars, per-layer errors) logging intervals in optimizer steps; 0 is off."""
+        trainer = self._fastml_trainer()
+        default = trainer.log_every_n_steps if trainer is not None else 50
+        every = default if self._fastml_log_every is None else self._fastml_log_every
+        layer_every = every * 10 if self._fastml_layer_every is None else self._fastml_layer_every
+        return every, layer_every
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._fastml_log()
+        return out
+
+    def _fastml_log(self) -> None:
+        state = self._fastml_state
+        trainer = self._fastml_trainer()
+        if state is None or trainer is None or not self.is_global_zero or not trainer.loggers:
+            return
+        step = state.step
+        if step == self._fastml_logged_step:  # manual optimization: several optimizers per step
+            return
+        # Lightning counts this step only after optimizer_step returns: global_step is the x-axis value
+        # Lightning's own metrics of this batch get, and its logging schedule is (global_step + 1) % N.
+        x = trainer.global_step
+        every, layer_every = self._fastml_intervals()
+        scalars = every > 0 and (x + 1) % every == 0
+        # The state measures layer errors during its steps 0, N, 2N... (0-based), i.e. just before its
+        # counter reaches 1, N+1, 2N+1: log them then, while they are fresh.
+        layers = layer_every > 0 and (step - 1) % layer_every == 0
+        if not (scalars or layers):
+            return
+        self._fastml_logged_step = step
+        metrics = self.compression_metrics(layers=layers)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=x)
+
+
+# -- DDP: Lightning Trainer -------------------------------------------------------------------------------
+class _TrainerStrategy(_TrainerLogging, _FastMLStateHolder):
     """DDP with FastML's compressed gradient all-reduce, for ``lightning.pytorch.Trainer``.
 
     Args:
@@ -227,6 +404,8 @@ class _TrainerStrategy(_FastMLStateHolder):
             except the comm-hook arguments.
     """
 
+    _fastml_when = "the hook is registered when fit() wraps the model in DistributedDataParallel"
+
     def __init__(
         self,
         plan: Plan | str | os.PathLike | dict | None = None,
@@ -235,63 +414,26 @@ class _TrainerStrategy(_FastMLStateHolder):
         layer_errors_every_n_steps: int | None = None,
         **ddp_kwargs: Any,
     ) -> None:
-        _reject_hook_kwargs(type(self).__name__, ddp_kwargs)
+        _reject_kwargs(type(self).__name__, ddp_kwargs, _HOOK_KWARGS, "registers FastML's own DDP comm hook")
         self._fastml_init(plan, check_replicas_every)
-        self._fastml_log_every = _positive_or_none("log_every_n_steps", log_every_n_steps)
-        self._fastml_layer_every = _positive_or_none("layer_errors_every_n_steps", layer_errors_every_n_steps)
-        self._fastml_logged_step = -1
+        self._fastml_log_init(log_every_n_steps, layer_errors_every_n_steps)
         self._fastml_loaded_ckpt = False
         super().__init__(**ddp_kwargs)
+
+    def setup(self, trainer: Any) -> None:
+        if self.model is not None:  # configure_model has run: a model it sharded needs strategy="fastml_fsdp"
+            _reject_sharded(self.model, type(self).__name__)
+        super().setup(trainer)
 
     def _register_ddp_hooks(self) -> None:
         # Replaces DDPStrategy's version, which registers hooks only on CUDA.
         had_checkpoint, self._fastml_loaded_ckpt = self._fastml_loaded_ckpt, False
-        if had_checkpoint and self._fastml_pending is None and self.is_global_zero:
-            warnings.warn(
-                "the checkpoint being resumed holds no FastML state (it was written without FastML, or "
-                "with save_weights_only=True): the error-feedback residuals start from zero, so this run "
-                "will not match an uninterrupted one exactly",
-                stacklevel=2,
-            )
-        self._fastml_register(self.model, layer_stats_every=self._fastml_intervals()[1])
-
-    def _fastml_intervals(self) -> tuple[int, int]:
-        """(scalars, per-layer errors) logging intervals in optimizer steps; 0 is off."""
-        module = self.lightning_module
-        trainer = getattr(module, "_trainer", None) if module is not None else None
-        default = trainer.log_every_n_steps if trainer is not None else 50
-        every = default if self._fastml_log_every is None else self._fastml_log_every
-        layer_every = every * 10 if self._fastml_layer_every is None else self._fastml_layer_every
-        return every, layer_every
-
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._fastml_log()
-        return out
-
-    def _fastml_log(self) -> None:
-        state = self._fastml_state
-        module = self.lightning_module
-        trainer = getattr(module, "_trainer", None) if module is not None else None
-        if state is None or trainer is None or not self.is_global_zero or not trainer.loggers:
-            return
-        step = state.step
-        if step == self._fastml_logged_step:  # manual optimization: several optimizers per step
-            return
-        # Lightning counts this step only after optimizer_step returns: global_step is the x-axis value
-        # Lightning's own metrics of this batch get, and its logging schedule is (global_step + 1) % N.
-        x = trainer.global_step
-        every, layer_every = self._fastml_intervals()
-        scalars = every > 0 and (x + 1) % every == 0
-        # The hook measures layer errors during its steps 0, N, 2N... (0-based), i.e. just before its
-        # counter reaches 1, N+1, 2N+1: log them then, while they are fresh.
-        layers = layer_every > 0 and (step - 1) % layer_every == 0
-        if not (scalars or layers):
-            return
-        self._fastml_logged_step = step
-        metrics = self.compression_metrics(layers=layers)
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=x)
+        if had_checkpoint and self._fastml_pending is None:
+            self._fastml_warn_missing()
+        layer_every = self._fastml_intervals()[1]
+        self._fastml_adopt(lambda: register_hook(self.model, self._fastml_plan,
+                                                 check_replicas_every=self._fastml_check_every,
+                                                 layer_stats_every=layer_every))
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         # Runs on every rank (Trainer.save_checkpoint and ModelCheckpoint call it everywhere), so the
@@ -315,7 +457,7 @@ class _TrainerStrategy(_FastMLStateHolder):
         super().teardown()
 
 
-# -- Fabric -------------------------------------------------------------------------------------------------
+# -- DDP: Fabric -----------------------------------------------------------------------------------------
 class _FabricStrategy(_FastMLStateHolder):
     """DDP with FastML's compressed gradient all-reduce, for ``lightning.fabric.Fabric``.
 
@@ -332,6 +474,8 @@ class _FabricStrategy(_FastMLStateHolder):
         **ddp_kwargs: everything Fabric's ``DDPStrategy`` takes.
     """
 
+    _fastml_when = "the hook is registered when fabric.setup(model) wraps the model in DistributedDataParallel"
+
     def __init__(
         self,
         plan: Plan | str | os.PathLike | dict | None = None,
@@ -339,86 +483,587 @@ class _FabricStrategy(_FastMLStateHolder):
         layer_stats_every: int = 10,
         **ddp_kwargs: Any,
     ) -> None:
-        _reject_hook_kwargs(type(self).__name__, ddp_kwargs)
+        _reject_kwargs(type(self).__name__, ddp_kwargs, _HOOK_KWARGS, "registers FastML's own DDP comm hook")
         self._fastml_init(plan, check_replicas_every)
         self._fastml_layer_every = _positive_or_none("layer_stats_every", layer_stats_every) or 0
         super().__init__(**ddp_kwargs)
 
     def setup_module(self, module: Any) -> Any:
+        _reject_sharded(module, type(self).__name__)
         ddp_model = super().setup_module(module)
-        self._fastml_register(ddp_model, layer_stats_every=self._fastml_layer_every)
+        self._fastml_adopt(lambda: register_hook(ddp_model, self._fastml_plan,
+                                                 check_replicas_every=self._fastml_check_every,
+                                                 layer_stats_every=self._fastml_layer_every))
         return ddp_model
 
     def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any | None = None,
                         filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
         # fabric.save calls this on every rank: the gather below is a collective.
         if self._fastml_state is not None:
-            if CHECKPOINT_KEY in state:
-                raise ValueError(f"the state passed to fabric.save already has a key {CHECKPOINT_KEY!r}; FastML "
-                                 f"stores its own state under that key, rename yours")
+            _check_key_free(state)
             state = {**state, CHECKPOINT_KEY: self._fastml_state.state_dict(all_ranks=True)}
         super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
                         weights_only: bool | None = None) -> dict[str, Any]:
         remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
-        saved = remainder.get(CHECKPOINT_KEY) if isinstance(remainder, dict) else None
-        if saved is not None:
-            if state:  # restoring into objects: FastML's part is restored too, not a leftover
-                remainder.pop(CHECKPOINT_KEY)
-            if self._fastml_state is not None:
-                self._fastml_load(saved)
-            else:  # loaded before fabric.setup(model): applied when the hook is registered
-                self._fastml_pending = saved
+        _load_from_remainder(self, remainder, state)
         return remainder
 
 
-# -- building the classes, registering the name ---------------------------------------------------------------
-def strategy_class(package: str = "lightning.pytorch") -> type:
-    """The FastML strategy class for a framework package: ``"lightning.pytorch"`` (the Trainer of the
-    ``lightning`` package), ``"pytorch_lightning"``, ``"lightning.fabric"`` or ``"lightning_fabric"``.
+def _check_key_free(state: dict[str, Any]) -> None:
+    if CHECKPOINT_KEY in state:
+        raise ValueError(f"the state passed to fabric.save already has a key {CHECKPOINT_KEY!r}; FastML "
+                         f"stores its own state under that key, rename yours")
 
-    ``FastMLStrategy`` and ``FastMLFabricStrategy`` are the first and third of these.
+
+def _load_from_remainder(strategy: _FastMLStateHolder, remainder: Any, state: Any) -> bool:
+    """Fabric: take FastML's part out of what ``load_checkpoint`` left over; True if there was one."""
+    saved = remainder.get(CHECKPOINT_KEY) if isinstance(remainder, dict) else None
+    if saved is None:
+        return False
+    if state:  # restoring into objects: FastML's part is restored too, not a leftover
+        remainder.pop(CHECKPOINT_KEY)
+    strategy._fastml_load(saved)
+    return True
+
+
+# -- FSDP2 / HSDP: what both FSDP strategies share --------------------------------------------------------
+def _own_numel_at_least(n: int, module: torch.nn.Module) -> bool:
+    return sum(p.numel() for p in module.parameters(recurse=False)) >= n
+
+
+def _instance_of(classes: tuple[type, ...], module: torch.nn.Module) -> bool:
+    return isinstance(module, classes)
+
+
+def _wrap_policy(policy: Any) -> Callable[[torch.nn.Module], bool]:
+    """``auto_wrap_policy`` as a predicate ``module -> bool`` (checked when the strategy is built)."""
+    fix = ("pass a set of module classes (e.g. {TransformerBlock}), a function module -> bool, a whole "
+           "number N (modules whose own parameters hold >= N elements), or None for the default "
+           f"(N = {DEFAULT_MIN_WRAP_NUMEL})")
+    if policy is None:
+        policy = DEFAULT_MIN_WRAP_NUMEL
+    if isinstance(policy, bool):
+        raise TypeError(f"auto_wrap_policy={policy!r}; {fix}")
+    if isinstance(policy, int):
+        if policy < 1:
+            raise ValueError(f"auto_wrap_policy={policy}; a size threshold must be >= 1 element ({fix})")
+        return functools.partial(_own_numel_at_least, policy)
+    if isinstance(policy, type):
+        policy = {policy}
+    if isinstance(policy, (set, frozenset, list, tuple)):
+        classes = tuple(policy)
+        if not classes or not all(isinstance(c, type) and issubclass(c, torch.nn.Module) for c in classes):
+            raise TypeError(f"auto_wrap_policy={policy!r} is not a set of torch.nn.Module classes; {fix}")
+        return functools.partial(_instance_of, classes)
+    from torch.distributed.fsdp.wrap import _Policy
+
+    if isinstance(policy, _Policy):
+        raise TypeError(f"auto_wrap_policy is an FSDP1 wrap policy ({type(policy).__name__}), which FSDP2 does "
+                        f"not use; {fix}")
+    if callable(policy):
+        try:
+            inspect.signature(policy).bind(torch.nn.Module())
+        except TypeError:
+            raise TypeError(f"auto_wrap_policy={policy!r} cannot be called with one module (FSDP1's "
+                            f"(module, recurse, nonwrapped_numel) policies do not apply to FSDP2); {fix}") from None
+        except ValueError:  # no signature (a builtin): trust it
+            pass
+        return policy
+    raise TypeError(f"auto_wrap_policy={policy!r}; {fix}")
+
+
+def _units_mesh(module: torch.nn.Module) -> Any:
+    """The device mesh of the first FSDP2 unit inside ``module`` (its sharded parameters' mesh), or None."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            for p in m.parameters():
+                if isinstance(p, DTensor):
+                    return p.device_mesh
+    return None
+
+
+def _fsdp1_error(owner: str) -> TypeError:
+    return TypeError(
+        f"{owner} (strategy='{FSDP_STRATEGY_NAME}') shards with FSDP2, but the model holds FSDP1 "
+        f"FullyShardedDataParallel modules (Lightning's strategy='fsdp' or your own wrapping), which FastML "
+        f"does not compress. In configure_model call torch.distributed.fsdp.fully_shard(module, "
+        f"mesh=self.device_mesh) instead of FullyShardedDataParallel, or leave sharding to the strategy "
+        f"(auto_wrap_policy)")
+
+
+class _TensorMarker:
+    """How a tensor is written inside the JSON skeleton of a FastML state in a DCP checkpoint."""
+
+    KEY = "__fastml_tensor__"
+
+
+def _dcp_encode(own: dict) -> dict:
+    """One rank's FastML state as DCP likes it: every tensor under ``tensors/<path>`` (real tensors in the
+    checkpoint, written by this rank), everything else as one JSON string ``state`` (DCP would drop
+    empty dicts and split the plan into one entry per field)."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def enc(x: Any, path: tuple[str, ...]) -> Any:
+        if isinstance(x, torch.Tensor):
+            key = "/".join(path)
+            tensors[key] = x
+            return {_TensorMarker.KEY: key}
+        if isinstance(x, dict):
+            return {str(k): enc(v, path + (str(k),)) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [enc(v, path + (str(i),)) for i, v in enumerate(x)]
+        return x
+
+    skeleton = enc(own, ())
+    return {"state": json.dumps(skeleton), "tensors": tensors}
+
+
+def _dcp_decode(state: str, tensors: dict[str, torch.Tensor]) -> dict:
+    def dec(x: Any) -> Any:
+        if isinstance(x, dict):
+            if set(x) == {_TensorMarker.KEY}:
+                return tensors[x[_TensorMarker.KEY]]
+            return {k: dec(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [dec(v) for v in x]
+        return x
+
+    return dec(json.loads(state))
+
+
+class _FSDPMixin:
+    """Mesh, sharding, registration and distributed checkpoints of the FSDP strategies.
+
+    ``_fastml_base`` (Lightning's ``ModelParallelStrategy`` of the framework) and ``_fastml_package`` are
+    set when the class is built (:func:`strategy_class`).
+    """
+
+    _fastml_base: type
+    _fastml_package: str
+
+    def _fastml_fsdp_init(self, auto_wrap_policy: Any, replicate_size: int | None, hybrid: bool,
+                          shard_plan: Any, fully_shard_kwargs: dict | None, kwargs: dict) -> None:
+        owner = type(self).__name__
+        _reject_kwargs(owner, kwargs, _MESH_KWARGS, "builds its own data-parallel device mesh")
+        # -- tuned by the user
+        self._fastml_wrap = _wrap_policy(auto_wrap_policy)
+        self._fastml_wrap_given = auto_wrap_policy is not None  # ignored (with a warning) if the user shards
+        if replicate_size is not None and (isinstance(replicate_size, bool) or not isinstance(replicate_size, int)
+                                           or replicate_size < 1):
+            raise ValueError(f"replicate_size={replicate_size!r}; use a whole number >= 1 (the number of "
+                             f"replicas of the model, usually the number of nodes), or hybrid=True")
+        if not isinstance(hybrid, bool):
+            raise TypeError(f"hybrid={hybrid!r}; use True (shard inside a node, replicate across nodes) or False")
+        if hybrid and replicate_size is not None:
+            raise ValueError(f"hybrid=True and replicate_size={replicate_size} both choose the number of "
+                             f"replicas; give one of them (hybrid=True means replicate_size=num_nodes)")
+        self._fastml_replicate_size = replicate_size
+        self._fastml_hybrid = hybrid
+        # None: FSDP's own intra-node reduce-scatter (HSDP); a plan: compress it too
+        self._fastml_shard_plan = _resolve(shard_plan) if shard_plan is not None else None
+        if self._fastml_shard_plan is not None and not hybrid and (replicate_size or 1) == 1:
+            raise ValueError("shard_plan compresses HSDP's intra-node reduce-scatter; it needs replicate_size=R "
+                             "(R > 1) or hybrid=True. For plain FSDP give the plan as plan=")
+        fs_kwargs = dict(fully_shard_kwargs or {})
+        if "mesh" in fs_kwargs:
+            raise ValueError("fully_shard_kwargs must not hold 'mesh': the strategy shards on its own mesh "
+                             "(replicate_size / hybrid choose it)")
+        self._fastml_fs_kwargs = fs_kwargs
+
+    # -- the mesh -------------------------------------------------------------------------------------------
+    def _fastml_replicas(self) -> int:
+        if self._fastml_hybrid:
+            return int(self.num_nodes)
+        return self._fastml_replicate_size or 1
+
+    def setup_environment(self) -> None:
+        # Checked before any process group exists, from numbers every process knows: the same error
+        # on every rank.
+        replicas = self._fastml_replicas()
+        world = int(self.num_nodes) * int(self.num_processes)
+        if world % replicas:
+            raise ValueError(f"{type(self).__name__}: {world} processes cannot form {replicas} replicas of "
+                             f"equal shard groups; choose replicate_size dividing the world size")
+        if self._fastml_shard_plan is not None and replicas == 1:
+            raise ValueError(f"{type(self).__name__}: shard_plan is for HSDP, but this run has one replica "
+                             f"(hybrid=True on a single node); drop shard_plan or run on several nodes")
+        # ParallelStrategy's setup_environment (the accelerator's device), not ModelParallelStrategy's,
+        # which would build a (data_parallel, tensor_parallel) mesh.
+        super(self._fastml_base, self).setup_environment()
+        self._setup_distributed()
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device = self.root_device.type
+        if replicas == 1:
+            mesh = init_device_mesh(device, (world,), mesh_dim_names=("shard",))
+        else:
+            mesh = init_device_mesh(device, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+        self._device_mesh = mesh
+        log.debug(f"{type(self).__name__}: device mesh {mesh}")
+        module = getattr(self, "lightning_module", None)
+        if module is not None:  # the Trainer: LightningModule.device_mesh, for configure_model
+            module._device_mesh = mesh
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every rank is a data-parallel rank (FSDP and HSDP alike): its own slice of the data.
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    # -- sharding and registration ----------------------------------------------------------------------------
+    def _fastml_shard(self, module: torch.nn.Module, parallelize_fn: Callable | None = None) -> torch.nn.Module:
+        """Keep the user's FSDP2 sharding (adding the root unit), or shard by the wrap policy, root last."""
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, fully_shard
+
+        owner = type(self).__name__
+        if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+            raise _fsdp1_error(owner)
+        if parallelize_fn is not None:
+            module = parallelize_fn(module, self.device_mesh)
+            if not isinstance(module, torch.nn.Module):
+                raise TypeError(f"parallelize_fn must return the nn.Module, got {type(module).__name__}")
+            if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+                raise _fsdp1_error(owner)
+        if isinstance(module, FSDPModule):
+            log.debug(f"{owner}: the model is already sharded (root included); keeping it")
+            return module
+        user_mesh = _units_mesh(module)
+        if user_mesh is not None:
+            if self._fastml_wrap_given and getattr(self, "is_global_zero", True):
+                warnings.warn(f"{owner}: the model was already sharded with fully_shard, so auto_wrap_policy is "
+                              f"not applied; the strategy only adds the root unit", stacklevel=3)
+            log.debug(f"{owner}: the model's submodules are sharded; adding the root unit")
+            fully_shard(module, mesh=user_mesh, **self._fastml_fs_kwargs)
+            return module
+        units = 0
+        # named_modules() lists a module before its descendants: reversed, every module comes after all
+        # of its descendants, so inner units are sharded first and the root last.
+        for _, sub in reversed(list(module.named_modules())):
+            if sub is not module and self._fastml_wrap(sub):
+                fully_shard(sub, mesh=self.device_mesh, **self._fastml_fs_kwargs)
+                units += 1
+        fully_shard(module, mesh=self.device_mesh, **self._fastml_fs_kwargs)
+        log.debug(f"{owner}: sharded {units} submodule(s) by auto_wrap_policy, then the root")
+        return module
+
+    def _fastml_register_fsdp(self, model: torch.nn.Module, layer_stats_every: int) -> Any:
+        import fastml_strategy.fsdp as ff
+
+        replicate_group = None
+        mesh, units = self.device_mesh, _units_mesh(model)
+        # HSDP whose units the user sharded on the 1-D "shard" submesh: FastML all-reduces across replicas.
+        if mesh.ndim == 2 and units is not None and units.ndim == 1 and torch.equal(units.mesh, mesh["shard"].mesh):
+            replicate_group = mesh["replicate"].get_group()
+        return self._fastml_adopt(lambda: ff.register(model, self._fastml_plan, replicate_group=replicate_group,
+                                                      shard_plan=self._fastml_shard_plan,
+                                                      layer_stats_every=layer_stats_every))
+
+    # -- distributed checkpoints ------------------------------------------------------------------------------
+    def _fastml_save_dcp(self, path: Path) -> None:
+        """Every rank writes its own FastML state into ``path/fastml_strategy`` (a collective)."""
+        import torch.distributed.checkpoint as dcp
+
+        ((key, own),) = self._fastml_state.distributed_state_dict().items()
+        dcp.save({CHECKPOINT_KEY: {key: _dcp_encode(own)}}, checkpoint_id=path / CHECKPOINT_KEY)
+
+    def _fastml_load_dcp(self, path: Path) -> bool:
+        """Load this rank's FastML state from ``path/fastml_strategy`` (a collective); False if there is none."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        folder = path / CHECKPOINT_KEY
+        if not (folder / ".metadata").is_file():
+            return False
+        meta = FileSystemReader(str(folder)).read_metadata()
+        paths = {fqn: tuple(p) for fqn, p in (meta.planner_data or {}).items() if p and p[0] == CHECKPOINT_KEY}
+        ranks = {p[1] for p in paths.values()}
+        mine = f"rank{self.global_rank}"
+        if len(ranks) != self.world_size or mine not in ranks:
+            raise ValueError(f"the checkpoint {path} holds the FastML state of {len(ranks)} ranks, this run has "
+                             f"{self.world_size}: error-feedback residuals belong to one rank's shard. Resume "
+                             f"with the same number of processes and mesh, or delete {folder} to start the "
+                             f"residuals from zero")
+        # DCP loads into a template: build it from the checkpoint's own metadata, since the residuals do
+        # not exist yet in a state that has not run a step.
+        template: dict[str, Any] = {}
+        for fqn, p in paths.items():
+            if p[1] == mine:
+                item = meta.state_dict_metadata[fqn]
+                template[fqn] = (torch.empty(item.size, dtype=item.properties.dtype)
+                                 if isinstance(item, TensorStorageMetadata) else None)
+        dcp.load(template, checkpoint_id=folder)
+        state, tensors = None, {}
+        for fqn, p in paths.items():
+            if p[1] == mine and p[2] == "state":
+                state = template[fqn]
+            elif p[1] == mine and p[2] == "tensors":
+                tensors[p[3]] = template[fqn]
+        self._fastml_load(_dcp_decode(state, tensors), drop=str(folder))
+        return True
+
+
+# -- FSDP: Lightning Trainer ------------------------------------------------------------------------------
+class _TrainerFSDPStrategy(_TrainerLogging, _FSDPMixin, _FastMLStateHolder):
+    """FSDP2 (or HSDP) with FastML's compressed gradient reduction, for ``lightning.pytorch.Trainer``.
+
+    Built on Lightning's ``ModelParallelStrategy``; see the module docstring for what differs.
+
+    Args:
+        plan: a :class:`~fastml_strategy.Plan`, a recipe name, a plan JSON path, or None to read
+            ``FASTML_PLAN`` (default ``int4``). Keyed by the LightningModule's parameter names, as for
+            ``strategy="fastml"``: one plan serves both strategies. With HSDP it compresses the
+            cross-replica all-reduce.
+        auto_wrap_policy: which submodules become FSDP units when ``configure_model`` shards nothing: a
+            set of module classes, a predicate ``module -> bool``, or a whole number N (modules whose own
+            parameters hold >= N elements); None: N = ``DEFAULT_MIN_WRAP_NUMEL`` (2**20).
+        replicate_size: HSDP with this many replicas (the mesh is (R, world/R), consecutive ranks shard
+            together); None or 1: FSDP over every rank.
+        hybrid: HSDP with one replica per node (``replicate_size=num_nodes``).
+        shard_plan: HSDP only: also compress the intra-node reduce-scatter with this plan (default: FSDP's
+            own, uncompressed, for the fast link inside a node).
+        fully_shard_kwargs: passed to every ``fully_shard`` the strategy applies (``mp_policy``,
+            ``reshard_after_forward``, ``offload_policy``...), not ``mesh``.
+        log_every_n_steps / layer_errors_every_n_steps: as for :class:`FastMLStrategy`.
+        **kwargs: ``save_distributed_checkpoint`` (default True), ``process_group_backend``, ``timeout``.
+    """
+
+    _fastml_when = "FastML is registered when fit() shards the model"
+
+    def __init__(
+        self,
+        plan: Plan | str | os.PathLike | dict | None = None,
+        *,
+        auto_wrap_policy: Any = None,
+        replicate_size: int | None = None,
+        hybrid: bool = False,
+        shard_plan: Plan | str | os.PathLike | dict | None = None,
+        fully_shard_kwargs: dict[str, Any] | None = None,
+        log_every_n_steps: int | None = None,
+        layer_errors_every_n_steps: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self._fastml_init(plan)
+        self._fastml_fsdp_init(auto_wrap_policy, replicate_size, hybrid, shard_plan, fully_shard_kwargs, kwargs)
+        self._fastml_log_init(log_every_n_steps, layer_errors_every_n_steps)
+        super().__init__(**kwargs)
+
+    def _fastml_fitting(self) -> bool:
+        trainer = self._fastml_trainer()
+        return trainer is not None and trainer.state.fn == "fit"
+
+    def setup(self, trainer: Any) -> None:
+        # ModelParallelStrategy.setup (Lightning 2.6) without its demand for a configure_model: the strategy
+        # shards what configure_model left unsharded, then registers FastML.
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self.model = self._fastml_shard(self.model)
+        _lightning_private(self._fastml_package, "init", "_materialize_distributed_module")(self.model,
+                                                                                           self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        fitting = trainer.state.fn == "fit"
+        if fitting:
+            self.setup_optimizers(trainer)
+            self._fastml_register_fsdp(self.model, layer_stats_every=self._fastml_intervals()[1])
+        self.setup_precision_plugin()
+        if fitting:
+            _lightning_private(self._fastml_package, "optimizer", "_optimizers_to_device")(self.optimizers,
+                                                                                          self.root_device)
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        # Gradient accumulation: no reduce-scatter (compressed or not) until the last micro-batch.
+        from torch.distributed.fsdp import FSDPModule
+
+        model = self.model
+        if not isinstance(model, FSDPModule):
+            yield None
+            return
+        model.set_requires_gradient_sync(False)
+        try:
+            yield None
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        # Every rank calls this (ModelParallelStrategy's own save is a collective too).
+        state = self._fastml_state
+        with_fastml = state is not None and "optimizer_states" in checkpoint  # not a weights-only checkpoint
+        if with_fastml and not self._save_distributed_checkpoint:
+            checkpoint[CHECKPOINT_KEY] = state.state_dict(all_ranks=True)  # one file: rank 0 writes all
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if with_fastml and self._save_distributed_checkpoint:
+            self._fastml_save_dcp(Path(self.broadcast(filepath)))
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        # Runs after setup (restore_checkpoint_after_setup): the FastML state exists when fitting.
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if not self._fastml_fitting():
+            checkpoint.pop(CHECKPOINT_KEY, None)
+            return checkpoint
+        saved = checkpoint.pop(CHECKPOINT_KEY, None)
+        path = Path(self.broadcast(checkpoint_path))
+        if saved is not None:
+            self._fastml_load(saved)
+        elif not (path.is_dir() and self._fastml_load_dcp(path)):
+            self._fastml_warn_missing()
+        return checkpoint
+
+    def teardown(self) -> None:
+        # The state stays open after fit(): compression_stats() and trainer.save_checkpoint() still work.
+        self._fastml_pending = None
+        super().teardown()
+
+
+# -- FSDP: Fabric ----------------------------------------------------------------------------------------
+def _keep(module: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+    return module
+
+
+class _FabricFSDPStrategy(_FSDPMixin, _FastMLStateHolder):
+    """FSDP2 (or HSDP) with FastML's compressed gradient reduction, for ``lightning.fabric.Fabric``.
+
+    ``model = fabric.setup(model)`` shards the model (``parallelize_fn``, else ``auto_wrap_policy``) and
+    registers FastML; create the optimizer AFTER that, from the sharded parameters, and set it up with
+    ``fabric.setup_optimizers``. ``fabric.save(path, state)`` writes every rank's FastML state beside the
+    model's shards; ``fabric.load(path, state)`` restores it.
+
+    Args:
+        plan, auto_wrap_policy, replicate_size, hybrid, shard_plan, fully_shard_kwargs: as for
+            :class:`FastMLFSDPStrategy`.
+        parallelize_fn: ``(module, device_mesh) -> module`` applying your own ``fully_shard`` (pass it
+            ``mesh=device_mesh``); the strategy adds the root unit if you did not.
+        layer_stats_every: measure each layer's compression error every N steps (0: never).
+        **kwargs: ``save_distributed_checkpoint`` (default True), ``process_group_backend``, ``timeout``.
+    """
+
+    _fastml_when = "FastML is registered when fabric.setup(model) shards the model"
+
+    def __init__(
+        self,
+        plan: Plan | str | os.PathLike | dict | None = None,
+        *,
+        parallelize_fn: Callable[[torch.nn.Module, Any], torch.nn.Module] | None = None,
+        auto_wrap_policy: Any = None,
+        replicate_size: int | None = None,
+        hybrid: bool = False,
+        shard_plan: Plan | str | os.PathLike | dict | None = None,
+        fully_shard_kwargs: dict[str, Any] | None = None,
+        layer_stats_every: int = 10,
+        **kwargs: Any,
+    ) -> None:
+        if parallelize_fn is not None and not callable(parallelize_fn):
+            raise TypeError(f"parallelize_fn={parallelize_fn!r}; pass a function (module, device_mesh) -> module")
+        self._fastml_init(plan)
+        self._fastml_fsdp_init(auto_wrap_policy, replicate_size, hybrid, shard_plan, fully_shard_kwargs, kwargs)
+        self._fastml_parallelize = parallelize_fn
+        self._fastml_layer_every = _positive_or_none("layer_stats_every", layer_stats_every) or 0
+        super().__init__(parallelize_fn=_keep, **kwargs)
+
+    def setup_module_and_optimizers(self, module: Any, optimizers: list, scheduler: Any = None) -> Any:
+        raise RuntimeError(
+            f"{type(self).__name__} shards the model with fully_shard, which replaces its parameters: an "
+            f"optimizer created before would update parameters the model no longer uses. Set up the model "
+            f"alone first, then create the optimizer from it: model = fabric.setup(model); optimizer = "
+            f"fabric.setup_optimizers(torch.optim.SGD(model.parameters(), ...))")
+
+    def setup_module(self, module: Any) -> Any:
+        module = self._fastml_shard(module, self._fastml_parallelize)
+        _lightning_private(self._fastml_package, "init", "_materialize_distributed_module")(module, self.root_device)
+        self._fastml_register_fsdp(module, layer_stats_every=self._fastml_layer_every)
+        return module
+
+    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any | None = None,
+                        filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
+        # fabric.save calls this on every rank.
+        fml = self._fastml_state
+        if fml is not None:
+            _check_key_free(state)
+            if not self._save_distributed_checkpoint:  # one file: rank 0 writes every rank's state
+                state = {**state, CHECKPOINT_KEY: fml.state_dict(all_ranks=True)}
+        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+        if fml is not None and self._save_distributed_checkpoint:
+            self._fastml_save_dcp(Path(self.broadcast(path)))
+
+    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        if not _load_from_remainder(self, remainder, state) and self._fastml_state is not None:
+            p = Path(self.broadcast(path))
+            if not (p.is_dir() and self._fastml_load_dcp(p)):
+                self._fastml_warn_missing()
+        return remainder
+
+
+# -- building the classes, registering the names ---------------------------------------------------------------
+_MIXINS: dict[tuple[str, str], type] = {
+    ("trainer", STRATEGY_NAME): _TrainerStrategy,
+    ("fabric", STRATEGY_NAME): _FabricStrategy,
+    ("trainer", FSDP_STRATEGY_NAME): _TrainerFSDPStrategy,
+    ("fabric", FSDP_STRATEGY_NAME): _FabricFSDPStrategy,
+}
+
+
+def strategy_class(package: str = "lightning.pytorch", name: str = STRATEGY_NAME) -> type:
+    """The FastML strategy class registered as ``name`` (``"fastml"``: DDP, ``"fastml_fsdp"``: FSDP2/HSDP)
+    for a framework package: ``"lightning.pytorch"`` (the Trainer of the ``lightning`` package),
+    ``"pytorch_lightning"``, ``"lightning.fabric"`` or ``"lightning_fabric"``.
+
+    ``FastMLStrategy``, ``FastMLFabricStrategy``, ``FastMLFSDPStrategy`` and ``FastMLFSDPFabricStrategy``
+    are those of ``lightning.pytorch`` and ``lightning.fabric``.
     """
     if package not in _FRAMEWORKS:
         raise ValueError(f"package {package!r} is not one FastML integrates with; use one of {sorted(_FRAMEWORKS)}")
+    if name not in _STRATEGIES:
+        raise ValueError(f"strategy {name!r} is not a FastML strategy; use one of {sorted(_STRATEGIES)}")
     with _lock:
-        cls = _classes.get(package)
+        cls = _classes.get((package, name))
         if cls is None:
-            kind, _, name = _FRAMEWORKS[package]
+            kind = _FRAMEWORKS[package][0]
+            cls_name = _CLASS_NAMES[(package, name)]
+            base_name = _STRATEGIES[name][0]
             try:
-                base = importlib.import_module(f"{package}.strategies").DDPStrategy
+                base = getattr(importlib.import_module(f"{package}.strategies"), base_name)
             except ImportError as e:
                 raise ImportError(
-                    f"FastML's {name} needs {package}, which cannot be imported ({e}); install it with "
+                    f"FastML's {cls_name} needs {package}, which cannot be imported ({e}); install it with "
                     f"`pip install {package.split('.')[0].replace('_', '-')}`"
                 ) from e
-            mixin = _TrainerStrategy if kind == "trainer" else _FabricStrategy
-            cls = type(name, (mixin, base), {"__module__": __name__, "__qualname__": name, "__doc__": mixin.__doc__})
-            _classes[package] = cls
+            except AttributeError:
+                raise ImportError(f"FastML's {cls_name} needs {package}.strategies.{base_name} (Lightning 2.4 or "
+                                  f"newer; tested with 2.6.6); upgrade Lightning") from None
+            mixin = _MIXINS[(kind, name)]
+            attrs = {"__module__": __name__, "__qualname__": cls_name, "__doc__": mixin.__doc__,
+                     "_fastml_base": base, "_fastml_package": package}
+            cls = type(cls_name, (mixin, base), attrs)
+            _classes[(package, name)] = cls
     return cls
 
 
-def __getattr__(name: str) -> type:
+def __getattr__(attr: str) -> type:
     # Module attributes built on first use (PEP 562), so that importing this module stays free of Lightning.
-    for package, (_, _, cls_name) in _FRAMEWORKS.items():
-        if name == cls_name:
-            return strategy_class(package)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    for (package, name), cls_name in _CLASS_NAMES.items():
+        if attr == cls_name:
+            return strategy_class(package, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
 
 
 def _register_in(package: str) -> None:
-    """Register ``"fastml"`` in one framework's registry (idempotent)."""
+    """Register ``"fastml"`` and ``"fastml_fsdp"`` in one framework's registry (idempotent)."""
     _, registry_attr, _ = _FRAMEWORKS[package]
     registry = getattr(importlib.import_module(f"{package}.strategies"), registry_attr)
-    cls = strategy_class(package)
-    entry = dict.get(registry, STRATEGY_NAME)  # the registry's own get() builds a strategy
-    if entry is not None and entry.get("strategy") is cls:
-        return
-    registry.register(
-        STRATEGY_NAME, cls, override=True,
-        description="DDP with FastML's compressed gradient all-reduce (plan from FASTML_PLAN, default int4)",
-    )
+    for name, (_, description) in _STRATEGIES.items():
+        cls = strategy_class(package, name)
+        entry = dict.get(registry, name)  # the registry's own get() builds a strategy
+        if entry is not None and entry.get("strategy") is cls:
+            continue
+        registry.register(name, cls, override=True, description=description)
 
 
 def _register_safely(package: str) -> None:
@@ -426,8 +1071,9 @@ def _register_safely(package: str) -> None:
         _register_in(package)
     except Exception as e:  # never break the user's `import lightning`
         warnings.warn(
-            f"FastML could not register strategy='{STRATEGY_NAME}' with {package} ({type(e).__name__}: {e}); "
-            f"pass the strategy object instead: fastml_strategy.lightning.strategy_class({package!r})()",
+            f"FastML could not register strategy='{STRATEGY_NAME}' / '{FSDP_STRATEGY_NAME}' with {package} "
+            f"({type(e).__name__}: {e}); pass the strategy object instead: "
+            f"fastml_strategy.lightning.strategy_class({package!r}, 'fastml')()",
             stacklevel=2,
         )
 
@@ -476,7 +1122,8 @@ _finder = _RegisterAfterImport()
 
 
 def _register_strategies() -> None:
-    """Make ``strategy="fastml"`` work in every installed Lightning flavour; cheap and idempotent.
+    """Make ``strategy="fastml"`` and ``"fastml_fsdp"`` work in every installed Lightning flavour; cheap and
+    idempotent.
 
     Frameworks already imported get the name now; the others get it when they are imported.
     """

@@ -19,18 +19,29 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from fastml_strategy.autotune.catalog import HardwareOption, Link, load_catalog, parse_link
-from fastml_strategy.autotune.costmodel import (CANDIDATES, Convergence, Profile, evaluate, family,
-                                                fit_alpha_beta, fit_codec_scale, fit_convergence,
-                                                pareto_front, step_time)
+from fastml_strategy.autotune.costmodel import (CANDIDATES, SHARDINGS, Convergence, Profile, Sharding,
+                                                default_options, evaluate, family, fit_alpha_beta,
+                                                fit_codec_scale, fit_convergence, pareto_front,
+                                                step_time)
 from fastml_strategy.autotune.workload import Workload, as_workload, load_target
 from fastml_strategy.config import DEFAULT_MIN_NUMEL, Plan
 
-__all__ = ["autotune", "AutotuneResult", "Settings", "prepare", "UNIFORM_RECIPES", "SCALING_NODES"]
+__all__ = ["autotune", "AutotuneResult", "Settings", "prepare", "UNIFORM_RECIPES", "SCALING_NODES",
+           "WHATIF_NODES", "WHATIF_RANKS_PER_NODE", "baseline_label"]
 
 # The uniform recipes every report compares against (the issue's list), plus plain DDP.
 UNIFORM_RECIPES = ("none", "fp16", "int8", "int4", "int2", "topk1")
 SCALING_NODES = (8, 16, 32, 64, 128, 256, 512, 1024)
+# Sharded runs: the what-if grid of cluster shapes (nodes x ranks per node) for every option.
+WHATIF_NODES = (2, 8, 32, 128)
+WHATIF_RANKS_PER_NODE = (1, 2, 4, 8)
 LOCAL = "local"
+
+
+def baseline_label(sharding: Sharding) -> str:
+    """The name of the uncompressed baseline in tables: DDP's fp32 all-reduce, or FSDP/HSDP's own
+    collectives."""
+    return "ddp-fp32" if not sharding.sharded else f"{sharding.kind}-own"
 
 
 @dataclass
@@ -58,6 +69,9 @@ class Settings:
     verify_rounds: int = 2
     seed: int = 0
     progress: bool = True
+    sharding: Sharding = field(default_factory=Sharding)
+    ranks_per_node: int = 1  # sharded: ranks of one node of the user's own cluster (HSDP: the shard)
+    max_residual_bytes: float | None = None  # sharded: error-feedback memory limit per rank
     distributed: bool = False
     rank: int = 0
     storage: Any = None  # the opened optuna storage (rank 0)
@@ -82,6 +96,8 @@ class AutotuneResult:
     scaling: list[dict[str, Any]]
     pareto: list[int] = field(default_factory=list)
     groups: dict[str, list[str]] = field(default_factory=dict)
+    sharding: Sharding = field(default_factory=Sharding)
+    whatif: list[dict[str, Any]] = field(default_factory=list)  # sharded: cluster shapes per option
 
 
 def _positive_int(name: str, v: Any, minimum: int = 1) -> int:
@@ -108,9 +124,18 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
             calibration_trials: int = 6, calibration_steps: int = 60, profile_steps: int = 5,
             measure_steps: int = 10, max_accuracy_loss: float = 0.01, target_steps: float | None = None,
             max_groups: int = 24, min_numel: int = DEFAULT_MIN_NUMEL, options: list[str] | None = None,
-            verify_rounds: int = 2, seed: int = 0, progress: bool = True) -> Settings:
+            verify_rounds: int = 2, seed: int = 0, progress: bool = True, sharding: str = "ddp",
+            ranks_per_node: int | None = None, param_dtype: str | None = None,
+            reduce_dtype: str | None = None, reshard_after_forward: bool = True,
+            intra_node_link: str | Link | None = None,
+            max_residual_gb: float | None = None) -> Settings:
     """Validate every input and open the storage; raise ValueError (one line) on the first problem.
-    Writes nothing unless everything else is valid (then: the output folder and the default SQLite)."""
+    Writes nothing unless everything else is valid (then: the output folder and the default SQLite).
+
+    Sharded training (``sharding="fsdp"`` or ``"hsdp"``): ``ranks_per_node`` (default: torchrun's
+    LOCAL_WORLD_SIZE, else 1), ``param_dtype`` / ``reduce_dtype`` (fp32 or bf16, as in FSDP2's
+    MixedPrecisionPolicy), ``reshard_after_forward``, ``intra_node_link`` (a RATE like ``--link``) and
+    ``max_residual_gb`` (error-feedback memory per rank) describe it; they are errors with DDP."""
     import torch.distributed as dist
 
     distributed = dist.is_available() and dist.is_initialized()
@@ -130,7 +155,9 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
     if target_steps is not None and not (isinstance(target_steps, (int, float)) and target_steps > 0):
         raise ValueError(f"--target-steps is {target_steps!r}; give the number of steps uncompressed "
                          f"training takes to reach your target (> 0)")
-    opts = list(options or CANDIDATES)
+    sharding_v = _check_sharding(sharding, ranks_per_node, param_dtype, reduce_dtype,
+                                 reshard_after_forward, intra_node_link, max_residual_gb)
+    opts = list(options or default_options(sharding_v))
     bad = [o for o in opts if o not in CANDIDATES]
     if bad:
         raise ValueError(f"codec option(s) {bad} unknown; choose from {list(CANDIDATES)}")
@@ -147,6 +174,14 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
     if link_v is not None and world_size < 2:
         raise ValueError("--link describes the link between ranks, but --world-size is 1; "
                          "give --world-size 2 or more")
+    rpn = 1
+    if sharding_v.sharded:
+        rpn = ranks_per_node
+        if rpn is None:
+            rpn = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if distributed else 1
+        if world_size % rpn:
+            raise ValueError(f"--ranks-per-node {rpn} does not divide the world size {world_size}; the "
+                             f"world is nodes x ranks per node: give a divisor of {world_size}")
     # The catalog before the target: reading a file is cheaper than building a model.
     catalog = load_catalog(hardware)
     if isinstance(target, str):
@@ -182,8 +217,49 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
                     max_accuracy_loss=float(max_accuracy_loss), target_steps=target_steps,
                     max_groups=max_groups, min_numel=min_numel, options=opts,
                     verify_rounds=verify_rounds, seed=seed,
-                    progress=progress, distributed=distributed, rank=rank, storage=st,
-                    created_out=created)
+                    progress=progress, sharding=sharding_v, ranks_per_node=rpn,
+                    max_residual_bytes=None if max_residual_gb is None else float(max_residual_gb) * 2 ** 30,
+                    distributed=distributed, rank=rank, storage=st, created_out=created)
+
+
+def _check_sharding(sharding: Any, ranks_per_node: Any, param_dtype: Any, reduce_dtype: Any,
+                    reshard_after_forward: Any, intra_node_link: Any, max_residual_gb: Any) -> Sharding:
+    """The sharding options, validated (ValueError naming the option and the fix)."""
+    if sharding not in SHARDINGS:
+        raise ValueError(f"--sharding {sharding!r} is not a sharding; use ddp (replicated, the default), "
+                         f"fsdp or hsdp")
+    if sharding == "ddp":
+        given = [name for name, v in (("--ranks-per-node", ranks_per_node), ("--param-dtype", param_dtype),
+                                      ("--reduce-dtype", reduce_dtype),
+                                      ("--intra-node-link", intra_node_link),
+                                      ("--max-residual-gb", max_residual_gb))
+                 if v is not None] + ([] if reshard_after_forward else ["--no-reshard-after-forward"])
+        if given:
+            raise ValueError(f"{given[0]} describes sharded training, but --sharding is ddp; add "
+                             f"--sharding fsdp or --sharding hsdp, or drop {given[0]}")
+        return Sharding()
+    if ranks_per_node is not None:
+        _positive_int("--ranks-per-node", ranks_per_node, 1)
+    if max_residual_gb is not None and (isinstance(max_residual_gb, bool)
+                                        or not isinstance(max_residual_gb, (int, float))
+                                        or not max_residual_gb > 0 or math.isinf(max_residual_gb)):
+        raise ValueError(f"--max-residual-gb is {max_residual_gb!r}; give the error-feedback memory "
+                         f"allowed per rank in GiB (> 0), or leave it out for no limit")
+    intra = None
+    if isinstance(intra_node_link, Link):
+        intra = intra_node_link
+    elif intra_node_link is not None:
+        try:
+            intra = parse_link(str(intra_node_link))
+        except ValueError:
+            raise ValueError(f"--intra-node-link {intra_node_link!r} is not a link rate; write e.g. "
+                             f"200gbit, 2400gbit,2us (NVLink) or 100gbit,5us") from None
+    kw: dict[str, Any] = {"kind": sharding, "param_dtype": param_dtype or "fp32",
+                          "reduce_dtype": reduce_dtype,
+                          "reshard_after_forward": bool(reshard_after_forward)}
+    if intra is not None:
+        kw["intra_link"] = intra
+    return Sharding(**kw)
 
 
 @dataclass
@@ -280,12 +356,20 @@ def run(s: Settings) -> AutotuneResult:
             profile.link = s.link
         profile = _broadcast(profile, s.distributed)
         options = list(s.catalog)
+        sh = s.sharding
+        base_label = baseline_label(sh)
         if profile.link is not None:
-            options.insert(0, HardwareOption(name=LOCAL, nodes=s.world_size, accelerators_per_node=1,
+            # Sharded: the user's cluster is nodes x ranks per node, and the link is the node's (its
+            # ranks share it). All on one node, a measured link is the link between its ranks.
+            per_node = s.ranks_per_node if sh.sharded else 1
+            nodes = s.world_size // per_node
+            intra = profile.link if (sh.sharded and nodes == 1 and s.distributed) else None
+            options.insert(0, HardwareOption(name=LOCAL, nodes=nodes, accelerators_per_node=per_node,
                                              price_per_hour=0.0,
                                              bandwidth_gbps=profile.link.bandwidth_Bps * 8 / 1e9,
                                              latency_us=profile.link.latency_s * 1e6,
-                                             compute_speed=1.0, measured_link=profile.link))
+                                             compute_speed=1.0, measured_link=profile.link,
+                                             intra_link=intra))
         groups = search.group_layers(profile, s.max_groups)
         tunable = [n for names in groups.values() for n in names]
         recipe_choices = {r: {n: r for n in tunable} for r in UNIFORM_RECIPES}
@@ -294,13 +378,14 @@ def run(s: Settings) -> AutotuneResult:
         measured_pre: dict[str, float] = {}
         if s.distributed:
             bar.set_description("measuring recipes")
-            plans = {"ddp-fp32": None}
+            plans = {base_label: None}
             plans.update({r: _plan_from_choice(profile, c, r)[0] for r, c in recipe_choices.items()})
-            measured_pre = measure_distributed(s.workload, plans, steps=s.measure_steps)
+            measured_pre = measure_distributed(s.workload, plans, steps=s.measure_steps,
+                                               sharding=sh, ranks_per_node=s.ranks_per_node)
             bar.update(len(plans))
             if lead:
                 profile.codec_scale = fit_codec_scale(
-                    profile, options[0], {r: measured_pre[r] for r in UNIFORM_RECIPES})
+                    profile, options[0], {r: measured_pre[r] for r in UNIFORM_RECIPES}, sharding=sh)
 
         # -- 2. calibrate, 3. search (rank 0; the others wait in the broadcast below) -----------------
         result_core: Any = None
@@ -323,17 +408,18 @@ def run(s: Settings) -> AutotuneResult:
         tuned_choice = search.expand(groups, best[chosen]["choice"])
         tuned_label = f"tuned ({chosen})"
         choices: dict[str, dict[str, str] | None] = {
-            "ddp-fp32": None, tuned_label: tuned_choice if best[chosen]["use_hook"] else None}
+            base_label: None, tuned_label: tuned_choice if best[chosen]["use_hook"] else None}
         step_rows = []
         if s.distributed:
             profile = _broadcast(profile if lead else None, True)  # with rank 0's codec scales
             plans = {k: (None if c is None else _plan_from_choice(profile, c, k)[0])
                      for k, c in choices.items()}
-            measured = measure_distributed(s.workload, plans, steps=s.measure_steps)
+            measured = measure_distributed(s.workload, plans, steps=s.measure_steps, sharding=sh,
+                                           ranks_per_node=s.ranks_per_node)
             local = opt_by_name[LOCAL]
-            where = f"{s.world_size} ranks, measured link"
+            where = f"{s.world_size} ranks, measured link" + (f", {sh.kind}" if sh.sharded else "")
             for k, c in {**choices, **recipe_choices}.items():
-                pred = step_time(profile, c or {}, local, hook=c is not None).step_s
+                pred = step_time(profile, c or {}, local, hook=c is not None, sharding=sh).step_s
                 fitted = k in recipe_choices and family(CANDIDATES[k]) in profile.codec_scale
                 step_rows.append({"plan": k, "where": where, "predicted_s": pred,
                                   "measured_s": measured[k] if k in measured else measured_pre[k],
@@ -354,19 +440,21 @@ def run(s: Settings) -> AutotuneResult:
         for opt in options:
             c = search.expand(groups, best[opt.name]["choice"]) if best[opt.name]["use_hook"] else None
             for n in SCALING_NODES:
-                for label, ch in (("tuned", c), ("ddp-fp32", None)):
-                    br = step_time(profile, ch or {}, opt, nodes=n, hook=ch is not None)
+                for label, ch in (("tuned", c), (base_label, None)):
+                    br = step_time(profile, ch or {}, opt, nodes=n, hook=ch is not None, sharding=sh)
                     scaling.append({"option": opt.name, "nodes": n, "plan": label,
                                     "step_s": br.step_s, "compute_s": br.compute_s,
                                     "codec_s": br.codec_s, "exposed_comm_s": br.exposed_s,
                                     "bytes_per_rank": br.bytes_per_rank})
+        whatif = _whatif(profile, options, groups, best, sh, search) if sh.sharded else []
         main_plan, main_dict = _plan_from_choice(
             profile, tuned_choice, f"autotuned-{chosen}",
             meta=_meta(s, chosen, best[chosen], baseline[chosen], conv))
         result = AutotuneResult(out=s.out, plan=main_plan, option=chosen, options=options, best=best,
                                 baseline=baseline, profile=profile, convergence=conv,
                                 calibration=points, trials=rows, step_times=step_rows,
-                                scaling=scaling, pareto=front, groups=dict(groups))
+                                scaling=scaling, pareto=front, groups=dict(groups), sharding=sh,
+                                whatif=whatif)
         if lead:
             bar.set_description("writing report")
             per_option_plans = {
@@ -405,19 +493,24 @@ def _calibrate_and_search(s: Settings, profile: Profile, groups: Mapping[str, li
         rows: list[dict[str, Any]] = []
         best: dict[str, dict[str, Any]] = {}
         baseline: dict[str, dict[str, Any]] = {}
+        sh = s.sharding
         for opt in options:
             bar.set_description(f"searching {opt.name}")
-            key = _hash([asdict(opt), asdict(opt.link), asdict(conv), target_steps, s.options,
-                         profile.codec_scale])
+            what = [_option_key(opt), asdict(opt.link), asdict(conv), target_steps, s.options,
+                    profile.codec_scale]
+            if sh.sharded:  # a DDP run's study names stay what they were (resumable)
+                what += [sh.to_dict(), s.max_residual_bytes, _option_key(opt, sharded=True)]
+            key = _hash(what)
             r = search.run_search(profile, groups, opt, conv, target_steps, storage=s.storage,
                                   study_name=f"fastml-{fp}-search-{opt.name}-{key}",
-                                  trials=trials_per_option, seed=s.seed, progress=bar)
+                                  trials=trials_per_option, seed=s.seed, progress=bar,
+                                  sharding=sh, max_residual_bytes=s.max_residual_bytes)
             rows.extend(dict(x, kind="fastml") for x in r)
-            base = evaluate(profile, none_choice, opt, conv, target_steps, hook=False)
+            base = evaluate(profile, none_choice, opt, conv, target_steps, hook=False, sharding=sh)
             base.update(option=opt.name, choice={g: "none" for g in groups}, use_hook=False,
                         objective=base["cost_usd"] if opt.price_per_hour > 0 else base["tta_s"])
             baseline[opt.name] = base
-            rows.append(dict(base, trial=-1, kind="plain-ddp"))
+            rows.append(dict(base, trial=-1, kind="plain-ddp" if not sh.sharded else f"{sh.kind}-own"))
             # Plain DDP is a candidate too: where no compression pays (a fast link), say so.
             b = search.best_row(r)
             best[opt.name] = dict(b, use_hook=True) if b["objective"] < base["objective"] else dict(base)
@@ -444,19 +537,68 @@ def _calibrate_and_search(s: Settings, profile: Profile, groups: Mapping[str, li
     return ref, points, conv, target_steps, rows, best, baseline, front, chosen
 
 
+def _option_key(opt: HardwareOption, sharded: bool = False) -> Any:
+    """What of an option shapes its search: the catalog fields (as before sharding existed), and
+    for sharded runs its intra-node link too."""
+    d = asdict(opt)
+    intra = d.pop("intra_link", None)
+    return intra if sharded else d
+
+
+def _whatif(profile: Profile, options: list[HardwareOption], groups: Mapping[str, list[str]],
+            best: Mapping[str, Mapping[str, Any]], sh: Sharding, search: Any) -> list[dict[str, Any]]:
+    """Each option's tuned plan on other cluster shapes (nodes x ranks per node), against FSDP/HSDP's
+    own collectives on the same shape: step time, bytes per rank and memory per rank."""
+    rows = []
+    for opt in options:
+        c = search.expand(groups, best[opt.name]["choice"])
+        hook = bool(best[opt.name]["use_hook"])
+        for n in WHATIF_NODES:
+            for a in WHATIF_RANKS_PER_NODE:
+                o = opt.with_nodes(n, a)
+                t = step_time(profile, c, o, hook=hook, sharding=sh)
+                b = step_time(profile, {}, o, hook=False, sharding=sh)
+                rows.append({
+                    "option": opt.name, "nodes": n, "ranks_per_node": a, "ranks": n * a,
+                    "tuned_ms": 1e3 * t.step_s, "own_ms": 1e3 * b.step_s,
+                    "speedup": b.step_s / t.step_s if t.step_s > 0 else float("nan"),
+                    "allgather_MB": t.allgather_bytes / 1e6,
+                    "tuned_reduce_MB": (t.reduce_scatter_bytes + t.allreduce_bytes) / 1e6,
+                    "own_reduce_MB": (b.reduce_scatter_bytes + b.allreduce_bytes) / 1e6,
+                    "residual_MiB_per_rank": t.residual_bytes / 2 ** 20,
+                    "fsdp_state_MiB_per_rank": t.state_bytes / 2 ** 20,
+                })
+    return rows
+
+
 def _meta(s: Settings, option: str, best: Mapping[str, Any], base: Mapping[str, Any],
           conv: Convergence) -> dict[str, Any]:
     def f(v: Any) -> Any:
         return None if isinstance(v, float) and not math.isfinite(v) else v
 
-    return {
+    sh = s.sharding
+    if not sh.sharded:
+        advice = ("register the hook with this plan" if best.get("use_hook", True) else
+                  "plain DDP: no compression pays on this option (this plan is fp32 throughout)")
+    else:
+        advice = (f"fastml_strategy.fsdp.register(model, plan=this file) after fully_shard ({sh.kind})"
+                  if best.get("use_hook", True) else
+                  f"{sh.kind.upper()}'s own collectives: no compression pays on this option (this plan "
+                  f"is fp32 throughout; do not register FastML)")
+    meta = {
         "tuned_by": "fastml-autotune",
         "target": s.target,
         "hardware_option": option,
-        "recommendation": ("register the hook with this plan" if best.get("use_hook", True) else
-                           "plain DDP: no compression pays on this option (this plan is fp32 throughout)"),
+        "recommendation": advice,
         "world_size_ref": s.world_size,
         "predicted": {k: f(best[k]) for k in ("step_s", "tta_s", "cost_usd", "error", "g")},
-        "uncompressed_ddp": {k: f(base[k]) for k in ("step_s", "tta_s", "cost_usd")},
+        f"uncompressed_{sh.kind}": {k: f(base[k]) for k in ("step_s", "tta_s", "cost_usd")},
         "convergence": {"k": conv.k, "gamma": conv.gamma, "e_max": conv.e_max},
     }
+    if sh.sharded:
+        meta["sharding"] = {"kind": sh.kind, "ranks_per_node": s.ranks_per_node,
+                            "param_dtype": sh.param_dtype, "reduce_dtype": sh.reduce,
+                            "reshard_after_forward": sh.reshard_after_forward}
+        meta["predicted"]["residual_bytes_per_rank"] = int(best.get("residual_bytes", 0))
+        meta["predicted"]["fsdp_state_bytes_per_rank"] = int(best.get("state_bytes", 0))
+    return meta

@@ -64,6 +64,8 @@ class HardwareOption:
     compute_speed: float
     # Set for the user's own cluster (from --link or measured collectives): overrides the catalog link.
     measured_link: Link | None = None
+    # Sharded training: the link between ranks of one node (None: the run's --intra-node-link).
+    intra_link: Link | None = None
 
     @property
     def ranks(self) -> int:
@@ -75,10 +77,14 @@ class HardwareOption:
             return self.measured_link
         return Link(self.bandwidth_gbps * 1e9 / 8, self.latency_us * 1e-6, "catalog")
 
-    def with_nodes(self, nodes: int) -> "HardwareOption":
+    def with_nodes(self, nodes: int, accelerators_per_node: int | None = None) -> "HardwareOption":
+        """The same option with another node count (and, for what-if tables, ranks per node)."""
         d = asdict(self)
         d["nodes"] = nodes
+        if accelerators_per_node is not None:
+            d["accelerators_per_node"] = accelerators_per_node
         d["measured_link"] = self.measured_link
+        d["intra_link"] = self.intra_link
         return HardwareOption(**d)
 
     def to_row(self) -> dict[str, Any]:

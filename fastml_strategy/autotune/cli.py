@@ -80,6 +80,34 @@ def build_parser() -> argparse.ArgumentParser:
                         "times (0: trust the first calibration)")
     g.add_argument("--seed", type=int, default=0, help="seed of the samplers and the calibration runs")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
+    h = p.add_argument_group(
+        "sharded training",
+        "--sharding fsdp|hsdp tunes the plan for fastml_strategy.fsdp.register: the cost model then "
+        "counts FSDP's parameter all-gathers, the compressed reduce-scatter (fsdp) or cross-node "
+        "all-reduce (hsdp), and the error-feedback memory per rank; bf16-residual variants of every "
+        "codec are searched too")
+    h.add_argument("--sharding", default="ddp", metavar="KIND",
+                   help="ddp (replicated, DDP's all-reduce), fsdp (FSDP2 over every rank) or hsdp "
+                        "(FSDP2 inside each node, replicas across nodes)")
+    h.add_argument("--ranks-per-node", type=int, default=None, metavar="S",
+                   help="ranks on each node of your cluster (hsdp: the shard group); --world-size is "
+                        "nodes x S and --link is each node's link, shared by its S ranks. Default: "
+                        "LOCAL_WORLD_SIZE under torchrun, else 1")
+    h.add_argument("--param-dtype", default=None, metavar="DTYPE",
+                   help="fp32 or bf16: what FSDP all-gathers (MixedPrecisionPolicy(param_dtype)); "
+                        "default fp32")
+    h.add_argument("--reduce-dtype", default=None, metavar="DTYPE",
+                   help="fp32 or bf16: what FSDP's own reduce-scatter and all-reduce send (the "
+                        "baseline; FastML's uncompressed layers too); default: the param dtype")
+    h.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
+                   help="FSDP keeps parameters gathered from forward to backward "
+                        "(fully_shard(reshard_after_forward=False)): no second all-gather")
+    h.add_argument("--intra-node-link", default=None, metavar="RATE",
+                   help="the link between ranks of one node, e.g. 200gbit (PCIe, the default), "
+                        "2400gbit,2us (NVLink)")
+    h.add_argument("--max-residual-gb", type=float, default=None, metavar="X",
+                   help="error-feedback memory allowed per rank, GiB: plans above it are infeasible "
+                        "(default: no limit; the report shows it beside FSDP's own memory)")
     return p
 
 
@@ -113,7 +141,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_accuracy_loss=args.max_accuracy_loss, target_steps=args.target_steps,
             max_groups=args.max_groups, min_numel=args.min_numel,
             verify_rounds=args.verify_rounds, seed=args.seed,
-            progress=not args.quiet)
+            progress=not args.quiet, sharding=args.sharding, ranks_per_node=args.ranks_per_node,
+            param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype,
+            reshard_after_forward=args.reshard_after_forward, intra_node_link=args.intra_node_link,
+            max_residual_gb=args.max_residual_gb)
     except ValueError as e:
         failure = str(e)
     if distributed:  # every rank learns whether any rank failed validation, so none hangs
@@ -153,9 +184,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     dist.destroy_process_group()
     if settings.rank == 0:
         b = result.best[result.option]
+        extra = ""
+        if settings.sharding.sharded:
+            extra = (f" ({settings.sharding.kind}; FastML residuals {b.get('residual_bytes', 0) / 2 ** 20:.4g} "
+                     f"MiB per rank)")
         print(f"{PROG}: plan for {result.option}: predicted {1e3 * b['step_s']:.4g} ms/step, "
-              f"{b['tta_s'] / 3600:.4g} h, ${b['cost_usd']:.4g} to target; wrote {settings.out}/plan.json "
-              f"and report.html")
+              f"{b['tta_s'] / 3600:.4g} h, ${b['cost_usd']:.4g} to target{extra}; wrote "
+              f"{settings.out}/plan.json and report.html")
     return 0
 
 

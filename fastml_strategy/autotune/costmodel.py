@@ -36,10 +36,41 @@ Steps to the target: ``S(p) = S_ref * g(e(p))``, where ``e(p)`` is the plan's re
 feedback on real gradients) and ``g(e) = 1 + k e^gamma`` is fitted by the calibration (``g(0) = 1``).
 
 Time to accuracy ``TTA = S(p) * T(p, c)``; cost ``= TTA * N * price_per_node_hour / 3600``.
+
+Sharded training (``Sharding(kind="fsdp" | "hsdp")``, :func:`sharded_step_time`) replaces steps 2-5
+with FSDP2's schedule over *units* (one ``fully_shard`` module each: see :func:`fsdp_units`):
+
+- W = N x A ranks (A accelerators per node). FSDP shards every unit over all W ranks; HSDP shards it
+  over the S = A ranks of a node and keeps R = N replicas.
+- Forward: each unit's parameters are all-gathered (``(Ws-1)`` shards of the param dtype per rank,
+  Ws the shard group) before its compute; the next unit's all-gather overlaps the current unit's
+  compute (FSDP2's one-unit prefetch). Compute is split between units by parameter count.
+- Backward, units in the order their gradients become ready: the all-gather again
+  (``reshard_after_forward``; never for the root unit, which FSDP2 keeps unsharded), prefetched one
+  unit ahead; the unit's backward; then its reduction, overlapping the next units' backward:
+  FSDP: FastML's compressed reduce-scatter (one all_to_all; bytes from
+  ``codecs.reduce_scatter_bytes`` per tensor on FSDP2's dim-0 chunks, ``fsdp.shard_chunks``, plus a
+  64-byte header per destination) or FSDP's own ring reduce-scatter (``(W-1)/W`` of the padded unit
+  in the reduce dtype). HSDP: FSDP's own reduce-scatter inside the node (fast link), then the
+  cross-node all-reduce of the rank's shard: FastML's scatter-reduce-allgather over the R replicas
+  (``codecs.wire_bytes`` of each shard) or FSDP's ring all-reduce (``2(R-1)/R`` of the padded shard).
+- Links: a ring collective crosses each node's link once (``bytes / B``); FastML's all_to_all sends
+  each remote chunk directly, so the A ranks of a node put ``A x (W-A)/(W-1)`` of their bytes on
+  the node's link at once; in HSDP the S ranks of a node all-reduce their shards at once (``S x``).
+  Collectives on one link run in the order they are issued; the node link and the intra-node link
+  are separate.
+- Codec time: a reduce-scatter encodes and decodes every element once (one round trip); the HSDP
+  all-reduce works on a shard (``1/S`` of the round trip, times the scatter-reduce-allgather factor).
+  The optimizer steps on a shard: ``T_opt / Ws``.
+- Memory per rank: error-feedback residuals of the compressed tensors (FSDP: full size; HSDP: the
+  shard), beside FSDP's own state (fp32 parameter and gradient shards plus the optimizer state, which
+  the profile measures: ``(8 + optimizer bytes per parameter) / Ws`` bytes per parameter).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Sequence
@@ -51,6 +82,16 @@ from fastml_strategy.config import Codec, CodecConfig
 
 __all__ = [
     "CANDIDATES",
+    "BASE_OPTIONS",
+    "default_options",
+    "Sharding",
+    "SHARDINGS",
+    "fsdp_units",
+    "reduce_scatter_unit_bytes",
+    "allreduce_unit_bytes",
+    "residual_bytes",
+    "fsdp_state_bytes",
+    "sharded_step_time",
     "LayerProfile",
     "Profile",
     "Convergence",
@@ -79,7 +120,7 @@ def _q(bits: int, **kw: Any) -> CodecConfig:
 # The per-layer choices the search considers, cheapest error first. "none" keeps every plan with
 # error 0 reachable (uncompressed is always feasible); "-noef" options drop error feedback, saving the
 # residual memory at the price of bias (profiled like every other option).
-CANDIDATES: dict[str, CodecConfig] = {
+_BASE_CANDIDATES: dict[str, CodecConfig] = {
     "none": CodecConfig(codec=Codec.FP32),
     "fp16": CodecConfig(codec=Codec.FP16),
     "int8": _q(8),
@@ -92,6 +133,80 @@ CANDIDATES: dict[str, CodecConfig] = {
     "topk1": CodecConfig(codec=Codec.TOPK, topk=0.01),
     "topk1-int4": CodecConfig(codec=Codec.TOPK, topk=0.01, bits=4),
 }
+# The options DDP searches (its hook keeps two fp32 residual buffers; its memory is not modelled).
+BASE_OPTIONS: tuple[str, ...] = tuple(_BASE_CANDIDATES)
+# Under FSDP a residual is as large as the unsharded gradient, so sharded runs also search each
+# error-fed option with a bf16 residual (half the memory; "int4-rbf16", as CodecConfig.describe()
+# names it), derived here rather than listed.
+CANDIDATES: dict[str, CodecConfig] = {
+    **_BASE_CANDIDATES,
+    **{f"{k}-rbf16": dataclasses.replace(v, residual_dtype="bf16")
+       for k, v in _BASE_CANDIDATES.items() if v.uses_residual},
+}
+
+
+def default_options(sharding: "str | Sharding | None" = None) -> list[str]:
+    """The codec options searched by default: :data:`BASE_OPTIONS` for DDP, every candidate (the
+    ``-rbf16`` variants too) for FSDP/HSDP."""
+    kind = sharding.kind if isinstance(sharding, Sharding) else (sharding or "ddp")
+    return list(BASE_OPTIONS) if kind == "ddp" else list(CANDIDATES)
+
+
+SHARDINGS = ("ddp", "fsdp", "hsdp")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+# The intra-node link of sharded clusters when nothing else is known: PCIe 4.0 x16 class (about
+# 25 GB/s per direction), 5 us per message. NVLink machines are ~10x faster: pass --intra-node-link.
+DEFAULT_INTRA_LINK = Link(200e9 / 8, 5e-6, "given")
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How the model is trained: ``ddp`` (replicated: the DDP model of this module), ``fsdp`` (FSDP2
+    over every rank) or ``hsdp`` (FSDP2 over the ranks of one node, replicas across nodes).
+
+    ``param_dtype``: what FSDP all-gathers (``MixedPrecisionPolicy(param_dtype=...)``);
+    ``reduce_dtype``: what its own reduce-scatter / all-reduce send (None: the param dtype, as FSDP2
+    does); ``reshard_after_forward``: FSDP2's default True all-gathers every non-root unit again in
+    backward; ``intra_link``: the link between ranks of one node."""
+
+    kind: str = "ddp"
+    param_dtype: str = "fp32"
+    reduce_dtype: str | None = None
+    reshard_after_forward: bool = True
+    intra_link: Link = DEFAULT_INTRA_LINK
+
+    def __post_init__(self) -> None:
+        if self.kind not in SHARDINGS:
+            raise ValueError(f"--sharding {self.kind!r} is not a sharding; use one of {', '.join(SHARDINGS)}")
+        for name, v in (("--param-dtype", self.param_dtype), ("--reduce-dtype", self.reduce_dtype)):
+            if v is not None and v not in DTYPE_BYTES:
+                raise ValueError(f"{name} {v!r} is not a dtype FSDP2 communicates in here; use fp32 or bf16")
+
+    @property
+    def sharded(self) -> bool:
+        return self.kind != "ddp"
+
+    @property
+    def reduce(self) -> str:
+        return self.reduce_dtype or self.param_dtype
+
+    def describe(self) -> str:
+        if not self.sharded:
+            return "ddp"
+        return (f"{self.kind}, params {self.param_dtype}, reduce {self.reduce}, "
+                f"{'reshard' if self.reshard_after_forward else 'keep'} after forward")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["intra_link"] = asdict(self.intra_link)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Sharding":
+        d = dict(d)
+        if isinstance(d.get("intra_link"), Mapping):
+            d["intra_link"] = Link(**d["intra_link"])
+        return cls(**d)
 
 
 @dataclass
@@ -106,6 +221,8 @@ class LayerProfile:
     tunable: bool  # numel >= plan.min_numel: small tensors travel fp32 and are not searched
     rel_error: dict[str, float] = field(default_factory=dict)  # option -> relative error per step
     codec_s: dict[str, float] = field(default_factory=dict)  # option -> one round trip, seconds
+    shape: list[int] | None = None  # FSDP2 shards dim 0 (None, in older profiles: (numel,))
+    unit: str | None = None  # module path of its FSDP unit ("" the root; None: from the name)
 
 
 @dataclass
@@ -126,6 +243,8 @@ class Profile:
     # absorbs what the round trips do not show: the hook's flattening, padding, residual updates,
     # and its communication thread competing with backward for the processor.
     codec_scale: dict[str, float] = field(default_factory=dict)
+    # Bytes of optimizer state after one step (Adam: 8 per parameter); None: not measured (8 assumed).
+    optimizer_state_bytes: int | None = None
 
     @property
     def compute_s(self) -> float:
@@ -171,7 +290,13 @@ class StepBreakdown:
     wire_s: float  # total wire time of all buckets
     exposed_s: float  # the part of wire_s that does not overlap the backward pass
     step_s: float
-    bytes_per_rank: int
+    bytes_per_rank: int  # everything this rank sends per step
+    # sharded training only (0 under DDP): bytes per rank per step by collective, memory per rank
+    allgather_bytes: int = 0  # parameter all-gathers, forward and backward
+    reduce_scatter_bytes: int = 0  # FSDP: the (compressed) reduce-scatter; HSDP: FSDP's, in the node
+    allreduce_bytes: int = 0  # HSDP: the cross-node all-reduce of the shard
+    residual_bytes: int = 0  # FastML's error-feedback residuals
+    state_bytes: int = 0  # FSDP's own: parameter, gradient and optimizer-state shards
 
 
 # -- buckets and plan error ------------------------------------------------------------------------
@@ -217,10 +342,14 @@ def _codec_factor(cfg: CodecConfig, nodes: int) -> float:
 
 
 def step_time(profile: Profile, choice: Mapping[str, str], option: HardwareOption,
-              nodes: int | None = None, hook: bool = True) -> StepBreakdown:
+              nodes: int | None = None, hook: bool = True,
+              sharding: Sharding | None = None) -> StepBreakdown:
     """Predicted step time of a plan (``choice``: layer name -> CANDIDATES key) on ``option``
     (with ``nodes`` overriding the option's node count, for scaling predictions). ``hook=False`` is
-    plain DDP (fp32 all-reduce, no encode/decode), the uncompressed baseline."""
+    plain DDP (fp32 all-reduce, no encode/decode), the uncompressed baseline. With a sharded
+    ``sharding``: :func:`sharded_step_time` (``hook=False``: FSDP's own collectives)."""
+    if sharding is not None and sharding.sharded:
+        return sharded_step_time(profile, choice, option, sharding, nodes=nodes, hook=hook)
     from fastml_strategy.codecs import effective_config, wire_bytes
 
     n = option.nodes if nodes is None else nodes
@@ -263,6 +392,283 @@ def step_time(profile: Profile, choice: Mapping[str, str], option: HardwareOptio
     return StepBreakdown(fwd + bwd + opt, codec_total, wire_total, exposed, step, total_bytes)
 
 
+# -- sharded training (FSDP2 / HSDP) ---------------------------------------------------------------------
+def _unit_of(lp: LayerProfile) -> str:
+    if lp.unit is not None:
+        return lp.unit
+    return lp.name.rsplit(".", 1)[0].split(".")[0] if "." in lp.name else ""
+
+
+def fsdp_units(profile: Profile) -> list[tuple[str, list[LayerProfile]]]:
+    """The model's FSDP units, ``(module path, its parameters)``, the root's own parameters (path
+    ``""``) first (FSDP2 all-gathers them in the root's pre-forward), then in registration order.
+
+    Which module is a unit was decided at profiling (``profile.fsdp_unit_modules``): every child of
+    the root that holds parameters, looking through containers (``ModuleList``, ``ModuleDict``,
+    ``Sequential``), so each block of ``model.layers`` is a unit, as ``fully_shard`` is usually
+    applied; parameters outside every unit belong to the root."""
+    by: dict[str, list[LayerProfile]] = {}
+    for lp in sorted(profile.layers, key=lambda x: x.index):
+        by.setdefault(_unit_of(lp), []).append(lp)
+    return sorted(by.items(), key=lambda kv: (kv[0] != "", kv[1][0].index))
+
+
+@functools.lru_cache(maxsize=65536)
+def _chunks(shape: tuple[int, ...], world_size: int) -> tuple[tuple[int, ...], int]:
+    from fastml_strategy.fsdp import shard_chunks
+
+    return shard_chunks(shape, world_size)
+
+
+def _layout(lp: LayerProfile, world_size: int) -> tuple[tuple[int, ...], int]:
+    """FSDP2's dim-0 chunks of one parameter over ``world_size`` ranks, and the padded chunk size."""
+    return _chunks(tuple(lp.shape) if lp.shape else (lp.numel,), world_size)
+
+
+def _torch_dtype(name: str) -> Any:
+    import torch
+
+    return torch.bfloat16 if name == "bf16" else torch.float32
+
+
+def reduce_scatter_unit_bytes(layers: Sequence[LayerProfile], choice: Mapping[str, str], world_size: int,
+                              reduce_dtype: str = "fp32", hook: bool = True,
+                              rank: int | None = None) -> int:
+    """Bytes one rank sends in one FSDP unit's reduce-scatter over ``world_size`` ranks (``rank``
+    None: the mean over ranks), as ``FSDPState.stats()["bytes_sent"]`` counts them.
+
+    FastML (``hook``): each compressed tensor's chunks on their own
+    (``codecs.reduce_scatter_bytes``), the uncompressed ones batched per destination in the reduce
+    dtype, and a header per destination. FSDP's own: ``(W-1)`` padded rows in the reduce dtype."""
+    from fastml_strategy import codecs
+    from fastml_strategy.collective import HEADER
+
+    W = world_size
+    if W <= 1:
+        return 0
+    if not hook:
+        return (W - 1) * sum(_layout(lp, W)[1] for lp in layers) * DTYPE_BYTES[reduce_dtype]
+    dt = _torch_dtype(reduce_dtype)
+    total = 0
+    batched = [0] * W
+    for lp in layers:
+        chunks, _ = _layout(lp, W)
+        _, cfg = _cfg(choice, lp)
+        if cfg.codec is Codec.FP32:
+            batched = [a + b for a, b in zip(batched, chunks)]
+        else:
+            total += codecs.reduce_scatter_bytes(list(chunks), codecs.wire_config(cfg, dt), rank)
+    if any(batched):
+        total += codecs.reduce_scatter_bytes(batched, codecs.wire_config(CANDIDATES["none"], dt), rank)
+    return total + (W - 1) * HEADER
+
+
+def _shard_cfg(choice: Mapping[str, str], lp: LayerProfile, shard_numel: int, replicas: int,
+               min_numel: int) -> tuple[str, CodecConfig]:
+    """HSDP: the codec the cross-replica all-reduce really uses for one shard (the plan looks the
+    shard's size up against min_numel; top-k may fall back to a dense codec at R replicas)."""
+    from fastml_strategy.codecs import effective_config
+
+    name, cfg = _cfg(choice, lp)
+    if shard_numel < min_numel:
+        name, cfg = "none", CANDIDATES["none"]
+    return name, effective_config(cfg, shard_numel, replicas)
+
+
+def allreduce_unit_bytes(layers: Sequence[LayerProfile], choice: Mapping[str, str], shard_size: int,
+                         replicas: int, min_numel: int, reduce_dtype: str = "fp32", hook: bool = True,
+                         shard_rank: int | None = None) -> int:
+    """HSDP: bytes one rank sends in one unit's cross-replica all-reduce of its shard (``shard_rank``
+    None: the mean over the S shard ranks). FastML: ``codecs.wire_bytes`` of each shard tensor at R
+    replicas plus the headers of its two collectives; FSDP's own ring all-reduce: ``2(R-1)/R`` of the
+    padded shard in the reduce dtype."""
+    from fastml_strategy import codecs
+    from fastml_strategy.collective import HEADER
+
+    R, S = replicas, shard_size
+    if R <= 1:
+        return 0
+    if not hook:
+        return int(round(2.0 * (R - 1) / R * sum(_layout(lp, S)[1] for lp in layers)
+                         * DTYPE_BYTES[reduce_dtype]))
+    dt = _torch_dtype(reduce_dtype)
+    ranks = range(S) if shard_rank is None else (shard_rank,)
+    total = 0
+    for s in ranks:
+        total += 2 * (R - 1) * HEADER
+        for lp in layers:
+            n = _layout(lp, S)[0][s]
+            _, cfg = _shard_cfg(choice, lp, n, R, min_numel)
+            total += codecs.wire_bytes(n, codecs.wire_config(cfg, dt), R)
+    return int(round(total / len(ranks)))
+
+
+def residual_bytes(profile: Profile, choice: Mapping[str, str], sharding: Sharding, shard_size: int,
+                   replicas: int) -> int:
+    """Error-feedback memory of one rank (the largest over shard ranks). FSDP: every compressed,
+    error-fed tensor keeps a residual of its full size (its reduce-scatter sends every chunk); HSDP:
+    of the rank's shard only. 4 bytes per element, 2 with ``residual_dtype="bf16"``."""
+    from fastml_strategy.codecs import wire_config
+
+    if sharding.kind == "fsdp":
+        total = 0
+        for lp in profile.layers:
+            _, cfg = _cfg(choice, lp)
+            if cfg.uses_residual:
+                total += lp.numel * DTYPE_BYTES[cfg.residual_dtype]
+        return total
+    dt = _torch_dtype(sharding.reduce)
+    best = 0
+    for s in range(shard_size):
+        total = 0
+        for lp in profile.layers:
+            n = _layout(lp, shard_size)[0][s]
+            _, cfg = _shard_cfg(choice, lp, n, replicas, profile.min_numel)
+            cfg = wire_config(cfg, dt)
+            if cfg.uses_residual:
+                total += n * DTYPE_BYTES[cfg.residual_dtype]
+        best = max(best, total)
+    return best
+
+
+def fsdp_state_bytes(profile: Profile, shard_size: int) -> int:
+    """FSDP's own memory per rank: the fp32 parameter shard, the fp32 gradient shard and the
+    optimizer state of the shard (measured by the profile; 8 bytes per parameter, Adam, if not)."""
+    numel = sum(lp.numel for lp in profile.layers)
+    per_param = 8.0 if profile.optimizer_state_bytes is None or numel == 0 else \
+        profile.optimizer_state_bytes / numel
+    padded = sum(_layout(lp, shard_size)[1] for lp in profile.layers)
+    return int(round(padded * (4 + 4 + per_param)))
+
+
+def sharded_step_time(profile: Profile, choice: Mapping[str, str], option: HardwareOption,
+                      sharding: Sharding, nodes: int | None = None, hook: bool = True) -> StepBreakdown:
+    """Predicted step time of a plan under FSDP or HSDP (``hook=False``: FSDP's own collectives,
+    the baseline). The schedule is described in the module docstring."""
+    n = option.nodes if nodes is None else nodes
+    A = option.accelerators_per_node
+    W = n * A
+    f = option.compute_speed
+    scale = profile.world_size / (W * f)
+    fwd_total, bwd_total = profile.forward_s * scale, profile.backward_s * scale
+    net, intra = option.link, option.intra_link or sharding.intra_link
+    hsdp = sharding.kind == "hsdp"
+    Ws, R = (A, n) if hsdp else (W, 1)  # shard group size, replicas
+    gn, ga = (1, A) if hsdp else (n, A)  # nodes and ranks per node of the shard group
+    pbytes, rbytes = DTYPE_BYTES[sharding.param_dtype], DTYPE_BYTES[sharding.reduce]
+    opt_s = profile.optimizer_s / (Ws * f)
+
+    def ring(b: float) -> float:  # FSDP's own all-gather / reduce-scatter over the shard group
+        if Ws <= 1:
+            return 0.0
+        if gn == 1:
+            return (ga - 1) * intra.latency_s + b / intra.bandwidth_Bps
+        return (gn - 1) * net.latency_s + (ga - 1) * intra.latency_s + b / net.bandwidth_Bps
+
+    def all_to_all(b: float) -> float:  # FastML's reduce-scatter: every chunk straight to its owner
+        if Ws <= 1:
+            return 0.0
+        if gn == 1:
+            return (ga - 1) * intra.latency_s + b / intra.bandwidth_Bps
+        node = ga * b * (Ws - ga) / (Ws - 1)
+        local = b * (ga - 1) / (Ws - 1)
+        return ((gn - 1) * net.latency_s + (ga - 1) * intra.latency_s
+                + max(node / net.bandwidth_Bps, local / intra.bandwidth_Bps))
+
+    def cross(b: float) -> float:  # HSDP: S all-reduces over R replicas share each node's link
+        return 2 * (R - 1) * net.latency_s + ga * b / net.bandwidth_Bps if R > 1 else 0.0
+
+    units = fsdp_units(profile)
+    total_numel = sum(lp.numel for lp in profile.layers) or 1
+    rows = []
+    ag_bytes = rs_bytes = ar_bytes = 0
+    codec_total = wire_total = 0.0
+    for name, layers in units:
+        ag = (Ws - 1) * sum(_layout(lp, Ws)[1] for lp in layers) * pbytes if Ws > 1 else 0
+        if hsdp:
+            rs = (Ws - 1) * sum(_layout(lp, Ws)[1] for lp in layers) * rbytes if Ws > 1 else 0
+            ar = allreduce_unit_bytes(layers, choice, Ws, R, profile.min_numel, sharding.reduce, hook)
+            rs_t, ar_t = ring(rs), cross(ar)
+        else:
+            rs = reduce_scatter_unit_bytes(layers, choice, Ws, sharding.reduce, hook)
+            ar, ar_t = 0, 0.0
+            rs_t = all_to_all(rs) if hook else ring(rs)
+        codec = 0.0
+        if hook:
+            for lp in layers:
+                if not lp.tunable:
+                    continue
+                cname, cfg = _cfg(choice, lp)
+                if hsdp:
+                    if R <= 1:
+                        continue
+                    cname, eff = _shard_cfg(choice, lp, max(1, lp.numel // Ws), R, profile.min_numel)
+                    t = lp.codec_s.get(cname, 0.0) if eff == CANDIDATES[cname] else lp.codec_s.get(
+                        _candidate_name(eff), lp.codec_s.get("int8", 0.0))
+                    factor = _codec_factor(eff, R) / Ws
+                else:
+                    if Ws <= 1:
+                        continue
+                    eff, t, factor = cfg, lp.codec_s.get(cname, 0.0), 1.0
+                codec += t * factor * profile.codec_scale.get(family(eff), 1.0) / f
+        again = sharding.reshard_after_forward and name != "" and Ws > 1
+        ready = bwd_total if name == "" else max(lp.ready_s for lp in layers) * scale
+        rows.append({"name": name, "ag_t": ring(ag), "again": again, "rs_t": rs_t, "ar_t": ar_t,
+                     "codec": codec, "fwd": fwd_total * sum(lp.numel for lp in layers) / total_numel,
+                     "ready": ready})
+        ag_bytes += ag * (2 if again else 1)
+        rs_bytes += rs
+        ar_bytes += ar
+        codec_total += codec
+        wire_total += ring(ag) * (2 if again else 1) + rs_t + ar_t
+
+    # Collectives on one link run in the order they are issued.
+    free = {"net": 0.0, "intra": 0.0}
+    ag_link = "intra" if gn == 1 else "net"
+
+    def occupy(link: str, ready: float, dur: float) -> float:
+        if dur <= 0.0:
+            return ready
+        start = max(ready, free[link])
+        free[link] = start + dur
+        return free[link]
+
+    # forward: unit i's all-gather may start once unit i-1 computes (one unit of prefetch)
+    t = 0.0
+    issue = 0.0
+    for r in rows:
+        done = occupy(ag_link, issue, r["ag_t"])
+        start = max(t, done)
+        issue = start
+        t = start + r["fwd"]
+    # backward: units in the order their gradients are ready; the root (never resharded) last
+    order = sorted(rows, key=lambda r: (r["name"] == "", r["ready"]))
+    prev_ready = 0.0
+    for i, r in enumerate(order):
+        r["dur"] = (bwd_total if i == len(order) - 1 else max(r["ready"], prev_ready)) - prev_ready
+        prev_ready = max(prev_ready, r["ready"])
+    ag_done = {0: occupy(ag_link, t, order[0]["ag_t"]) if order and order[0]["again"] else t}
+    comm_end = t
+    for i, r in enumerate(order):
+        start = max(t, ag_done[i])
+        if i + 1 < len(order):  # prefetch the next unit's parameters now
+            nxt = order[i + 1]
+            ag_done[i + 1] = occupy(ag_link, start, nxt["ag_t"]) if nxt["again"] else start
+        t = start + r["dur"] + r["codec"]
+        rs_done = occupy("intra" if (hsdp or gn == 1) else "net", t, r["rs_t"])
+        comm_end = max(comm_end, rs_done, occupy("net", rs_done, r["ar_t"]))
+    end = max(t, comm_end)
+    compute = fwd_total + bwd_total + opt_s
+    step = end + opt_s
+    exposed = max(0.0, step - compute - codec_total)
+    total_bytes = ag_bytes + rs_bytes + ar_bytes
+    res = residual_bytes(profile, choice, sharding, Ws, R) if hook else 0
+    return StepBreakdown(compute, codec_total, wire_total, exposed, step, int(total_bytes),
+                         allgather_bytes=int(ag_bytes), reduce_scatter_bytes=int(rs_bytes),
+                         allreduce_bytes=int(ar_bytes), residual_bytes=int(res),
+                         state_bytes=fsdp_state_bytes(profile, Ws))
+
+
 def family(cfg: CodecConfig) -> str:
     """The codec family whose time scale applies: fp32, cast (fp16/bf16), quantize or topk."""
     return {Codec.FP32: "fp32", Codec.FP16: "cast", Codec.BF16: "cast", Codec.QUANTIZE: "quantize",
@@ -270,7 +676,8 @@ def family(cfg: CodecConfig) -> str:
 
 
 def fit_codec_scale(profile: Profile, option: HardwareOption, measured: Mapping[str, float],
-                    lo: float = 0.25, hi: float = 10.0) -> dict[str, float]:
+                    lo: float = 0.25, hi: float = 10.0,
+                    sharding: Sharding | None = None) -> dict[str, float]:
     """Per codec family, the codec-time multiplier that makes the model match measured step times.
 
     ``measured`` maps uniform option names (CANDIDATES keys, every tunable layer on that option) to
@@ -291,7 +698,7 @@ def fit_codec_scale(profile: Profile, option: HardwareOption, measured: Mapping[
 
             def pred(k: float) -> float:
                 profile.codec_scale = {**saved, fam: k}
-                return step_time(profile, choice, option).step_s
+                return step_time(profile, choice, option, sharding=sharding).step_s
 
             p_lo, p_hi = pred(lo), pred(hi)
             if p_hi - p_lo < 0.02 * secs:  # the codec barely matters here: nothing to learn
@@ -320,16 +727,25 @@ def _candidate_name(cfg: CodecConfig) -> str:
 
 
 def evaluate(profile: Profile, choice: Mapping[str, str], option: HardwareOption, conv: Convergence,
-             target_steps: float, hook: bool = True) -> dict[str, float]:
-    """All the numbers of one (plan, option) pair: error, steps, step time, time to accuracy, cost."""
+             target_steps: float, hook: bool = True, sharding: Sharding | None = None,
+             max_residual_bytes: float | None = None) -> dict[str, float]:
+    """All the numbers of one (plan, option) pair: error, steps, step time, time to accuracy, cost.
+    Sharded: also the bytes per collective and the memory per rank; a plan whose residuals exceed
+    ``max_residual_bytes`` per rank is infeasible."""
     e = plan_error(profile, choice)
-    br = step_time(profile, choice, option, hook=hook)
+    br = step_time(profile, choice, option, hook=hook, sharding=sharding)
     steps = target_steps * conv.g(e)
     tta = steps * br.step_s
     cost = tta * option.nodes * option.price_per_hour / 3600.0
+    memory_ok = max_residual_bytes is None or br.residual_bytes <= max_residual_bytes
+    extra: dict[str, Any] = {}
+    if sharding is not None and sharding.sharded:
+        extra = {"allgather_bytes": br.allgather_bytes, "reduce_scatter_bytes": br.reduce_scatter_bytes,
+                 "allreduce_bytes": br.allreduce_bytes, "residual_bytes": br.residual_bytes,
+                 "state_bytes": br.state_bytes, "memory_ok": memory_ok}
     return {
         "error": e,
-        "feasible": e <= conv.e_max + 1e-12,
+        "feasible": e <= conv.e_max + 1e-12 and memory_ok,
         "g": conv.g(e),
         "steps": steps,
         "step_s": br.step_s,
@@ -340,6 +756,7 @@ def evaluate(profile: Profile, choice: Mapping[str, str], option: HardwareOption
         "bytes_per_rank": br.bytes_per_rank,
         "tta_s": tta,
         "cost_usd": cost,
+        **extra,
     }
 
 

@@ -2,7 +2,10 @@
 
 Launched distributed (torchrun), each plan runs for real: the workload wrapped in DDP, FastML's hook
 registered (uncompressed DDP: no hook), a few warm-up steps, then the median of the timed steps; the
-slowest rank's figure counts. Plans take turns in rounds so that load from other processes on a
+slowest rank's figure counts. Sharded runs wrap the workload in FSDP2 instead (``fully_shard`` on each
+unit of :func:`~fastml_strategy.autotune.profile.fsdp_unit_modules`, then the root; HSDP on a
+``(replicate, shard)`` mesh of nodes x ranks per node) and register
+:func:`fastml_strategy.fsdp.register` (uncompressed: FSDP's own collectives). Plans take turns in rounds so that load from other processes on a
 shared machine is spread over all of them. In a single process there is no link to measure, so the check covers
 what can be measured: compute plus the codecs' round trips (:class:`SimulatedCompression`), against
 the model's prediction of the same (:func:`predict_local`).
@@ -47,9 +50,42 @@ def prefixed(plan: Plan, prefix: str) -> Plan:
                 name=plan.name)
 
 
+def _sharded_module(model: torch.nn.Module, loss_fn: Any, sharding: Any, ranks_per_node: int,
+                    plan: Plan | None) -> tuple[torch.nn.Module, Any]:
+    """The workload under FSDP2 (or HSDP) as the cost model sees it, FastML registered with ``plan``
+    (None: FSDP's own collectives). Returns the root module and FastML's state (or None)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from fastml_strategy.autotune.profile import fsdp_unit_modules
+    from fastml_strategy.fsdp import register
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    mp = MixedPrecisionPolicy(param_dtype=dtypes[sharding.param_dtype],
+                              reduce_dtype=dtypes[sharding.reduce])
+    kw: dict[str, Any] = {"mp_policy": mp, "reshard_after_forward": sharding.reshard_after_forward}
+    if sharding.kind == "hsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device = "cuda" if next(model.parameters()).is_cuda else "cpu"
+        w = dist.get_world_size()
+        kw["mesh"] = init_device_mesh(device, (w // ranks_per_node, ranks_per_node),
+                                      mesh_dim_names=("replicate", "shard"))
+    root = LossModule(model, loss_fn)
+    for path in fsdp_unit_modules(model):
+        fully_shard(model.get_submodule(path), **kw)
+    root_kw = dict(kw)
+    root_kw.pop("reshard_after_forward")  # FSDP2 keeps the root unsharded after forward by default
+    fully_shard(root, **root_kw)
+    state = register(root, plan=prefixed(plan, "model.")) if plan is not None else None
+    return root, state
+
+
 def measure_distributed(wl: Workload, plans: Mapping[str, Plan | None], steps: int = 10,
-                        warmup: int = 3, rounds: int = 3) -> dict[str, float]:
-    """Seconds per step of each plan (None: plain DDP), as the slowest rank saw it. All ranks call.
+                        warmup: int = 3, rounds: int = 3, sharding: Any = None,
+                        ranks_per_node: int = 1) -> dict[str, float]:
+    """Seconds per step of each plan (None: plain DDP, or FSDP's own collectives when ``sharding``
+    is FSDP/HSDP), as the slowest rank saw it. All ranks call.
 
     Every plan gets its own DDP model (and hook) up front; then the plans take turns, ``rounds``
     rounds of ``steps / rounds`` steps each, so load from other processes on a shared machine hits
@@ -61,12 +97,18 @@ def measure_distributed(wl: Workload, plans: Mapping[str, Plan | None], steps: i
     from fastml_strategy import register_hook
 
     runs = {}
+    states = []  # FastML's FSDP states, kept alive with their models
     for label, plan in plans.items():
         torch.manual_seed(0)
         model = wl.fresh_model()
-        ddp = DDP(LossModule(model, wl.loss_fn))
-        if plan is not None:
-            register_hook(ddp, prefixed(plan, "model."))
+        if sharding is not None and sharding.sharded:
+            ddp, st = _sharded_module(model, wl.loss_fn, sharding, ranks_per_node, plan)
+            states.append(st)
+        else:
+            ddp = DDP(LossModule(model, wl.loss_fn))
+            if plan is not None:
+                register_hook(ddp, prefixed(plan, "model."))
+        # fully_shard swaps the model's parameters for their shards in place: same model object
         runs[label] = (ddp, wl.make_optimizer(model), wl.batch_stream(), [])
 
     def one_step(ddp: Any, opt: Any, stream: Any) -> float:

@@ -26,11 +26,41 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from fastml_strategy.autotune.costmodel import CANDIDATES, LayerProfile, Profile
+from fastml_strategy.autotune.costmodel import BASE_OPTIONS, CANDIDATES, LayerProfile, Profile
 from fastml_strategy.autotune.workload import Workload
 from fastml_strategy.config import CodecConfig
 
-__all__ = ["profile_workload", "measure_link", "SimulatedCompression"]
+__all__ = ["profile_workload", "measure_link", "SimulatedCompression", "fsdp_unit_modules"]
+
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
+
+
+def fsdp_unit_modules(model: torch.nn.Module) -> list[str]:
+    """The module paths the cost model treats as FSDP units (each gets its own ``fully_shard``; the
+    root's remaining parameters form the root unit): every child of the root that holds parameters,
+    looking through containers (ModuleList, ModuleDict, Sequential), so that each block of
+    ``model.layers`` is a unit, the usual way to apply ``fully_shard``."""
+    units: list[str] = []
+
+    def visit(prefix: str, module: torch.nn.Module) -> None:
+        for name, child in module.named_children():
+            path = prefix + name
+            if isinstance(child, _CONTAINERS):
+                visit(path + ".", child)
+            elif any(p.requires_grad for p in child.parameters()):
+                units.append(path)
+
+    visit("", model)
+    return units
+
+
+def unit_of(name: str, units: list[str]) -> str:
+    """The FSDP unit (module path, ``""`` the root) that parameter ``name`` belongs to."""
+    best = ""
+    for u in units:
+        if name.startswith(u + ".") and len(u) > len(best):
+            best = u
+    return best
 
 
 class SimulatedCompression:
@@ -54,8 +84,8 @@ class SimulatedCompression:
             g = p.grad
             x = g + self.residuals[name] if name in self.residuals else g.clone()
             dec, _ = self._roundtrip(x, cfg)
-            if cfg.uses_residual:
-                self.residuals[name] = x - dec
+            if cfg.uses_residual:  # kept in the residual's dtype, as the collective keeps it
+                self.residuals[name] = (x - dec).to(cfg.residual_torch_dtype)
             g.copy_(dec)
 
 
@@ -79,7 +109,7 @@ def profile_workload(
 
     if steps < 1:
         raise ValueError(f"profile steps is {steps}; give at least 1")
-    options = list(options or CANDIDATES)
+    options = list(options or BASE_OPTIONS)
     unknown = [o for o in options if o not in CANDIDATES]
     if unknown:
         raise ValueError(f"unknown codec option(s) {unknown}; choose from {list(CANDIDATES)}")
@@ -152,7 +182,7 @@ def profile_workload(
                         _sync()
                         codec_t.setdefault(key, []).append(time.perf_counter() - ta)
                         if cfg.uses_residual:
-                            residual[key] = x - dec
+                            residual[key] = (x - dec).to(cfg.residual_torch_dtype)
                         err_sq[key] = err_sq.get(key, 0.0) + float((dec - g).float().pow(2).sum())
             t3 = time.perf_counter()
             opt.step()
@@ -173,11 +203,14 @@ def profile_workload(
         for h in handles:
             h.remove()
 
+    units = fsdp_unit_modules(model)
+    opt_bytes = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0)
     layers = []
     for n, p in named:
         lp = LayerProfile(name=n, numel=p.numel(), index=index[n],
                           ready_s=statistics.median(ready_t[n]), grad_sq=grad_sq[n],
-                          tunable=n in tunable)
+                          tunable=n in tunable, shape=list(p.shape), unit=unit_of(n, units))
         total = grad_sq[n] * steps
         for o in options:
             if n not in tunable:
@@ -189,7 +222,7 @@ def profile_workload(
         layers.append(lp)
     return Profile(layers=layers, forward_s=statistics.median(fwd_t), backward_s=statistics.median(bwd_t),
                    optimizer_s=statistics.median(opt_t), world_size=world_size, min_numel=min_numel,
-                   options=options)
+                   options=options, optimizer_state_bytes=int(opt_bytes))
 
 
 def measure_link(sizes: tuple[int, ...] = (1 << 14, 1 << 18, 1 << 20, 1 << 22),

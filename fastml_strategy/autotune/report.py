@@ -14,6 +14,7 @@ import json
 import math
 from typing import TYPE_CHECKING, Any, Mapping
 
+import numpy as np
 import pandas as pd
 
 from fastml_strategy._io import atomic_open, atomic_write_text
@@ -27,6 +28,15 @@ __all__ = ["write_outputs", "bits_per_element", "OUTPUT_FILES"]
 
 OUTPUT_FILES = ("plan.json", "report.html", "report.md", "trials.csv", "layers.csv", "calibration.csv",
                 "step_times.csv", "scaling.csv", "options.csv")
+SHARDED_FILES = ("sharded.csv", "whatif.csv")  # written by --sharding fsdp|hsdp runs only
+
+
+def _base(result: "AutotuneResult") -> tuple[str, str]:
+    """(column prefix, words) of the uncompressed baseline: DDP's all-reduce or FSDP/HSDP's own."""
+    sh = result.sharding
+    if not sh.sharded:
+        return "ddp", "uncompressed DDP"
+    return sh.kind, f"{sh.kind.upper()}'s own collectives"
 
 
 def bits_per_element(cfg: CodecConfig, numel: int) -> float:
@@ -79,20 +89,44 @@ def tables(result: "AutotuneResult") -> dict[str, pd.DataFrame]:
     steps = pd.DataFrame(result.step_times)
     scaling = pd.DataFrame(result.scaling)
     opt_rows = []
+    sharded_rows = []
+    bp, _ = _base(result)
+    sh = result.sharding
     for o in result.options:
         b, d = result.best[o.name], result.baseline[o.name]
+        use = "FastML plan" if b.get("use_hook", True) else (
+            "plain DDP" if not sh.sharded else f"{sh.kind.upper()} alone")
         opt_rows.append({
-            "option": o.name, "use": "FastML plan" if b.get("use_hook", True) else "plain DDP",
+            "option": o.name, "use": use,
             "nodes": o.nodes, "ranks": o.ranks, "price_per_node_hour": o.price_per_hour,
             "link": o.link.describe(), "compute_speed": o.compute_speed,
-            "tuned_step_ms": 1e3 * b["step_s"], "ddp_step_ms": 1e3 * d["step_s"],
+            "tuned_step_ms": 1e3 * b["step_s"], f"{bp}_step_ms": 1e3 * d["step_s"],
             "tuned_error": b["error"], "tuned_extra_steps_pct": 100 * (b["g"] - 1),
-            "tuned_hours": b["tta_s"] / 3600, "ddp_hours": d["tta_s"] / 3600,
-            "tuned_cost_usd": b["cost_usd"], "ddp_cost_usd": d["cost_usd"],
-            "speedup_vs_ddp": d["tta_s"] / b["tta_s"] if b["tta_s"] > 0 else float("nan"),
+            "tuned_hours": b["tta_s"] / 3600, f"{bp}_hours": d["tta_s"] / 3600,
+            "tuned_cost_usd": b["cost_usd"], f"{bp}_cost_usd": d["cost_usd"],
+            f"speedup_vs_{bp}": d["tta_s"] / b["tta_s"] if b["tta_s"] > 0 else float("nan"),
         })
-    return {"layers": layers, "trials": trials, "calibration": calib, "step_times": steps,
-            "scaling": scaling, "options": pd.DataFrame(opt_rows)}
+        if sh.sharded:
+            shard = o.accelerators_per_node if sh.kind == "hsdp" else o.ranks
+            sharded_rows.append({
+                "option": o.name, "nodes": o.nodes, "ranks_per_node": o.accelerators_per_node,
+                "shard_group": shard, "replicas": o.nodes if sh.kind == "hsdp" else 1,
+                "allgather_MB": b["allgather_bytes"] / 1e6,
+                "tuned_reduce_scatter_MB": b["reduce_scatter_bytes"] / 1e6,
+                "tuned_allreduce_MB": b["allreduce_bytes"] / 1e6,
+                "own_reduce_scatter_MB": d["reduce_scatter_bytes"] / 1e6,
+                "own_allreduce_MB": d["allreduce_bytes"] / 1e6,
+                "residual_MiB_per_rank": b["residual_bytes"] / 2 ** 20,
+                "fsdp_state_MiB_per_rank": b["state_bytes"] / 2 ** 20,
+                "residual_pct_of_state": (100.0 * b["residual_bytes"] / b["state_bytes"]
+                                          if b["state_bytes"] else 0.0),
+            })
+    out = {"layers": layers, "trials": trials, "calibration": calib, "step_times": steps,
+           "scaling": scaling, "options": pd.DataFrame(opt_rows)}
+    if sh.sharded:
+        out["sharded"] = pd.DataFrame(sharded_rows)
+        out["whatif"] = pd.DataFrame(result.whatif)
+    return out
 
 
 # -- figures -------------------------------------------------------------------------------------------
@@ -167,11 +201,12 @@ def figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) -> dict[str
     front = feas[feas["pareto"]].sort_values("tta_s") if len(feas) else feas
     if len(front):
         ax.plot(front["tta_s"] / 3600, front["cost_usd"], "k-o", ms=4, label="Pareto front")
+    bp, words = _base(result)
     for o in result.options:
         if o.name in priced:
             b = result.baseline[o.name]
             ax.scatter([b["tta_s"] / 3600], [b["cost_usd"]], marker="x", s=50,
-                       label=f"{o.name} uncompressed DDP")
+                       label=f"{o.name} {words}")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("predicted time to accuracy (hours)")
@@ -186,18 +221,20 @@ def figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) -> dict[str
     ax1, ax2 = fig.add_subplot(121), fig.add_subplot(122)
     x = list(range(len(op)))
     w = 0.38
-    ax1.bar([i - w / 2 for i in x], op["ddp_hours"], w, label="uncompressed DDP", color="#999999")
+    ax1.bar([i - w / 2 for i in x], op[f"{bp}_hours"], w, label=words, color="#999999")
     ax1.bar([i + w / 2 for i in x], op["tuned_hours"], w, label="tuned plan", color="#3b75af")
     ax1.set_ylabel("hours to target")
-    ax2.bar([i - w / 2 for i in x], op["ddp_cost_usd"], w, label="uncompressed DDP", color="#999999")
+    ax2.bar([i - w / 2 for i in x], op[f"{bp}_cost_usd"], w, label=words, color="#999999")
     ax2.bar([i + w / 2 for i in x], op["tuned_cost_usd"], w, label="tuned plan", color="#3b75af")
     ax2.set_ylabel("USD to target")
-    hours = [h for h in list(op["ddp_hours"]) + list(op["tuned_hours"]) if h > 0]
+    hours = [h for h in list(op[f"{bp}_hours"]) + list(op["tuned_hours"]) if h > 0]
     if hours and max(hours) / min(hours) > 50:  # options orders of magnitude apart
         ax1.set_yscale("log")
+    else:
+        ax1.set_ylim(0, ax1.get_ylim()[1] * 1.3)  # room for the legend above the bars
     for a in (ax1, ax2):
         a.set_xticks(x, op["option"], rotation=30, ha="right", fontsize=7)
-    ax1.legend(fontsize=7)
+    ax1.legend(fontsize=7, loc="best")
     fig.suptitle("Time and cost per hardware option", fontsize=10)
     figs["options"] = _png(fig)
 
@@ -205,11 +242,13 @@ def figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) -> dict[str
     sc = t["scaling"]
     fig = _fig(6.5, 4.0)
     ax = fig.add_subplot(111)
+    base_plan = "ddp-fp32" if not result.sharding.sharded else f"{bp}-own"
     for name, g in sc.groupby("option", sort=False):
         tu = g[g["plan"] == "tuned"]
-        dd = g[g["plan"] == "ddp-fp32"]
+        dd = g[g["plan"] == base_plan]
         line, = ax.plot(tu["nodes"], 1e3 * tu["step_s"], "-o", ms=3, label=f"{name} tuned")
-        ax.plot(dd["nodes"], 1e3 * dd["step_s"], "--", color=line.get_color(), label=f"{name} DDP")
+        ax.plot(dd["nodes"], 1e3 * dd["step_s"], "--", color=line.get_color(),
+                label=f"{name} {'DDP' if bp == 'ddp' else bp.upper()}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("nodes (same global batch)")
@@ -240,6 +279,80 @@ def figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) -> dict[str
     ax.legend(fontsize=7)
     ax.set_title("Convergence calibration", fontsize=9)
     figs["calibration"] = _png(fig)
+    if result.sharding.sharded:
+        figs.update(_sharded_figures(result, t))
+    return figs
+
+
+def _sharded_figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) -> dict[str, str]:
+    """Bytes per rank per step by collective and memory per rank (per option), and the what-if
+    speedups over cluster shapes."""
+    figs: dict[str, str] = {}
+    sd = t["sharded"]
+    kind = result.sharding.kind.upper()
+    fig = _fig(max(8.5, 1.6 * len(sd) + 4), 3.9)
+    ax1, ax2 = fig.add_subplot(121), fig.add_subplot(122)
+    x = list(range(len(sd)))
+    w = 0.38
+    colors = {"all-gather": "#7f8c8d", "reduce-scatter": "#3b75af", "cross-node all-reduce": "#e67e22"}
+    for off, who in ((-w / 2, "own"), (w / 2, "tuned")):
+        parts = [("all-gather", sd["allgather_MB"]),
+                 ("reduce-scatter", sd[f"{who}_reduce_scatter_MB"]),
+                 ("cross-node all-reduce", sd[f"{who}_allreduce_MB"])]
+        bottom = [0.0] * len(sd)
+        for label, vals in parts:
+            vals = list(vals)
+            if not any(vals):  # FSDP has no cross-node all-reduce; a single node no reduction
+                continue
+            ax1.bar([i + off for i in x], vals, w, bottom=bottom, color=colors[label],
+                    alpha=1.0 if who == "tuned" else 0.45,
+                    label=f"{label} ({'tuned' if who == 'tuned' else kind + ' own'})")
+            bottom = [b + v for b, v in zip(bottom, vals)]
+    ax1.set_ylabel("MB sent per rank per step")
+    ax1.set_title(f"Bytes per rank per step (left bar: {kind}'s own, right: tuned)", fontsize=8)
+    ax1.legend(fontsize=6, loc="upper left")
+    ax2.bar(x, sd["fsdp_state_MiB_per_rank"], 0.6, color="#999999", label=f"{kind} state (params, grads, optimizer)")
+    ax2.bar(x, sd["residual_MiB_per_rank"], 0.6, bottom=sd["fsdp_state_MiB_per_rank"], color="#c0392b",
+            label="FastML residuals (tuned plan)")
+    ax2.set_ylabel("MiB per rank")
+    ax2.set_title("Memory per rank", fontsize=8)
+    ax2.legend(fontsize=6, loc="upper left")
+    for a in (ax1, ax2):
+        a.set_xticks(x, sd["option"], rotation=30, ha="right", fontsize=7)
+        a.set_ylim(0, a.get_ylim()[1] * 1.35)  # room for the legend above the bars
+    fig.tight_layout()
+    figs["sharded"] = _png(fig)
+
+    from matplotlib.colors import LogNorm
+    from matplotlib.ticker import NullFormatter
+
+    wi = t["whatif"]
+    opts = list(dict.fromkeys(wi["option"]))
+    cols = min(3, len(opts))
+    rows = -(-len(opts) // cols)
+    from matplotlib.figure import Figure
+
+    # constrained layout keeps each row's axis labels clear of the next row's titles
+    fig = Figure(figsize=(3.6 * cols + 1.2, 3.0 * rows + 0.6), layout="constrained")
+    for i, name in enumerate(opts):
+        ax = fig.add_subplot(rows, cols, i + 1)
+        g = wi[wi["option"] == name].pivot(index="ranks_per_node", columns="nodes", values="speedup")
+        # log scale around 1: a slowdown of 2x and a speedup of 2x are equally far from neutral
+        im = ax.imshow(g.values, cmap="RdYlGn", norm=LogNorm(vmin=0.5, vmax=2.0), aspect="auto",
+                       origin="lower")
+        ax.set_xticks(range(len(g.columns)), [str(c) for c in g.columns], fontsize=7)
+        ax.set_yticks(range(len(g.index)), [str(r) for r in g.index], fontsize=7)
+        for (r, c), v in np.ndenumerate(g.values):
+            ax.text(c, r, f"{v:.2f}x", ha="center", va="center", fontsize=7)
+        ax.set_xlabel("nodes", fontsize=7)
+        ax.set_ylabel("ranks per node", fontsize=7)
+        ax.set_title(name, fontsize=8)
+    fig.suptitle(f"Step-time speedup of each option's tuned plan over {kind}'s own collectives",
+                 fontsize=9)
+    cb = fig.colorbar(im, ax=fig.axes, shrink=0.8, label="speedup (own / tuned step time)")
+    cb.set_ticks([0.5, 0.75, 1.0, 1.5, 2.0], labels=["0.5x", "0.75x", "1x", "1.5x", "2x"])
+    cb.ax.yaxis.set_minor_formatter(NullFormatter())
+    figs["whatif"] = _png(fig)
     return figs
 
 
@@ -253,14 +366,16 @@ def _summary(result: "AutotuneResult", s: "Settings") -> list[str]:
     b, d = result.best[result.option], result.baseline[result.option]
     conv = result.convergence
     prof = result.profile
+    bp, words = _base(result)
+    short = "DDP" if bp == "ddp" else bp.upper()
     lines = [
         f"Target `{s.target}`, reference world size {s.world_size}, {len(prof.layers)} parameters "
         f"({sum(lp.tunable for lp in prof.layers)} tuned in {len(result.groups)} groups), "
         f"catalog: {s.catalog_path}.",
         f"plan.json is tuned for **{result.option}**: predicted {1e3 * b['step_s']:.4g} ms/step "
-        f"(uncompressed DDP {1e3 * d['step_s']:.4g} ms), gradient error {b['error']:.3g}, "
+        f"({words} {1e3 * d['step_s']:.4g} ms), gradient error {b['error']:.3g}, "
         f"{100 * (b['g'] - 1):.3g}% extra steps, time to target {b['tta_s'] / 3600:.4g} h "
-        f"(DDP {d['tta_s'] / 3600:.4g} h).",
+        f"({short} {d['tta_s'] / 3600:.4g} h).",
         f"Compute per step {1e3 * prof.compute_s:.4g} ms (forward {1e3 * prof.forward_s:.3g}, backward "
         f"{1e3 * prof.backward_s:.3g}, optimizer {1e3 * prof.optimizer_s:.3g})."
         + (f" Link: {prof.link.describe()}." if prof.link else " Link: from the catalog."),
@@ -268,16 +383,49 @@ def _summary(result: "AutotuneResult", s: "Settings") -> list[str]:
         f"{conv.e_max:.3g} lost more than {s.max_accuracy_loss:g} accuracy in calibration and are "
         f"excluded. Steps to target, uncompressed: {b['steps'] / b['g']:.4g} (--target-steps).",
     ]
+    sh = result.sharding
+    if sh.sharded:
+        from fastml_strategy.autotune.costmodel import fsdp_units
+
+        o = next(x for x in result.options if x.name == result.option)
+        n_units = len(fsdp_units(prof))
+        limit = ("no limit" if s.max_residual_bytes is None else
+                 f"limit {s.max_residual_bytes / 2 ** 30:.4g} GiB per rank (--max-residual-gb)")
+        lines.append(
+            f"Sharding: {sh.describe()}; {n_units} FSDP units; {result.option} is {o.nodes} node(s) x "
+            f"{o.accelerators_per_node} rank(s)"
+            + (f" (shard group {o.accelerators_per_node}, {o.nodes} replicas)" if sh.kind == "hsdp" else "")
+            + f"; intra-node link {(o.intra_link or sh.intra_link).describe()}. Per rank and step: "
+            f"all-gathers {b['allgather_bytes'] / 1e6:.4g} MB, reduction "
+            f"{(b['reduce_scatter_bytes'] + b['allreduce_bytes']) / 1e6:.4g} MB ({short} alone "
+            f"{(d['reduce_scatter_bytes'] + d['allreduce_bytes']) / 1e6:.4g} MB). FastML residuals "
+            f"{b['residual_bytes'] / 2 ** 20:.4g} MiB per rank beside {short}'s own "
+            f"{b['state_bytes'] / 2 ** 20:.4g} MiB ({limit}).")
     return lines
 
 
+def _whatif_pivot(t: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
+    """The what-if grid as one row per (option, nodes), a column per ranks-per-node count: 'tuned ms
+    (speedup)'."""
+    wi = t["whatif"]
+    rows = []
+    for (opt, n), g in wi.groupby(["option", "nodes"], sort=False):
+        row: dict[str, Any] = {"option": opt, "nodes": n}
+        for _, r in g.iterrows():
+            row[f"{int(r['ranks_per_node'])}/node"] = f"{r['tuned_ms']:.3g} ms ({r['speedup']:.2f}x)"
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
 def markdown(result: "AutotuneResult", s: "Settings", t: Mapping[str, pd.DataFrame]) -> str:
+    bp, _ = _base(result)
     out = ["# fastml-autotune report", ""]
     out += [f"- {line}" for line in _summary(result, s)]
     out += ["", "## Hardware options (predicted)", "",
-            _fmt(t["options"], ["option", "use", "nodes", "price_per_node_hour", "tuned_step_ms", "ddp_step_ms",
-                                "tuned_hours", "ddp_hours", "tuned_cost_usd", "ddp_cost_usd",
-                                "speedup_vs_ddp"]).to_markdown(index=False),
+            _fmt(t["options"], ["option", "use", "nodes", "price_per_node_hour", "tuned_step_ms",
+                                f"{bp}_step_ms", "tuned_hours", f"{bp}_hours", "tuned_cost_usd",
+                                f"{bp}_cost_usd", f"speedup_vs_{bp}"]).to_markdown(index=False),
+            *(_sharded_markdown(result, t) if result.sharding.sharded else []),
             "", "## Step time: predicted vs measured", "",
             _fmt(t["step_times"]).to_markdown(index=False) if len(t["step_times"]) else "(not measured)",
             "", "## Per-layer plan", "",
@@ -289,9 +437,25 @@ def markdown(result: "AutotuneResult", s: "Settings", t: Mapping[str, pd.DataFra
     if len(front):
         f = front.assign(hours=front["tta_s"] / 3600)
         out.append(_fmt(f, ["option", "trial", "hours", "cost_usd", "error", "step_s"]).to_markdown(index=False))
+    files = [n for n in OUTPUT_FILES if n.endswith(".csv")]
+    files += list(SHARDED_FILES) if result.sharding.sharded else []
     out += ["", "Files: plan.json, plans/*.json (one per option), report.html, and the CSV tables "
-            + ", ".join(n for n in OUTPUT_FILES if n.endswith(".csv")) + ".", ""]
+            + ", ".join(files) + ".", ""]
     return "\n".join(out)
+
+
+def _sharded_markdown(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) -> list[str]:
+    kind = result.sharding.kind.upper()
+    return ["", f"## Sharded training ({kind}): bytes and memory per rank", "",
+            f"All-gathers of parameters (forward, and backward when resharded) and the gradient "
+            f"reduction per rank per step, tuned plan against {kind}'s own collectives; FastML's "
+            f"error-feedback residuals per rank beside {kind}'s own state (fp32 parameter and "
+            f"gradient shards, optimizer state).", "",
+            _fmt(t["sharded"]).to_markdown(index=False),
+            "", f"## What if: other cluster shapes ({kind}, nodes x ranks per node)", "",
+            f"Each option's tuned plan on other shapes: predicted ms/step and speedup over {kind}'s "
+            f"own collectives (whatif.csv has bytes and memory too).", "",
+            _fmt(_whatif_pivot(t)).to_markdown(index=False)]
 
 
 def html_report(result: "AutotuneResult", s: "Settings", t: Mapping[str, pd.DataFrame],
@@ -300,19 +464,40 @@ def html_report(result: "AutotuneResult", s: "Settings", t: Mapping[str, pd.Data
         return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{figs[key]}">'
 
     def table(df: pd.DataFrame) -> str:
-        return _fmt(df).to_html(index=False, border=0, classes="t", escape=True)
+        # headers with spaces instead of underscores, so they wrap and a wide table fits the page;
+        # a table still too wide scrolls inside its own box
+        shown = _fmt(df).rename(columns=lambda c: str(c).replace("_", " "))
+        return '<div class="wide">' + shown.to_html(index=False, border=0, classes="t",
+                                                    escape=True) + "</div>"
 
     summary = "".join(f"<li>{html.escape(line).replace('**', '')}</li>" for line in _summary(result, s))
     tr = t["trials"]
     front = tr[tr["pareto"]].sort_values("tta_s") if len(tr) else tr
+    _, words = _base(result)
+    sharded: list[str] = []
+    if result.sharding.sharded:
+        kind = result.sharding.kind.upper()
+        sharded = [
+            f"<h2>Sharded training ({kind}): bytes and memory per rank</h2>",
+            f"<p>Parameter all-gathers and gradient reduction per rank per step, tuned plan against "
+            f"{kind}'s own collectives; FastML's error-feedback residuals beside {kind}'s own state "
+            f"(fp32 parameter and gradient shards, optimizer state).</p>",
+            img("sharded", "bytes and memory per rank"), table(t["sharded"]),
+            f"<h2>What if: other cluster shapes ({kind}, nodes x ranks per node)</h2>",
+            f"<p>Each option's tuned plan: predicted ms/step and speedup over {kind}'s own "
+            f"collectives; whatif.csv adds bytes and memory per rank.</p>",
+            img("whatif", "what-if speedups"), table(_whatif_pivot(t)),
+        ]
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>fastml-autotune report</title>",
         "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222}"
         "table.t{border-collapse:collapse;font-size:12px}table.t td,table.t th{padding:2px 8px;"
-        "border-bottom:1px solid #ddd;text-align:right}img{max-width:100%}h2{margin-top:1.6em}</style>",
+        "border-bottom:1px solid #ddd;text-align:right}table.t th{vertical-align:bottom}"
+        "img{max-width:100%}h2{margin-top:1.6em}.wide{overflow-x:auto}</style>",
         "</head><body><h1>fastml-autotune report</h1>", f"<ul>{summary}</ul>",
-        "<h2>Time and cost per hardware option vs uncompressed DDP</h2>", img("options", "options"),
+        f"<h2>Time and cost per hardware option vs {html.escape(words)}</h2>", img("options", "options"),
         table(t["options"]),
+        *sharded,
         "<h2>Pareto front: time to accuracy vs cost</h2>", img("pareto", "pareto front"),
         table(front.assign(hours=front["tta_s"] / 3600)[["option", "trial", "hours", "cost_usd", "error",
                                                           "step_s"]]) if len(front) else "",
@@ -334,7 +519,9 @@ def write_outputs(result: "AutotuneResult", s: "Settings", plan_dict: Mapping[st
     t = tables(result)
     figs = figures(result, t)
     out = s.out
-    for name in ("trials", "layers", "calibration", "step_times", "scaling", "options"):
+    names = ["trials", "layers", "calibration", "step_times", "scaling", "options"]
+    names += [n[:-4] for n in SHARDED_FILES] if result.sharding.sharded else []
+    for name in names:
         with atomic_open(out / f"{name}.csv", "w") as f:
             t[name].to_csv(f, index=False)
     for opt, d in per_option.items():

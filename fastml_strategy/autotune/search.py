@@ -34,7 +34,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from fastml_strategy.autotune.catalog import HardwareOption
-from fastml_strategy.autotune.costmodel import Convergence, Profile, evaluate
+from fastml_strategy.autotune.costmodel import Convergence, Profile, Sharding, evaluate
 
 __all__ = ["group_layers", "lagrangian_plans", "run_search", "expand"]
 
@@ -68,12 +68,12 @@ def expand(groups: Mapping[str, list[str]], gchoice: Mapping[str, str]) -> dict[
 
 
 def lagrangian_plans(profile: Profile, groups: Mapping[str, list[str]], option: HardwareOption,
-                     count: int = 8) -> list[dict[str, str]]:
+                     count: int = 8, sharding: Sharding | None = None) -> list[dict[str, str]]:
     """Group choices on the time-error frontier (each group alone: min time + lam * error share)."""
     from fastml_strategy.autotune.costmodel import step_time
 
     base = {n: "none" for names in groups.values() for n in names}
-    t0 = step_time(profile, base, option)
+    t0 = step_time(profile, base, option, sharding=sharding)
     den = sum(lp.grad_sq for lp in profile.layers) or 1.0
     cost: dict[str, dict[str, tuple[float, float]]] = {}
     for g, names in groups.items():
@@ -81,7 +81,7 @@ def lagrangian_plans(profile: Profile, groups: Mapping[str, list[str]], option: 
         for o in profile.options:
             c = dict(base)
             c.update({n: o for n in names})
-            t = step_time(profile, c, option)
+            t = step_time(profile, c, option, sharding=sharding)
             dt = (t.codec_s + t.wire_s) - (t0.codec_s + t0.wire_s)
             de = sum(profile.layer(n).grad_sq * profile.layer(n).rel_error[o] ** 2 for n in names) / den
             cost[g][o] = (dt, de)
@@ -102,8 +102,12 @@ def _objective_value(r: Mapping[str, Any], option: HardwareOption) -> float:
 
 def run_search(profile: Profile, groups: Mapping[str, list[str]], option: HardwareOption,
                conv: Convergence, target_steps: float, *, storage: Any, study_name: str, trials: int,
-               seed: int, progress: Any = None) -> list[dict[str, Any]]:
+               seed: int, progress: Any = None, sharding: Sharding | None = None,
+               max_residual_bytes: float | None = None) -> list[dict[str, Any]]:
     """Search one option; return every finished trial as a row.
+
+    Sharded (``sharding``): the cost model is FSDP's or HSDP's, and with ``max_residual_bytes`` a
+    second constraint keeps the error-feedback memory per rank under the limit.
 
     The study runs in memory (a trial is a cost-model evaluation, microseconds, while a database
     commit per trial attribute would dominate) and is then saved to ``storage`` under
@@ -128,17 +132,20 @@ def run_search(profile: Profile, groups: Mapping[str, list[str]], option: Hardwa
     sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(10, max(1, trials // 5)))
     study = optuna.create_study(direction="minimize", sampler=sampler)
     seeds = [{g: o for g in names} for o in profile.options]
-    seeds += lagrangian_plans(profile, groups, option)
+    seeds += lagrangian_plans(profile, groups, option, sharding=sharding)
     for gc in seeds[:trials]:
         study.enqueue_trial({keys[g]: o for g, o in gc.items()}, skip_if_exists=True)
 
     def objective(trial: optuna.Trial) -> float:
         gchoice = {g: trial.suggest_categorical(keys[g], profile.options) for g in names}
-        r = evaluate(profile, expand(groups, gchoice), option, conv, target_steps)
+        r = evaluate(profile, expand(groups, gchoice), option, conv, target_steps, sharding=sharding,
+                     max_residual_bytes=max_residual_bytes)
         for k, v in r.items():
-            trial.set_user_attr(k, bool(v) if k == "feasible" else float(v))
+            trial.set_user_attr(k, bool(v) if k in ("feasible", "memory_ok") else float(v))
         # <= 0 is feasible; TPE reads it (Trial.set_constraint replaces v4's constraints_func)
         trial.set_constraint("error_over_limit", r["error"] - conv.e_max)
+        if max_residual_bytes is not None:
+            trial.set_constraint("residual_over_limit", r["residual_bytes"] / max_residual_bytes - 1.0)
         return _objective_value(r, option)
 
     def tick(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
