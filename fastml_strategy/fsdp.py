@@ -478,6 +478,7 @@ def register(
                 f"register afterwards, on every rank")
         named = dict(model.named_parameters())
         names = {id(p): n for n, p in named.items()}
+        names_all.extend(named)
         units, mesh_infos = [], set()
         for mod in model.modules():
             if not isinstance(mod, FSDPModule):
@@ -537,7 +538,7 @@ def register(
             found["shard_plan"] = sp
         found.update(units=units, native_hsdp=native_hsdp, shard_size=shard_size, rep=rep)
 
-    names_all = [n for n, _ in model.named_parameters()] if isinstance(model, torch.nn.Module) else []
+    names_all: list = []  # filled by inspect() once the model is known to be an FSDP2 module
     plan_obj = agreed_plan(plan, names_all, world, world_size, check=inspect)
     shard_plan_obj = found.get("shard_plan")
     if shard_plan_obj is not None:  # the same on every rank too

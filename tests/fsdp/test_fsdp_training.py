@@ -1,0 +1,183 @@
+"""FastML under FSDP2 as a user runs it: convergence on the digits task, resume from a distributed
+checkpoint, a rank that dies, and bad input caught on every rank before the first step."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from _fsdp_helpers import OddNet, full_params, max_diff, plan, shard
+from _dist import run_workers
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _digits(rank, world_size, recipes, steps):
+    """Train one digits MLP per recipe (None: FSDP's own reduce-scatter) side by side; returns
+    (first loss, last loss, test accuracy) per recipe."""
+    import fastml_strategy.fsdp as ff
+    from fastml_strategy._digits import accuracy, batches, digits_mlp, load_digits_split
+
+    xtr, ytr, xte, yte = load_digits_split()
+    runs = []
+    for recipe in recipes:
+        model = shard(digits_mlp(hidden=128))
+        if recipe is not None:
+            ff.register(model, plan=recipe)
+        runs.append((model, torch.optim.Adam(model.parameters(), lr=3e-3),
+                     batches(xtr, ytr, 32, rank, world_size), []))
+    for _ in range(steps):
+        for model, opt, data, losses in runs:
+            x, y = next(data)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+    out = {}
+    for recipe, (model, _, _, losses) in zip(recipes, runs):
+        # accuracy() runs the FSDP model: a collective, on every rank alike
+        out[str(recipe)] = (sum(losses[:10]) / 10, sum(losses[-20:]) / 20, accuracy(model, xte, yte))
+    return out
+
+
+@pytest.mark.parametrize("world_size,recipes", [(2, [None, "int4", "topk1-int4"]), (4, [None, "int4"])])
+def test_digits_converge_like_uncompressed_fsdp(world_size, recipes):
+    steps = 240 if world_size == 2 else 160
+    res = run_workers(_digits, world_size, recipes, steps, timeout=230)[0]
+    first, last, acc_ref = res["None"]
+    assert last < 0.25 * first and acc_ref > 0.9
+    for recipe in recipes[1:]:
+        f, l, acc = res[recipe]
+        assert l < 0.3 * f, (recipe, f, l)
+        if recipe == "int4":
+            assert acc >= acc_ref - 0.01, (recipe, acc, acc_ref)
+        else:  # top-k keeps 1% per step: it converges, more slowly
+            assert acc > 0.85, (recipe, acc, acc_ref)
+
+
+def _dcp_run(rank, world_size, ckpt_dir, mode, steps, save_at):
+    """mode "full": train `steps`, saving a distributed checkpoint after `save_at`; "resume": load it
+    and train the rest; "resume-without-fastml": the same, but FastML's residuals start at zero."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import fastml_strategy.fsdp as ff
+
+    model = shard(OddNet())
+    state = ff.register(model, plan=plan("int4"))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(11 + rank)
+    xs = [torch.randn(8, 13, generator=gen) for _ in range(steps)]
+    start = 0
+    if mode != "full":
+        msd, osd = get_state_dict(model, opt)
+        ckpt = {"model": msd, "optim": osd, "fastml": state.distributed_state_dict()}
+        dcp.load(ckpt, checkpoint_id=ckpt_dir)
+        set_state_dict(model, opt, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optim"])
+        if mode == "resume":
+            state.load_state_dict(ckpt["fastml"])
+        start = save_at
+    for step in range(start, steps):
+        model(xs[step]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if mode == "full" and step + 1 == save_at:
+            msd, osd = get_state_dict(model, opt)
+            dcp.save({"model": msd, "optim": osd, "fastml": state.distributed_state_dict()},
+                     checkpoint_id=ckpt_dir)
+    return full_params(model), state.stats()["steps"]
+
+
+def test_resume_from_distributed_checkpoint_is_bit_exact(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    full = run_workers(_dcp_run, 2, ckpt, "full", 8, 4, timeout=120)
+    resumed = run_workers(_dcp_run, 2, ckpt, "resume", 8, 4, timeout=120)
+    for (p_full, n_full), (p_res, n_res) in zip(full, resumed):
+        assert n_full == n_res == 8
+        assert max_diff(p_full, p_res) == 0.0
+    # the residuals are part of the trajectory: without them the run differs
+    fresh = run_workers(_dcp_run, 2, ckpt, "resume-without-fastml", 8, 4, timeout=120)
+    assert max_diff(full[0][0], fresh[0][0]) > 0
+
+
+def _dies(rank, world_size):
+    import fastml_strategy.codecs as codecs
+    import fastml_strategy.fsdp as ff
+    from fastml_strategy import CompressionError
+
+    model = shard(OddNet())
+    ff.register(model, plan=plan("int4"))
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(5):
+        if step == 2 and rank == 1:
+            def die(*a, **k):  # dies in the middle of its reduce-scatter, as an OOM kill would
+                os._exit(3)
+
+            codecs.encode_chunk = die
+        try:
+            model(torch.randn(8, 13, generator=gen)).square().mean().backward()
+        except CompressionError as e:
+            return {"step": step, "msg": str(e)}
+    return {"step": None}
+
+
+def test_rank_death_raises_compression_error_on_survivors():
+    res = run_workers(_dies, 2, timeout=90, pg_timeout=20, allow_deaths=True)
+    assert res[1] == ("died", 3)
+    status, value = res[0]
+    assert status == "ok" and value["step"] == 2, res
+    assert "reduce-scatter" in value["msg"] and "restart from the last checkpoint" in value["msg"]
+
+
+def _bad_inputs(rank, world_size):
+    import fastml_strategy as fm
+    import fastml_strategy.fsdp as ff
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    out = {}
+
+    def attempt(key, fn):
+        try:
+            fn()
+            out[key] = None
+        except Exception as e:  # noqa: BLE001
+            out[key] = (type(e).__name__, str(e))
+
+    attempt("not_sharded", lambda: ff.register(OddNet(), plan="int4"))
+    attempt("not_a_module", lambda: ff.register("model", plan="int4"))
+    model = shard(OddNet())
+    attempt("missing_param", lambda: ff.register(model, plan=fm.Plan.from_recipe("int4").with_layers(
+        {"nope.weight": fm.RECIPES["int8"]})))
+    # one rank's plan differs (the other ranks' plan is fine): every rank must raise
+    attempt("mismatch", lambda: ff.register(model, plan="int4" if rank == 0 else "int8"))
+    attempt("bad_only_on_rank1", lambda: ff.register(model, plan="int4" if rank == 0 else "int9"))
+    attempt("shard_plan_without_hsdp", lambda: ff.register(model, plan="int4", shard_plan="int8"))
+    # FSDP1 cannot be built on a CPU-only machine ("FSDP needs a non-CPU accelerator"): an instance
+    # of its class, initialised as a plain Module, is what the type check sees on a GPU machine.
+    fsdp1 = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
+    torch.nn.Module.__init__(fsdp1)
+    attempt("fsdp1", lambda: ff.register(fsdp1, plan="int4"))
+    # after all that, registration still works and trains
+    state = ff.register(model, plan=plan("int4"))
+    model(torch.randn(8, 13)).square().mean().backward()
+    out["trained_steps"] = state.stats()["steps"]
+    return out
+
+
+def test_bad_input_fails_on_every_rank_before_any_step():
+    res = run_workers(_bad_inputs, 2, timeout=120)
+    for r in res:
+        assert r["not_sharded"][0] == "TypeError" and "fully_shard" in r["not_sharded"][1]
+        assert r["not_a_module"][0] == "TypeError"
+        assert r["missing_param"][0] == "ValueError" and "nope.weight" in r["missing_param"][1]
+        assert r["mismatch"][0] == "ValueError" and "different plans" in r["mismatch"][1]
+        assert r["bad_only_on_rank1"][0] == "ValueError" and "rank(s) [1]" in r["bad_only_on_rank1"][1]
+        assert r["shard_plan_without_hsdp"][0] == "ValueError"
+        assert r["fsdp1"][0] == "TypeError" and "FSDP1" in r["fsdp1"][1]
+        assert r["trained_steps"] == 1
+    # the same message on every rank
+    assert res[0]["mismatch"] == res[1]["mismatch"]
+    assert res[0]["bad_only_on_rank1"] == res[1]["bad_only_on_rank1"]
