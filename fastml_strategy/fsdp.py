@@ -181,6 +181,7 @@ class FSDPState:
         self._rs = CompressedAllReduce(rs_plan, None, shard_rank, shard_size) if rs_plan else None
         self._ar = (CompressedAllReduce(plan, replicate_group, self.replicate_rank, self.replicate_size)
                     if replicate_group is not None else None)
+        self._ag: Optional[_AllGatherCounter] = None  # register(all_gather_bits=...)
         self._create_residuals()
         self.step = 0
         self.nonfinite_steps = 0
@@ -286,7 +287,9 @@ class FSDPState:
     # -- public ---------------------------------------------------------------------------------------------
     def stats(self) -> dict:
         """Cumulative figures of this rank: bytes FastML sent against what FSDP's own collectives
-        would have sent for the same gradients (in their reduce dtype), and the error-feedback memory."""
+        would have sent for the same tensors (in their reduce or parameter dtype), per hop
+        (``reduce_scatter``, ``all_reduce``, ``all_gather``) and in total, and the error-feedback
+        memory (``residual_bytes``)."""
         parts = {}
         for key, eng in (("reduce_scatter", self._rs), ("all_reduce", self._ar)):
             if eng is None:
@@ -295,15 +298,22 @@ class FSDPState:
             parts[key] = {"bytes_sent": int(eng.bytes_sent), "bytes_uncompressed": unc,
                           "compression_ratio": unc / eng.bytes_sent if eng.bytes_sent else 1.0,
                           "layers": eng.layer_stats()}
+        if self._ag is not None:
+            ag = self._ag
+            unc = int(round(ag.bytes_uncompressed))
+            parts["all_gather"] = {"bytes_sent": int(ag.bytes_sent), "bytes_uncompressed": unc,
+                                   "compression_ratio": unc / ag.bytes_sent if ag.bytes_sent else 1.0,
+                                   "codec": ag.cfg.describe()}
         sent = sum(p["bytes_sent"] for p in parts.values())
         unc = sum(p["bytes_uncompressed"] for p in parts.values())
         layers: dict = {}
         for p in parts.values():
-            for name, row in p["layers"].items():
+            for name, row in p.get("layers", {}).items():
                 if name in layers:  # HSDP with a compressed reduce-scatter too: both hops
                     prev = layers[name]
-                    row = dict(row, bytes=prev["bytes"] + row["bytes"],
-                               codec=f"{prev['codec']} + {row['codec']}")
+                    row = dict(prev, bytes=prev["bytes"] + row["bytes"],
+                               codec=f"{prev['codec']} + {row['codec']}",
+                               rel_error=max(prev["rel_error"], row["rel_error"]))
                 layers[name] = row
         return {
             "steps": self.step,
@@ -337,7 +347,8 @@ class FSDPState:
             "world_size": self.world_size,
             "shard_size": self.shard_size,
             "counters": {k: [e.bytes_sent, e.bytes_uncompressed] if e is not None else None
-                         for k, e in (("reduce_scatter", self._rs), ("all_reduce", self._ar))},
+                         for k, e in (("reduce_scatter", self._rs), ("all_reduce", self._ar),
+                                      ("all_gather", self._ag))},
             "residuals": {k: ({n: v.detach().cpu().clone() for n, v in e.residuals().items()}
                               if e is not None else {})
                           for k, e in (("reduce_scatter", self._rs), ("all_reduce", self._ar))},
@@ -389,12 +400,13 @@ class FSDPState:
                               f"loaded for the layers present in both. Pass the checkpoint's plan to "
                               f"resume exactly.", stacklevel=2)
         self.step = int(sd["step"])
-        for key, eng in (("reduce_scatter", self._rs), ("all_reduce", self._ar)):
+        for key, eng in (("reduce_scatter", self._rs), ("all_reduce", self._ar), ("all_gather", self._ag)):
             if eng is None:
                 continue
             counters = (sd.get("counters") or {}).get(key) or [0, 0.0]
             eng.bytes_sent, eng.bytes_uncompressed = int(counters[0]), float(counters[1])
-            eng.load_residuals((sd.get("residuals") or {}).get(key, {}))
+            if key != "all_gather":
+                eng.load_residuals((sd.get("residuals") or {}).get(key, {}))
 
     def close(self) -> None:
         """Give the model back to FSDP's own collectives (FastML's residuals are dropped)."""
@@ -406,6 +418,74 @@ class FSDPState:
     def __getstate__(self) -> dict:
         raise TypeError("FSDPState holds process groups and hooks on a live model and cannot be "
                         "pickled; save state.state_dict() (or distributed_state_dict()) instead")
+
+
+class _AllGatherCounter:
+    """Statistics of the quantized parameter all-gather (the third hop FastML can take over)."""
+
+    def __init__(self, cfg, world_size: int) -> None:
+        self.cfg = cfg
+        self.world_size = world_size
+        self.bytes_sent = 0
+        self.bytes_uncompressed = 0.0
+
+    def residual_nbytes(self) -> int:
+        return 0
+
+
+def _quantized_all_gather(state: FSDPState, unit: _Unit, output: torch.Tensor, inp: torch.Tensor,
+                          group) -> None:
+    """ZeRO++ "qwZ": every rank quantizes its parameter shard (per parameter, max-min blocks, round
+    to nearest), one all_gather of the bytes, and every rank (the owner too) decodes all W shards, so
+    every rank computes with the same unsharded parameters. The sharded parameters the optimizer
+    updates stay exact; only the copies used in forward and backward are quantized."""
+    ag = state._ag
+    cfg, W = ag.cfg, group.size()
+    n = inp.numel()
+    segs = [fp.padded_sharded_param_size.numel() for fp in unit.params]
+    if sum(segs) != n:
+        segs = [n]
+    sizes = [codecs.dense_nbytes(k, cfg) for k in segs]
+    total = sum(sizes)
+    send = torch.empty(total, dtype=torch.uint8, device=inp.device)
+    pos = off = 0
+    for k, nb in zip(segs, sizes):
+        codecs.encode_dense(inp[off: off + k], cfg, send[pos: pos + nb])
+        pos, off = pos + nb, off + k
+    recv = torch.empty(W * total, dtype=torch.uint8, device=inp.device)
+    dist.all_gather(list(recv.view(W, total).unbind(0)), send, group=group)
+    out = output.view(W, n)
+    tmp = None if output.dtype == torch.float32 else torch.empty(n, dtype=torch.float32, device=inp.device)
+    for j in range(W):
+        dst = out[j] if tmp is None else tmp
+        pos = off = 0
+        for k, nb in zip(segs, sizes):
+            codecs.decode_dense(recv[j * total + pos: j * total + pos + nb], k, cfg, dst[off: off + k])
+            pos, off = pos + nb, off + k
+        if tmp is not None:
+            out[j].copy_(tmp)
+    ag.bytes_sent += (W - 1) * total
+    ag.bytes_uncompressed += (W - 1) * n * inp.element_size()
+
+
+def _make_all_gather(AllGather, state: FSDPState, unit: _Unit):
+    class _FastMLAllGather(AllGather):
+        """FSDP's parameter all-gather of one unit, quantized (opt-in: register(all_gather_bits=8))."""
+
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            if not input_tensor.is_floating_point():  # parameters of mixed dtypes travel as bytes
+                return dist.all_gather_single(output_tensor, input_tensor, group=group,
+                                              async_op=async_op)
+            try:
+                _quantized_all_gather(state, unit, output_tensor, input_tensor, group)
+            except BaseException as e:  # noqa: BLE001
+                raise state._fail(e, "parameter all-gather", unit) from None
+            return None
+
+    return _FastMLAllGather()
 
 
 def _make_comm(ReduceScatter, state: FSDPState, unit: _Unit):
@@ -428,6 +508,7 @@ def register(
     *,
     replicate_group: Any = None,
     shard_plan: Any = None,
+    all_gather_bits: Optional[int] = None,
     layer_stats_every: int = 10,
 ) -> FSDPState:
     """Compress an FSDP2 model's gradient reduction with FastML; returns its :class:`FSDPState`.
@@ -439,19 +520,28 @@ def register(
     cross-replica all-reduce. ``replicate_group``: HSDP with a 1-D shard mesh, the process group of
     this rank's replicas (omit it for a 2-D ``("replicate", "shard")`` mesh: FastML reads it there).
     ``shard_plan``: HSDP only, a plan for the intra-node reduce-scatter too (default None: FSDP's own,
-    uncompressed, for the fast link inside a node). ``layer_stats_every``: measure per-layer error
-    every N steps (0: never).
+    uncompressed, for the fast link inside a node). ``all_gather_bits``: opt-in, quantize FSDP's
+    parameter all-gathers (forward, and backward when resharded) to this many bits (8: ZeRO++ "qwZ";
+    blocks of 256, round to nearest): forward and backward then compute with quantized copies of the
+    parameters, while the optimizer updates the exact shards. Default None: FSDP's own all-gather.
+    ``layer_stats_every``: measure per-layer error every N steps (0: never).
 
     Every rank raises the same error before any step if the model, the plans or the groups are wrong
     on any of them.
     """
     FSDPModule, ReduceScatter, FSDPMeshInfo, HSDPMeshInfo = _fsdp_api()
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("fastml_strategy.fsdp.register: torch.distributed is not initialised; call "
                            "dist.init_process_group (torchrun sets the environment) before fully_shard")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fastml_strategy.fsdp.register: model is a {type(model).__name__}; pass the "
                         f"root module that fully_shard was applied to")
+    if all_gather_bits is not None and (not isinstance(all_gather_bits, int) or isinstance(
+            all_gather_bits, bool) or not 2 <= all_gather_bits <= 8):
+        raise ValueError(f"fastml_strategy.fsdp.register: all_gather_bits={all_gather_bits!r}; use 2-8 "
+                         f"(8 is ZeRO++'s choice; parameters lose more precision with fewer bits) or "
+                         f"None for FSDP's own all-gather")
     if not isinstance(layer_stats_every, int) or isinstance(layer_stats_every, bool) or layer_stats_every < 0:
         raise ValueError(f"fastml_strategy.fsdp.register: layer_stats_every={layer_stats_every!r}; use a "
                          f"whole number >= 0 (0 turns it off)")
@@ -550,6 +640,11 @@ def register(
     restore: list = []
     state = FSDPState(model, units, plan_obj, shard_plan_obj, shard_size, shard_rank, rep,
                       layer_stats_every, restore)
+    if all_gather_bits is not None:
+        from fastml_strategy.config import Codec, CodecConfig
+
+        state._ag = _AllGatherCounter(CodecConfig(codec=Codec.QUANTIZE, bits=all_gather_bits,
+                                                  block_size=256), shard_size)
     for unit in units:
         g, mod = unit.group, unit.module
         # Every parameter that requires a gradient takes part in every reduce-scatter (zeros when no
@@ -569,6 +664,10 @@ def register(
             old = g._reduce_scatter_comm
             mod.set_custom_reduce_scatter(_make_comm(ReduceScatter, state, unit))
             restore.append(lambda g=g, c=old: setattr(g, "_reduce_scatter_comm", c))
+        if all_gather_bits is not None:
+            old_ag = g._all_gather_comm
+            mod.set_custom_all_gather(_make_all_gather(AllGather, state, unit))
+            restore.append(lambda g=g, c=old_ag: setattr(g, "_all_gather_comm", c))
         if rep is not None:
             old_hook = g._all_reduce_hook
             mod.set_all_reduce_hook(lambda out, unit=unit: state._all_reduce(unit, out))
