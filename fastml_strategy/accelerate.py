@@ -29,8 +29,8 @@ What :func:`setup` does, on every process:
    ``accelerator.save_state(dir)`` stores it (plan, step, error-feedback residuals) and
    ``accelerator.load_state(dir)`` restores it. Call ``setup`` before ``load_state``, and on every
    process: saving gathers every rank's residuals (a collective), as ``save_state`` itself expects
-   to be called everywhere. Under FSDP each rank's residuals are as large as the unsharded gradient
-   of the layers they cover, so the main process holds world_size of them while it writes the file.
+   to be called everywhere. Under FSDP a rank's reduce-scatter residuals are as large as the
+   unsharded gradients it compresses, and the main process holds world_size of them while it writes.
 
 In one process (no DDP or FSDP) it returns None and changes nothing. Under DeepSpeed, which uses
 neither, it warns and returns None: training continues uncompressed.
@@ -153,14 +153,16 @@ def setup(
     checkpoint: bool = True,
     shard_plan: Plan | str | os.PathLike | dict | None = None,
     replicate_group: Any = None,
+    all_gather_bits: int | None = None,
 ) -> FastMLState | FSDPState | None:
     """Register FastML on a model returned by ``accelerator.prepare``; call it on every process.
 
     Returns the :class:`~fastml_strategy.FastMLState` (DDP) or :class:`~fastml_strategy.fsdp.FSDPState`
     (FSDP2; ``.stats()`` for compression figures), or None when the model is neither (one process,
     DeepSpeed). ``checkpoint=False`` skips ``register_for_checkpointing`` (then save
-    ``state.state_dict(all_ranks=True)`` yourself). ``shard_plan`` and ``replicate_group`` are
-    :func:`fastml_strategy.fsdp.register`'s (HSDP only); ``check_replicas_every`` is DDP's.
+    ``state.state_dict(all_ranks=True)`` yourself). ``shard_plan``, ``replicate_group`` (HSDP only)
+    and ``all_gather_bits`` are :func:`fastml_strategy.fsdp.register`'s; ``check_replicas_every`` is
+    DDP's.
     Raises TypeError, on every process, for a model wrapped in FSDP1.
     """
     resolved = resolve_plan(plan)  # a bad FASTML_PLAN fails here, on every process, naming it
@@ -169,13 +171,12 @@ def setup(
     _reject_fsdp1(model)
     ddp = _find_ddp(model)
     fsdp = _find_fsdp2(model) if ddp is None else None
-    if ddp is None and fsdp is None and (shard_plan is not None or replicate_group is not None):
-        raise ValueError("fastml_strategy.accelerate.setup: shard_plan and replicate_group are for an FSDP2 "
-                         "(HSDP) model; this one is not sharded with fully_shard")
+    fsdp_only = [k for k, v in (("shard_plan", shard_plan), ("replicate_group", replicate_group),
+                                ("all_gather_bits", all_gather_bits)) if v is not None]
+    if fsdp is None and fsdp_only:
+        raise ValueError(f"fastml_strategy.accelerate.setup: {fsdp_only} are for an FSDP2 model; this one is "
+                         f"a {type(model).__name__}, not sharded with fully_shard (fsdp_version: 2)")
     if ddp is not None:
-        if shard_plan is not None or replicate_group is not None:
-            raise ValueError("fastml_strategy.accelerate.setup: shard_plan and replicate_group are for an "
-                             "FSDP2 (HSDP) model; this one is DistributedDataParallel")
         state: Any = register_hook(ddp, resolved, check_replicas_every=check_every, layer_stats_every=layer_every)
     elif fsdp is not None:
         if check_every:
@@ -184,7 +185,7 @@ def setup(
         from fastml_strategy.fsdp import register
 
         state = register(fsdp, resolved, replicate_group=replicate_group, shard_plan=shard_plan,
-                         layer_stats_every=layer_every)
+                         all_gather_bits=all_gather_bits, layer_stats_every=layer_every)
     else:
         inner = accelerator.unwrap_model(model) if hasattr(accelerator, "unwrap_model") else model
         resolved.check_parameters([n for n, p in inner.named_parameters() if p.requires_grad])

@@ -306,7 +306,8 @@ def effective_config(cfg: CodecConfig, numel: int, world_size: int) -> CodecConf
         dense = RECIPES["none"]
     else:
         dense = CodecConfig(codec=Codec.QUANTIZE, bits=cfg.fallback_bits, block_size=cfg.block_size,
-                            stochastic=cfg.stochastic, error_feedback=cfg.error_feedback)
+                            stochastic=cfg.stochastic, error_feedback=cfg.error_feedback,
+                            residual_dtype=cfg.residual_dtype)
     sparse_bytes = (world_size - 1) * topk_nbytes(numel, cfg)
     if sparse_bytes > _dense_rank_bytes(numel, dense, world_size):
         return dense

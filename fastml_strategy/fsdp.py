@@ -46,6 +46,7 @@ parameter list and mesh); :func:`register` checks they exist and names the torch
 
 # No `from __future__ import annotations`: torch's ReduceScatter is an ABC with annotated signatures.
 
+import json
 import math
 import warnings
 from typing import Any, Optional, Sequence
@@ -58,7 +59,7 @@ from fastml_strategy.collective import CompressedAllReduce, CompressionError, Sh
 from fastml_strategy.config import Plan, resolve_plan
 from fastml_strategy.hook import _default_group_timeout, agreed_plan  # noqa: F401
 
-__all__ = ["register", "FSDPState", "shard_chunks", "TESTED_TORCH"]
+__all__ = ["register", "FSDPState", "shard_chunks", "save_distributed", "load_distributed", "TESTED_TORCH"]
 
 STATE_FORMAT_VERSION = 1
 TESTED_TORCH = "2.13"
@@ -360,15 +361,21 @@ class FSDPState:
         return {"format_version": STATE_FORMAT_VERSION, "per_rank": gathered}
 
     def distributed_state_dict(self) -> dict:
-        """``{"rank<R>": this rank's state}``: a key only this rank has, so that
-        ``torch.distributed.checkpoint`` saves (and loads back) every rank's residuals."""
-        return {f"rank{self.rank}": self.state_dict()}
+        """This rank's state in the form ``torch.distributed.checkpoint`` keeps intact:
+        ``{"rank<R>": {"state": <JSON of everything but tensors>, "tensors": {path: residual}}}``. The
+        key exists on rank R only, so every rank writes (and reads back) its own residuals; the JSON
+        string keeps what DCP would otherwise flatten or drop (the plan, empty dicts). A fresh state's
+        dict is the template to load into (its residuals exist from registration on)."""
+        return {f"rank{self.rank}": _dcp_encode(self.state_dict())}
 
     def load_state_dict(self, sd: dict) -> None:
-        """Load what :meth:`state_dict` (one rank, or ``all_ranks=True``) or
-        :meth:`distributed_state_dict` returned; call before the first step of the resumed run."""
+        """Load what :meth:`state_dict` (one rank, or ``all_ranks=True``),
+        :meth:`distributed_state_dict` or :func:`load_distributed` returned; call before the first
+        step of the resumed run."""
         if isinstance(sd, dict) and f"rank{self.rank}" in sd and "format_version" not in sd:
             sd = sd[f"rank{self.rank}"]
+            if isinstance(sd, dict) and set(sd) == {"state", "tensors"}:
+                sd = _dcp_decode(sd["state"], sd["tensors"])
         if not isinstance(sd, dict) or "format_version" not in sd:
             raise ValueError("FSDPState.load_state_dict: not a FastML state (no 'format_version'); pass "
                              "what state_dict() or distributed_state_dict() returned")
@@ -486,6 +493,95 @@ def _make_all_gather(AllGather, state: FSDPState, unit: _Unit):
             return None
 
     return _FastMLAllGather()
+
+
+# -- distributed checkpoints ------------------------------------------------------------------------------
+_TENSOR_KEY = "__fastml_tensor__"  # how a tensor is referenced inside the JSON skeleton
+
+
+def _dcp_encode(own: dict) -> dict:
+    """One rank's state as DCP keeps it: every tensor under ``tensors/<path>``, the rest one JSON
+    string (DCP would drop empty dicts and split the plan into one entry per field)."""
+    tensors: dict = {}
+
+    def enc(x: Any, path: tuple) -> Any:
+        if isinstance(x, torch.Tensor):
+            key = "/".join(path)
+            tensors[key] = x
+            return {_TENSOR_KEY: key}
+        if isinstance(x, dict):
+            return {str(k): enc(v, path + (str(k),)) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [enc(v, path + (str(i),)) for i, v in enumerate(x)]
+        return x
+
+    return {"state": json.dumps(enc(own, ())), "tensors": tensors}
+
+
+def _dcp_decode(state: str, tensors: dict) -> dict:
+    def dec(x: Any) -> Any:
+        if isinstance(x, dict):
+            if set(x) == {_TENSOR_KEY}:
+                return tensors[x[_TENSOR_KEY]]
+            return {k: dec(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [dec(v) for v in x]
+        return x
+
+    return dec(json.loads(state))
+
+
+CHECKPOINT_KEY = "fastml"
+
+
+def save_distributed(state: FSDPState, checkpoint_id) -> None:
+    """Write every rank's FastML state into the distributed checkpoint folder ``checkpoint_id`` (a
+    collective: call on every rank)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({CHECKPOINT_KEY: state.distributed_state_dict()}, checkpoint_id=checkpoint_id)
+
+
+def load_distributed(checkpoint_id) -> Optional[dict]:
+    """This rank's FastML state from a folder written by :func:`save_distributed` (a collective), as
+    :meth:`FSDPState.load_state_dict` takes it, or None if the folder holds no checkpoint. Needs no
+    live state (the template comes from the checkpoint's own metadata), and raises ValueError naming
+    the fix if the checkpoint holds another number of ranks."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if not os.path.isfile(os.path.join(str(checkpoint_id), ".metadata")):
+        return None
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    meta = FileSystemReader(str(checkpoint_id)).read_metadata()
+    paths = {fqn: tuple(p) for fqn, p in (meta.planner_data or {}).items() if p and p[0] == CHECKPOINT_KEY}
+    ranks = {p[1] for p in paths.values()}
+    mine = f"rank{rank}"
+    if len(ranks) != world_size or mine not in ranks:
+        raise ValueError(
+            f"the checkpoint {checkpoint_id} holds the FastML state of {len(ranks)} ranks, this run has "
+            f"{world_size}: error-feedback residuals belong to one rank's shard. Resume with the same "
+            f"number of processes and mesh, or delete {checkpoint_id} to start the residuals from zero")
+    template: dict = {}
+    for fqn, p in paths.items():
+        if p[1] == mine:
+            item = meta.state_dict_metadata[fqn]
+            template[fqn] = (torch.empty(item.size, dtype=item.properties.dtype)
+                             if isinstance(item, TensorStorageMetadata) else None)
+    dcp.load(template, checkpoint_id=checkpoint_id)
+    state, tensors = None, {}
+    for fqn, p in paths.items():
+        if p[1] == mine and p[2] == "state":
+            state = template[fqn]
+        elif p[1] == mine and p[2] == "tensors":
+            tensors["/".join(p[3:])] = template[fqn]
+    if state is None:
+        raise ValueError(f"the checkpoint {checkpoint_id} has no FastML state for {mine}; it was not "
+                         f"written by fastml_strategy.fsdp.save_distributed")
+    return _dcp_decode(state, tensors)
 
 
 def _make_comm(ReduceScatter, state: FSDPState, unit: _Unit):
@@ -658,8 +754,12 @@ def register(
             hsdp_info = g.mesh_info
             one_d = FSDPMeshInfo(mesh=hsdp_info.mesh, shard_mesh_dim=hsdp_info.shard_mesh_dim)
             one_d.reduce_scatter_process_group = hsdp_info.reduce_scatter_process_group
+            post = g.post_forward_mesh_info
             g.mesh_info = one_d
-            restore.append(lambda g=g, m=hsdp_info: setattr(g, "mesh_info", m))
+            if post is hsdp_info:  # reshard_after_forward=True: after forward, back to the same mesh
+                g.post_forward_mesh_info = one_d
+            restore.append(lambda g=g, m=hsdp_info, pf=post: (setattr(g, "mesh_info", m),
+                                                              setattr(g, "post_forward_mesh_info", pf)))
         if state._rs is not None:
             old = g._reduce_scatter_comm
             mod.set_custom_reduce_scatter(_make_comm(ReduceScatter, state, unit))

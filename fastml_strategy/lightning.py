@@ -111,7 +111,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 
 from fastml_strategy.config import Plan, resolve_plan
-from fastml_strategy.hook import FastMLState, register_hook
+from fastml_strategy.hook import register_hook
 
 if TYPE_CHECKING:  # the real classes are built lazily, see strategy_class()
     from lightning.fabric.strategies import DDPStrategy as FastMLFabricStrategy  # noqa: F401
@@ -596,46 +596,6 @@ def _fsdp1_error(owner: str) -> TypeError:
         f"(auto_wrap_policy)")
 
 
-class _TensorMarker:
-    """How a tensor is written inside the JSON skeleton of a FastML state in a DCP checkpoint."""
-
-    KEY = "__fastml_tensor__"
-
-
-def _dcp_encode(own: dict) -> dict:
-    """One rank's FastML state as DCP likes it: every tensor under ``tensors/<path>`` (real tensors in the
-    checkpoint, written by this rank), everything else as one JSON string ``state`` (DCP would drop
-    empty dicts and split the plan into one entry per field)."""
-    tensors: dict[str, torch.Tensor] = {}
-
-    def enc(x: Any, path: tuple[str, ...]) -> Any:
-        if isinstance(x, torch.Tensor):
-            key = "/".join(path)
-            tensors[key] = x
-            return {_TensorMarker.KEY: key}
-        if isinstance(x, dict):
-            return {str(k): enc(v, path + (str(k),)) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [enc(v, path + (str(i),)) for i, v in enumerate(x)]
-        return x
-
-    skeleton = enc(own, ())
-    return {"state": json.dumps(skeleton), "tensors": tensors}
-
-
-def _dcp_decode(state: str, tensors: dict[str, torch.Tensor]) -> dict:
-    def dec(x: Any) -> Any:
-        if isinstance(x, dict):
-            if set(x) == {_TensorMarker.KEY}:
-                return tensors[x[_TensorMarker.KEY]]
-            return {k: dec(v) for k, v in x.items()}
-        if isinstance(x, list):
-            return [dec(v) for v in x]
-        return x
-
-    return dec(json.loads(state))
-
-
 class _FSDPMixin:
     """Mesh, sharding, registration and distributed checkpoints of the FSDP strategies.
 
@@ -647,7 +607,8 @@ class _FSDPMixin:
     _fastml_package: str
 
     def _fastml_fsdp_init(self, auto_wrap_policy: Any, replicate_size: int | None, hybrid: bool,
-                          shard_plan: Any, fully_shard_kwargs: dict | None, kwargs: dict) -> None:
+                          shard_plan: Any, all_gather_bits: int | None, fully_shard_kwargs: dict | None,
+                          kwargs: dict) -> None:
         owner = type(self).__name__
         _reject_kwargs(owner, kwargs, _MESH_KWARGS, "builds its own data-parallel device mesh")
         # -- tuned by the user
@@ -669,6 +630,12 @@ class _FSDPMixin:
         if self._fastml_shard_plan is not None and not hybrid and (replicate_size or 1) == 1:
             raise ValueError("shard_plan compresses HSDP's intra-node reduce-scatter; it needs replicate_size=R "
                              "(R > 1) or hybrid=True. For plain FSDP give the plan as plan=")
+        if all_gather_bits is not None and (isinstance(all_gather_bits, bool) or not isinstance(all_gather_bits, int)
+                                            or not 2 <= all_gather_bits <= 8):
+            raise ValueError(f"all_gather_bits={all_gather_bits!r}; use 2-8 (8 is ZeRO++'s choice; parameters "
+                             f"lose more precision with fewer bits) or None for FSDP's own all-gather")
+        # None: FSDP's own parameter all-gather; 2-8 bits: FastML's quantized one
+        self._fastml_all_gather_bits = all_gather_bits
         fs_kwargs = dict(fully_shard_kwargs or {})
         if "mesh" in fs_kwargs:
             raise ValueError("fully_shard_kwargs must not hold 'mesh': the strategy shards on its own mesh "
@@ -760,50 +727,24 @@ class _FSDPMixin:
             replicate_group = mesh["replicate"].get_group()
         return self._fastml_adopt(lambda: ff.register(model, self._fastml_plan, replicate_group=replicate_group,
                                                       shard_plan=self._fastml_shard_plan,
+                                                      all_gather_bits=self._fastml_all_gather_bits,
                                                       layer_stats_every=layer_stats_every))
 
     # -- distributed checkpoints ------------------------------------------------------------------------------
     def _fastml_save_dcp(self, path: Path) -> None:
         """Every rank writes its own FastML state into ``path/fastml_strategy`` (a collective)."""
-        import torch.distributed.checkpoint as dcp
+        from fastml_strategy.fsdp import save_distributed
 
-        ((key, own),) = self._fastml_state.distributed_state_dict().items()
-        dcp.save({CHECKPOINT_KEY: {key: _dcp_encode(own)}}, checkpoint_id=path / CHECKPOINT_KEY)
+        save_distributed(self._fastml_state, path / CHECKPOINT_KEY)
 
     def _fastml_load_dcp(self, path: Path) -> bool:
         """Load this rank's FastML state from ``path/fastml_strategy`` (a collective); False if there is none."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+        from fastml_strategy.fsdp import load_distributed
 
-        folder = path / CHECKPOINT_KEY
-        if not (folder / ".metadata").is_file():
+        saved = load_distributed(path / CHECKPOINT_KEY)
+        if saved is None:
             return False
-        meta = FileSystemReader(str(folder)).read_metadata()
-        paths = {fqn: tuple(p) for fqn, p in (meta.planner_data or {}).items() if p and p[0] == CHECKPOINT_KEY}
-        ranks = {p[1] for p in paths.values()}
-        mine = f"rank{self.global_rank}"
-        if len(ranks) != self.world_size or mine not in ranks:
-            raise ValueError(f"the checkpoint {path} holds the FastML state of {len(ranks)} ranks, this run has "
-                             f"{self.world_size}: error-feedback residuals belong to one rank's shard. Resume "
-                             f"with the same number of processes and mesh, or delete {folder} to start the "
-                             f"residuals from zero")
-        # DCP loads into a template: build it from the checkpoint's own metadata, since the residuals do
-        # not exist yet in a state that has not run a step.
-        template: dict[str, Any] = {}
-        for fqn, p in paths.items():
-            if p[1] == mine:
-                item = meta.state_dict_metadata[fqn]
-                template[fqn] = (torch.empty(item.size, dtype=item.properties.dtype)
-                                 if isinstance(item, TensorStorageMetadata) else None)
-        dcp.load(template, checkpoint_id=folder)
-        state, tensors = None, {}
-        for fqn, p in paths.items():
-            if p[1] == mine and p[2] == "state":
-                state = template[fqn]
-            elif p[1] == mine and p[2] == "tensors":
-                tensors[p[3]] = template[fqn]
-        self._fastml_load(_dcp_decode(state, tensors), drop=str(folder))
+        self._fastml_load(saved, drop=str(path / CHECKPOINT_KEY))
         return True
 
 
@@ -826,6 +767,9 @@ class _TrainerFSDPStrategy(_TrainerLogging, _FSDPMixin, _FastMLStateHolder):
         hybrid: HSDP with one replica per node (``replicate_size=num_nodes``).
         shard_plan: HSDP only: also compress the intra-node reduce-scatter with this plan (default: FSDP's
             own, uncompressed, for the fast link inside a node).
+        all_gather_bits: opt-in, quantize FSDP's parameter all-gathers to this many bits (2-8; 8 is
+            ZeRO++'s qwZ): forward and backward compute with quantized copies of the parameters, the
+            optimizer updates the exact shards. None (default): FSDP's own all-gather.
         fully_shard_kwargs: passed to every ``fully_shard`` the strategy applies (``mp_policy``,
             ``reshard_after_forward``, ``offload_policy``...), not ``mesh``.
         log_every_n_steps / layer_errors_every_n_steps: as for :class:`FastMLStrategy`.
@@ -842,13 +786,15 @@ class _TrainerFSDPStrategy(_TrainerLogging, _FSDPMixin, _FastMLStateHolder):
         replicate_size: int | None = None,
         hybrid: bool = False,
         shard_plan: Plan | str | os.PathLike | dict | None = None,
+        all_gather_bits: int | None = None,
         fully_shard_kwargs: dict[str, Any] | None = None,
         log_every_n_steps: int | None = None,
         layer_errors_every_n_steps: int | None = None,
         **kwargs: Any,
     ) -> None:
         self._fastml_init(plan)
-        self._fastml_fsdp_init(auto_wrap_policy, replicate_size, hybrid, shard_plan, fully_shard_kwargs, kwargs)
+        self._fastml_fsdp_init(auto_wrap_policy, replicate_size, hybrid, shard_plan, all_gather_bits,
+                               fully_shard_kwargs, kwargs)
         self._fastml_log_init(log_every_n_steps, layer_errors_every_n_steps)
         super().__init__(**kwargs)
 
@@ -935,8 +881,8 @@ class _FabricFSDPStrategy(_FSDPMixin, _FastMLStateHolder):
     model's shards; ``fabric.load(path, state)`` restores it.
 
     Args:
-        plan, auto_wrap_policy, replicate_size, hybrid, shard_plan, fully_shard_kwargs: as for
-            :class:`FastMLFSDPStrategy`.
+        plan, auto_wrap_policy, replicate_size, hybrid, shard_plan, all_gather_bits, fully_shard_kwargs:
+            as for :class:`FastMLFSDPStrategy`.
         parallelize_fn: ``(module, device_mesh) -> module`` applying your own ``fully_shard`` (pass it
             ``mesh=device_mesh``); the strategy adds the root unit if you did not.
         layer_stats_every: measure each layer's compression error every N steps (0: never).
@@ -954,6 +900,7 @@ class _FabricFSDPStrategy(_FSDPMixin, _FastMLStateHolder):
         replicate_size: int | None = None,
         hybrid: bool = False,
         shard_plan: Plan | str | os.PathLike | dict | None = None,
+        all_gather_bits: int | None = None,
         fully_shard_kwargs: dict[str, Any] | None = None,
         layer_stats_every: int = 10,
         **kwargs: Any,
@@ -961,7 +908,8 @@ class _FabricFSDPStrategy(_FSDPMixin, _FastMLStateHolder):
         if parallelize_fn is not None and not callable(parallelize_fn):
             raise TypeError(f"parallelize_fn={parallelize_fn!r}; pass a function (module, device_mesh) -> module")
         self._fastml_init(plan)
-        self._fastml_fsdp_init(auto_wrap_policy, replicate_size, hybrid, shard_plan, fully_shard_kwargs, kwargs)
+        self._fastml_fsdp_init(auto_wrap_policy, replicate_size, hybrid, shard_plan, all_gather_bits,
+                               fully_shard_kwargs, kwargs)
         self._fastml_parallelize = parallelize_fn
         self._fastml_layer_every = _positive_or_none("layer_stats_every", layer_stats_every) or 0
         super().__init__(parallelize_fn=_keep, **kwargs)

@@ -15,8 +15,17 @@ Run::
         recipes/train_accelerate.py --mixed-precision bf16
     # two nodes: the same command on each, with machine_rank 0 / 1 (see multi_node.yaml)
 
+FSDP2 (the model sharded; FastML compresses the reduce-scatter, or HSDP's cross-replica all-reduce)::
+
+    # GPUs: Accelerate's FSDP plugin with fsdp_version: 2 shards the model in prepare()
+    FASTML_PLAN=int4 accelerate launch --config_file recipes/accelerate/fsdp2.yaml recipes/train_accelerate.py
+    # CPU: Accelerate 1.15 ignores its FSDP plugin on CPU (it trains DDP instead), so shard yourself:
+    torchrun --nproc_per_node 2 recipes/train_accelerate.py --cpu --fully-shard --max-steps 50
+
 ``--ckpt DIR`` saves with ``accelerator.save_state`` (model, optimizer, RNG and the FastML state of
-every rank); ``--resume DIR`` restores with ``accelerator.load_state`` and continues exactly.
+every rank; with ``--fully-shard`` model and optimizer go to ``DIR/model_optimizer`` through
+``torch.distributed.checkpoint``, since Accelerate does not know the model); ``--resume DIR``
+restores with ``accelerator.load_state`` and continues exactly.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ import torch
 from torch import nn
 
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
 
 import fastml_strategy.accelerate
 
@@ -46,17 +55,57 @@ def digits_split():
     return torch.utils.data.TensorDataset(x[:1500], y[:1500]), torch.utils.data.TensorDataset(x[1500:], y[1500:])
 
 
+def shard_yourself(model: nn.Sequential) -> nn.Sequential:
+    """FSDP2 without Accelerate's plugin: each Linear its own unit, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def model_optimizer_checkpoint(model, optimizer, folder: str, load: bool) -> None:
+    """--fully-shard: model and optimizer shards through torch.distributed.checkpoint (every rank its own)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    if not load:
+        dcp.save(state, checkpoint_id=folder)
+        return
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def params_sha256(model) -> str:
+    """sha256 of the full parameters (sharded ones gathered: every process must call it)."""
+    from torch.distributed.tensor import DTensor
+
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        t = p.full_tensor() if isinstance(p, DTensor) else p
+        h.update(name.encode() + t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plan", default=None, help="recipe name or plan JSON (default: $FASTML_PLAN or int4)")
     ap.add_argument("--cpu", action="store_true", help="train on CPU even if a GPU is present")
+    ap.add_argument("--fully-shard", action="store_true",
+                    help="shard the model with FSDP2's fully_shard yourself (FSDP2 on CPU, where Accelerate "
+                         "ignores its FSDP plugin); prepare() then gets the data loader only")
     ap.add_argument("--mixed-precision", default="no", choices=["no", "fp16", "bf16"])
     ap.add_argument("--accumulate", type=int, default=1, help="gradient accumulation steps")
     ap.add_argument("--max-steps", type=int, default=300, help="optimizer steps to train")
     ap.add_argument("--batch-size", type=int, default=32, help="per process")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--lr", type=float, default=0.05)
-    ap.add_argument("--ckpt", default=None, help="accelerator.save_state here at the end")
+    ap.add_argument("--ckpt", default=None, help="accelerator.save_state here (at the end, or at --ckpt-at)")
+    ap.add_argument("--ckpt-at", type=int, default=None, help="save --ckpt after this many steps, then go on")
     ap.add_argument("--resume", default=None, help="accelerator.load_state from here")
     ap.add_argument("--summary", default=None, help="write final figures to SUMMARY.rank<R>.json")
     args = ap.parse_args()
@@ -66,21 +115,40 @@ def main() -> None:
                               # shuffle order from (seed, epoch), not from the RNG's position: a resumed
                               # run then sees the batches the uninterrupted run saw
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    if args.fully_shard and accelerator.distributed_type == DistributedType.FSDP:
+        raise SystemExit("--fully-shard is for runs where Accelerate does not shard (CPU); with an FSDP "
+                         "config (recipes/accelerate/fsdp2.yaml) prepare() shards the model itself: drop it")
     set_seed(0)
     train, val = digits_split()
     loader = torch.utils.data.DataLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True)
     model = nn.Sequential(nn.Linear(64, args.hidden), nn.ReLU(), nn.Linear(args.hidden, args.hidden), nn.ReLU(),
                           nn.Linear(args.hidden, 10))
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    if args.fully_shard:
+        model = shard_yourself(model)  # before the optimizer: fully_shard replaces the parameters
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        loader = accelerator.prepare(loader)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
-    # The one FastML line: registers the hook on the DDP model (None in a single process) and its state
+    # The one FastML line: registers on the DDP or FSDP2 model (None in a single process) and its state
     # for save_state/load_state.
     state = fastml_strategy.accelerate.setup(accelerator, model, plan=args.plan)
+
+    def save(folder: str, at_step: int) -> None:
+        accelerator.save_state(folder)  # every process calls it; FastML gathers every rank's state
+        if args.fully_shard:
+            model_optimizer_checkpoint(model, optimizer, os.path.join(folder, "model_optimizer"), load=False)
+        if accelerator.is_main_process:
+            with open(os.path.join(folder, "progress.json"), "w") as f:
+                json.dump({"step": at_step}, f)
+        accelerator.wait_for_everyone()
 
     step = 0
     if args.resume:
         accelerator.load_state(args.resume)
+        if args.fully_shard:
+            model_optimizer_checkpoint(model, optimizer, os.path.join(args.resume, "model_optimizer"), load=True)
         with open(os.path.join(args.resume, "progress.json")) as f:
             step = json.load(f)["step"]
     first_step = step
@@ -104,6 +172,8 @@ def main() -> None:
                 if state is not None and step % 50 == 0:
                     s = state.stats()
                     accelerator.print(f"step {step} loss {loss.item():.4f} compression {s['compression_ratio']:.2f}x")
+                if args.ckpt and step == args.ckpt_at:
+                    save(args.ckpt, step)
                 if step >= args.max_steps:
                     break
 
@@ -114,21 +184,18 @@ def main() -> None:
     stats = state.stats() if state is not None else {"compression_ratio": 1.0, "plan": None, "steps": 0}
     accelerator.print(f"compression {stats['compression_ratio']:.2f}x over {step - first_step} steps, "
                       f"validation accuracy {acc:.3f}")
-    if args.ckpt:
-        accelerator.save_state(args.ckpt)  # every process calls it; FastML gathers every rank's state
-        if accelerator.is_main_process:
-            with open(os.path.join(args.ckpt, "progress.json"), "w") as f:
-                json.dump({"step": step}, f)
-        accelerator.wait_for_everyone()
+    if args.ckpt and args.ckpt_at is None:
+        save(args.ckpt, step)
     if args.summary:
-        h = hashlib.sha256()
-        for name, p in sorted(accelerator.unwrap_model(model).state_dict().items()):
-            h.update(name.encode() + p.detach().cpu().contiguous().numpy().tobytes())
+        digest = params_sha256(accelerator.unwrap_model(model))
         os.makedirs(os.path.dirname(os.path.abspath(args.summary)), exist_ok=True)
         with open(f"{args.summary}.rank{accelerator.process_index}.json", "w") as f:
             json.dump({"rank": accelerator.process_index, "world_size": accelerator.num_processes, "step": step,
-                       "val_acc": acc, "params_sha256": h.hexdigest(), "plan": stats["plan"],
+                       "val_acc": acc, "params_sha256": digest, "plan": stats["plan"],
                        "fastml_step": stats["steps"], "compression_ratio": stats["compression_ratio"],
+                       "fastml_kind": type(state).__name__ if state is not None else None,
+                       "residual_bytes": stats.get("residual_bytes"),
+                       "model_type": type(accelerator.unwrap_model(model)).__name__,
                        "distributed_type": str(accelerator.distributed_type)}, f)
     accelerator.end_training()
 

@@ -10,6 +10,12 @@ Run (Fabric starts the processes itself)::
     python recipes/train_fabric.py --devices 8 --precision bf16-mixed
     FASTML_PLAN=int2 python recipes/train_fabric.py --accelerator cpu --devices 2
 
+FSDP2 (``strategy="fastml_fsdp"``: the model sharded, each Linear its own unit; ``--replicate-size``
+for HSDP; ``--ckpt`` becomes a folder of per-rank shards, FastML's included)::
+
+    python recipes/train_fabric.py --strategy fastml_fsdp --accelerator cpu --devices 2 --max-steps 50
+    python recipes/train_fabric.py --strategy fastml_fsdp --accelerator cpu --devices 4 --replicate-size 2
+
 Two nodes: ``torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST0:29400
 --rdzv_id digits recipes/train_fabric.py --num-nodes 2 --devices 8``.
 """
@@ -27,8 +33,8 @@ from torch import nn
 import lightning.fabric as LF
 from lightning.fabric.loggers import CSVLogger
 
-import fastml_strategy  # noqa: F401  registers strategy="fastml"
-from fastml_strategy.lightning import FastMLFabricStrategy
+import fastml_strategy  # noqa: F401  registers strategy="fastml" and "fastml_fsdp"
+from fastml_strategy.lightning import FastMLFabricStrategy, FastMLFSDPFabricStrategy
 
 
 def digits_split():
@@ -45,6 +51,9 @@ def digits_split():
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plan", default=None, help="recipe name or plan JSON (default: $FASTML_PLAN or int4)")
+    ap.add_argument("--strategy", default="fastml", choices=["fastml", "fastml_fsdp"],
+                    help="fastml: DDP; fastml_fsdp: FSDP2 (each Linear its own unit)")
+    ap.add_argument("--replicate-size", type=int, default=None, help="fastml_fsdp: HSDP with this many replicas")
     ap.add_argument("--accelerator", default="auto")
     ap.add_argument("--devices", default="auto")
     ap.add_argument("--num-nodes", type=int, default=1)
@@ -60,7 +69,12 @@ def main() -> None:
     args = ap.parse_args()
 
     devices = int(args.devices) if args.devices.isdigit() else args.devices
-    fabric = LF.Fabric(strategy=FastMLFabricStrategy(plan=args.plan),  # or strategy="fastml"
+    if args.strategy == "fastml":
+        strategy = FastMLFabricStrategy(plan=args.plan)  # or strategy="fastml"
+    else:  # or strategy="fastml_fsdp"
+        strategy = FastMLFSDPFabricStrategy(plan=args.plan, auto_wrap_policy={nn.Linear},
+                                            replicate_size=args.replicate_size)
+    fabric = LF.Fabric(strategy=strategy,
                        accelerator=args.accelerator, devices=devices, num_nodes=args.num_nodes,
                        precision=args.precision, loggers=CSVLogger(args.out, name="digits"))
     fabric.launch()
@@ -74,8 +88,12 @@ def main() -> None:
     loader = torch.utils.data.DataLoader(train, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     model = nn.Sequential(nn.Linear(64, args.hidden), nn.ReLU(), nn.Linear(args.hidden, args.hidden), nn.ReLU(),
                           nn.Linear(args.hidden, 10))
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    model, optimizer = fabric.setup(model, optimizer)  # DDP + FastML hook
+    if args.strategy == "fastml":
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        model, optimizer = fabric.setup(model, optimizer)  # DDP + FastML hook
+    else:  # sharding replaces the parameters: create the optimizer from the sharded model
+        model = fabric.setup(model)  # fully_shard + FastML's compressed reduce-scatter
+        optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9))
 
     state = {"model": model, "optimizer": optimizer, "step": 0}
     if args.resume:
@@ -109,11 +127,15 @@ def main() -> None:
                  f"validation accuracy {acc:.3f}")
     if args.ckpt:
         state["step"] = step
-        fabric.save(args.ckpt, state)  # every rank calls it; rank 0 writes, atomically
+        fabric.save(args.ckpt, state)  # every rank calls it (DDP: rank 0 writes one file, atomically;
+        #                                 FSDP: a folder, each rank its shards and FastML state)
     if args.summary:
+        from torch.distributed.tensor import DTensor
+
         h = hashlib.sha256()
-        for name, p in sorted(model.state_dict().items()):
-            h.update(name.encode() + p.detach().cpu().contiguous().numpy().tobytes())
+        for name, p in sorted(model.state_dict().items()):  # FSDP: gather the shards (every rank)
+            t = p.full_tensor() if isinstance(p, DTensor) else p
+            h.update(name.encode() + t.detach().cpu().contiguous().numpy().tobytes())
         os.makedirs(os.path.dirname(os.path.abspath(args.summary)), exist_ok=True)
         with open(f"{args.summary}.rank{fabric.global_rank}.json", "w") as f:
             json.dump({"rank": fabric.global_rank, "world_size": fabric.world_size, "step": step, "val_acc": acc,

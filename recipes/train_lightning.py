@@ -15,9 +15,18 @@ Two nodes (torchrun starts one process per device; Lightning detects it)::
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST0:29400 \\
         --rdzv_id digits recipes/train_lightning.py --num-nodes 2 --devices 8
 
+FSDP2 (the model sharded; FastML compresses each unit's reduce-scatter, or with ``--replicate-size``
+HSDP's cross-replica all-reduce; checkpoints are folders of per-rank shards, FastML's included)::
+
+    python recipes/train_lightning.py --strategy fastml_fsdp --accelerator cpu --devices 2 --max-steps 50
+    python recipes/train_lightning.py --strategy fastml_fsdp --accelerator cpu --devices 4 --replicate-size 2
+    torchrun --nnodes 2 --nproc_per_node 8 ... recipes/train_lightning.py --strategy fastml_fsdp \\
+        --num-nodes 2 --devices 8 --hybrid      # shard inside a node, replicate across nodes
+
 Compression figures go to the logger (``fastml/compression_ratio``, ``fastml/bytes_sent_per_step``,
-``fastml/rel_error/<layer>``; see ``lightning_logs/``). Checkpoints carry every rank's FastML state, so
-``--resume last`` continues exactly where the last run stopped.
+``fastml/rel_error/<layer>``, and with FSDP ``fastml/residual_bytes``; see ``lightning_logs/``).
+Checkpoints carry every rank's FastML state, so ``--resume last`` continues exactly where the last run
+stopped.
 """
 
 from __future__ import annotations
@@ -34,8 +43,8 @@ import lightning.pytorch as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-import fastml_strategy  # noqa: F401  registers strategy="fastml"
-from fastml_strategy.lightning import FastMLStrategy
+import fastml_strategy  # noqa: F401  registers strategy="fastml" and "fastml_fsdp"
+from fastml_strategy.lightning import FastMLFSDPStrategy, FastMLStrategy
 
 
 class DigitsData(L.LightningDataModule):
@@ -91,6 +100,10 @@ class DigitsMLP(L.LightningModule):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plan", default=None, help="recipe name or plan JSON (default: $FASTML_PLAN or int4)")
+    ap.add_argument("--strategy", default="fastml", choices=["fastml", "fastml_fsdp"],
+                    help="fastml: DDP; fastml_fsdp: FSDP2 (each Linear its own unit)")
+    ap.add_argument("--replicate-size", type=int, default=None, help="fastml_fsdp: HSDP with this many replicas")
+    ap.add_argument("--hybrid", action="store_true", help="fastml_fsdp: HSDP, one replica per node")
     ap.add_argument("--accelerator", default="auto")
     ap.add_argument("--devices", default="auto", help="processes per node (Lightning launches them)")
     ap.add_argument("--num-nodes", type=int, default=1)
@@ -108,8 +121,13 @@ def main() -> None:
 
     L.seed_everything(0)
     devices = int(args.devices) if args.devices.isdigit() else args.devices
+    if args.strategy == "fastml":
+        strategy = FastMLStrategy(plan=args.plan)  # or strategy="fastml" (plan from FASTML_PLAN)
+    else:  # or strategy="fastml_fsdp" (default wrap rule, plan from FASTML_PLAN)
+        strategy = FastMLFSDPStrategy(plan=args.plan, auto_wrap_policy={nn.Linear},
+                                      replicate_size=args.replicate_size, hybrid=args.hybrid)
     trainer = L.Trainer(
-        strategy=FastMLStrategy(plan=args.plan),  # or strategy="fastml" (plan from FASTML_PLAN)
+        strategy=strategy,
         accelerator=args.accelerator, devices=devices, num_nodes=args.num_nodes, precision=args.precision,
         max_steps=args.max_steps, max_epochs=args.max_epochs, accumulate_grad_batches=args.accumulate,
         logger=CSVLogger(args.out, name="digits"), log_every_n_steps=10,
@@ -124,9 +142,12 @@ def main() -> None:
         print(f"compression {stats['compression_ratio']:.2f}x over {stats['steps']} steps, "
               f"validation accuracy {metrics['val_acc']:.3f}", flush=True)
     if args.summary:
+        from torch.distributed.tensor import DTensor
+
         h = hashlib.sha256()
-        for name, p in sorted(model.state_dict().items()):
-            h.update(name.encode() + p.detach().cpu().contiguous().numpy().tobytes())
+        for name, p in sorted(model.state_dict().items()):  # FSDP: gather the shards (every rank)
+            t = p.full_tensor() if isinstance(p, DTensor) else p
+            h.update(name.encode() + t.detach().cpu().contiguous().numpy().tobytes())
         os.makedirs(os.path.dirname(os.path.abspath(args.summary)), exist_ok=True)
         with open(f"{args.summary}.rank{trainer.global_rank}.json", "w") as f:
             json.dump({"rank": trainer.global_rank, "world_size": trainer.world_size, "step": trainer.global_step,

@@ -17,6 +17,12 @@ reaches the target accuracy soonest and for the fewest dollars? The pipeline:
 4. **Measure and report** (``measure``, ``report``): predicted against measured step time, predictions
    for 8 to 1024 nodes, plan.json, report.html/.md and CSV tables, written atomically.
 
+``sharding="fsdp"`` / ``"hsdp"`` (``--sharding``) tunes for :func:`fastml_strategy.fsdp.register`
+instead: the cost model (``costmodel.sharded_step_time``) counts FSDP2's parameter all-gathers, the
+compressed reduce-scatter or cross-node all-reduce per FSDP unit and the error-feedback memory per
+rank, against FSDP's own collectives; the report adds bytes and memory per rank and a what-if grid
+of cluster shapes.
+
 Public API: :func:`autotune`, :class:`Workload`, :class:`AutotuneResult`, the catalog helpers
 :func:`load_catalog` / :class:`HardwareOption` / :func:`parse_link`, and ``CANDIDATES`` (the codec options
 searched). The command is ``fastml-autotune`` (``fastml_strategy.autotune.cli``). Not public: the modules'

@@ -21,8 +21,8 @@ from typing import Any, Mapping
 from fastml_strategy.autotune.catalog import HardwareOption, Link, load_catalog, parse_link
 from fastml_strategy.autotune.costmodel import (CANDIDATES, SHARDINGS, Convergence, Profile, Sharding,
                                                 default_options, evaluate, family, fit_alpha_beta,
-                                                fit_codec_scale, fit_convergence, pareto_front,
-                                                step_time)
+                                                fit_codec_scale, fit_collective_overhead,
+                                                fit_convergence, pareto_front, step_time)
 from fastml_strategy.autotune.workload import Workload, as_workload, load_target
 from fastml_strategy.config import DEFAULT_MIN_NUMEL, Plan
 
@@ -177,6 +177,10 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
     rpn = 1
     if sharding_v.sharded:
         rpn = ranks_per_node
+        if rpn is None and sharding_v.kind == "hsdp" and link_v is not None and not distributed:
+            raise ValueError("--sharding hsdp with --link describes your own cluster, whose shard group "
+                             "is the ranks of one node: give --ranks-per-node S (--world-size is "
+                             "nodes x S), or launch with torchrun, which sets LOCAL_WORLD_SIZE")
         if rpn is None:
             rpn = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if distributed else 1
         if world_size % rpn:
@@ -384,6 +388,9 @@ def run(s: Settings) -> AutotuneResult:
                                                sharding=sh, ranks_per_node=s.ranks_per_node)
             bar.update(len(plans))
             if lead:
+                if sh.sharded:  # FSDP2's own cost per collective first, then the codecs'
+                    profile.collective_overhead_s = fit_collective_overhead(
+                        profile, options[0], measured_pre[base_label], sh)
                 profile.codec_scale = fit_codec_scale(
                     profile, options[0], {r: measured_pre[r] for r in UNIFORM_RECIPES}, sharding=sh)
 
@@ -420,7 +427,8 @@ def run(s: Settings) -> AutotuneResult:
             where = f"{s.world_size} ranks, measured link" + (f", {sh.kind}" if sh.sharded else "")
             for k, c in {**choices, **recipe_choices}.items():
                 pred = step_time(profile, c or {}, local, hook=c is not None, sharding=sh).step_s
-                fitted = k in recipe_choices and family(CANDIDATES[k]) in profile.codec_scale
+                fitted = (k in recipe_choices and family(CANDIDATES[k]) in profile.codec_scale) or (
+                    sh.sharded and k == base_label and profile.collective_overhead_s > 0)
                 step_rows.append({"plan": k, "where": where, "predicted_s": pred,
                                   "measured_s": measured[k] if k in measured else measured_pre[k],
                                   "used_in_fit": fitted})
@@ -499,7 +507,8 @@ def _calibrate_and_search(s: Settings, profile: Profile, groups: Mapping[str, li
             what = [_option_key(opt), asdict(opt.link), asdict(conv), target_steps, s.options,
                     profile.codec_scale]
             if sh.sharded:  # a DDP run's study names stay what they were (resumable)
-                what += [sh.to_dict(), s.max_residual_bytes, _option_key(opt, sharded=True)]
+                what += [sh.to_dict(), s.max_residual_bytes, _option_key(opt, sharded=True),
+                         profile.collective_overhead_s]
             key = _hash(what)
             r = search.run_search(profile, groups, opt, conv, target_steps, storage=s.storage,
                                   study_name=f"fastml-{fp}-search-{opt.name}-{key}",

@@ -186,8 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         b = result.best[result.option]
         extra = ""
         if settings.sharding.sharded:
-            extra = (f" ({settings.sharding.kind}; FastML residuals {b.get('residual_bytes', 0) / 2 ** 20:.4g} "
-                     f"MiB per rank)")
+            mib = b.get("residual_bytes", 0) / 2 ** 20
+            extra = f" ({settings.sharding.kind}; FastML residuals {mib:.4g} MiB per rank)"
         print(f"{PROG}: plan for {result.option}: predicted {1e3 * b['step_s']:.4g} ms/step, "
               f"{b['tta_s'] / 3600:.4g} h, ${b['cost_usd']:.4g} to target{extra}; wrote "
               f"{settings.out}/plan.json and report.html")

@@ -92,6 +92,7 @@ __all__ = [
     "residual_bytes",
     "fsdp_state_bytes",
     "sharded_step_time",
+    "fit_collective_overhead",
     "LayerProfile",
     "Profile",
     "Convergence",
@@ -245,6 +246,10 @@ class Profile:
     codec_scale: dict[str, float] = field(default_factory=dict)
     # Bytes of optimizer state after one step (Adam: 8 per parameter); None: not measured (8 assumed).
     optimizer_state_bytes: int | None = None
+    # Sharded training: seconds each FSDP collective costs beyond its alpha-beta time (FSDP2's
+    # copy-in/out and per-unit bookkeeping), fitted to FSDP's own measured step time when launched
+    # distributed (fit_collective_overhead); 0.0 when not measured.
+    collective_overhead_s: float = 0.0
 
     @property
     def compute_s(self) -> float:
@@ -463,20 +468,19 @@ def reduce_scatter_unit_bytes(layers: Sequence[LayerProfile], choice: Mapping[st
     return total + (W - 1) * HEADER
 
 
-def _shard_cfg(choice: Mapping[str, str], lp: LayerProfile, shard_numel: int, replicas: int,
-               min_numel: int) -> tuple[str, CodecConfig]:
-    """HSDP: the codec the cross-replica all-reduce really uses for one shard (the plan looks the
-    shard's size up against min_numel; top-k may fall back to a dense codec at R replicas)."""
+def _shard_cfg(choice: Mapping[str, str], lp: LayerProfile, shard_numel: int,
+               replicas: int) -> tuple[str, CodecConfig]:
+    """HSDP: the codec the cross-replica all-reduce really uses for one shard: the plan's, looked up
+    by the parameter's own size (min_numel is a property of the parameter, not of its shard), with
+    top-k's dense fallback at R replicas decided on the shard."""
     from fastml_strategy.codecs import effective_config
 
     name, cfg = _cfg(choice, lp)
-    if shard_numel < min_numel:
-        name, cfg = "none", CANDIDATES["none"]
     return name, effective_config(cfg, shard_numel, replicas)
 
 
 def allreduce_unit_bytes(layers: Sequence[LayerProfile], choice: Mapping[str, str], shard_size: int,
-                         replicas: int, min_numel: int, reduce_dtype: str = "fp32", hook: bool = True,
+                         replicas: int, reduce_dtype: str = "fp32", hook: bool = True,
                          shard_rank: int | None = None) -> int:
     """HSDP: bytes one rank sends in one unit's cross-replica all-reduce of its shard (``shard_rank``
     None: the mean over the S shard ranks). FastML: ``codecs.wire_bytes`` of each shard tensor at R
@@ -498,7 +502,7 @@ def allreduce_unit_bytes(layers: Sequence[LayerProfile], choice: Mapping[str, st
         total += 2 * (R - 1) * HEADER
         for lp in layers:
             n = _layout(lp, S)[0][s]
-            _, cfg = _shard_cfg(choice, lp, n, R, min_numel)
+            _, cfg = _shard_cfg(choice, lp, n, R)
             total += codecs.wire_bytes(n, codecs.wire_config(cfg, dt), R)
     return int(round(total / len(ranks)))
 
@@ -508,8 +512,6 @@ def residual_bytes(profile: Profile, choice: Mapping[str, str], sharding: Shardi
     """Error-feedback memory of one rank (the largest over shard ranks). FSDP: every compressed,
     error-fed tensor keeps a residual of its full size (its reduce-scatter sends every chunk); HSDP:
     of the rank's shard only. 4 bytes per element, 2 with ``residual_dtype="bf16"``."""
-    from fastml_strategy.codecs import wire_config
-
     if sharding.kind == "fsdp":
         total = 0
         for lp in profile.layers:
@@ -517,14 +519,12 @@ def residual_bytes(profile: Profile, choice: Mapping[str, str], sharding: Shardi
             if cfg.uses_residual:
                 total += lp.numel * DTYPE_BYTES[cfg.residual_dtype]
         return total
-    dt = _torch_dtype(sharding.reduce)
     best = 0
     for s in range(shard_size):
         total = 0
         for lp in profile.layers:
             n = _layout(lp, shard_size)[0][s]
-            _, cfg = _shard_cfg(choice, lp, n, replicas, profile.min_numel)
-            cfg = wire_config(cfg, dt)
+            _, cfg = _shard_cfg(choice, lp, n, replicas)
             if cfg.uses_residual:
                 total += n * DTYPE_BYTES[cfg.residual_dtype]
         best = max(best, total)
@@ -558,25 +558,27 @@ def sharded_step_time(profile: Profile, choice: Mapping[str, str], option: Hardw
     pbytes, rbytes = DTYPE_BYTES[sharding.param_dtype], DTYPE_BYTES[sharding.reduce]
     opt_s = profile.optimizer_s / (Ws * f)
 
+    over = profile.collective_overhead_s
+
     def ring(b: float) -> float:  # FSDP's own all-gather / reduce-scatter over the shard group
         if Ws <= 1:
             return 0.0
         if gn == 1:
-            return (ga - 1) * intra.latency_s + b / intra.bandwidth_Bps
-        return (gn - 1) * net.latency_s + (ga - 1) * intra.latency_s + b / net.bandwidth_Bps
+            return over + (ga - 1) * intra.latency_s + b / intra.bandwidth_Bps
+        return over + (gn - 1) * net.latency_s + (ga - 1) * intra.latency_s + b / net.bandwidth_Bps
 
     def all_to_all(b: float) -> float:  # FastML's reduce-scatter: every chunk straight to its owner
         if Ws <= 1:
             return 0.0
         if gn == 1:
-            return (ga - 1) * intra.latency_s + b / intra.bandwidth_Bps
+            return over + (ga - 1) * intra.latency_s + b / intra.bandwidth_Bps
         node = ga * b * (Ws - ga) / (Ws - 1)
         local = b * (ga - 1) / (Ws - 1)
-        return ((gn - 1) * net.latency_s + (ga - 1) * intra.latency_s
+        return (over + (gn - 1) * net.latency_s + (ga - 1) * intra.latency_s
                 + max(node / net.bandwidth_Bps, local / intra.bandwidth_Bps))
 
     def cross(b: float) -> float:  # HSDP: S all-reduces over R replicas share each node's link
-        return 2 * (R - 1) * net.latency_s + ga * b / net.bandwidth_Bps if R > 1 else 0.0
+        return over + 2 * (R - 1) * net.latency_s + ga * b / net.bandwidth_Bps if R > 1 else 0.0
 
     units = fsdp_units(profile)
     total_numel = sum(lp.numel for lp in profile.layers) or 1
@@ -587,7 +589,7 @@ def sharded_step_time(profile: Profile, choice: Mapping[str, str], option: Hardw
         ag = (Ws - 1) * sum(_layout(lp, Ws)[1] for lp in layers) * pbytes if Ws > 1 else 0
         if hsdp:
             rs = (Ws - 1) * sum(_layout(lp, Ws)[1] for lp in layers) * rbytes if Ws > 1 else 0
-            ar = allreduce_unit_bytes(layers, choice, Ws, R, profile.min_numel, sharding.reduce, hook)
+            ar = allreduce_unit_bytes(layers, choice, Ws, R, sharding.reduce, hook)
             rs_t, ar_t = ring(rs), cross(ar)
         else:
             rs = reduce_scatter_unit_bytes(layers, choice, Ws, sharding.reduce, hook)
@@ -602,7 +604,7 @@ def sharded_step_time(profile: Profile, choice: Mapping[str, str], option: Hardw
                 if hsdp:
                     if R <= 1:
                         continue
-                    cname, eff = _shard_cfg(choice, lp, max(1, lp.numel // Ws), R, profile.min_numel)
+                    cname, eff = _shard_cfg(choice, lp, max(1, lp.numel // Ws), R)
                     t = lp.codec_s.get(cname, 0.0) if eff == CANDIDATES[cname] else lp.codec_s.get(
                         _candidate_name(eff), lp.codec_s.get("int8", 0.0))
                     factor = _codec_factor(eff, R) / Ws
@@ -717,6 +719,31 @@ def fit_codec_scale(profile: Profile, option: HardwareOption, measured: Mapping[
     finally:
         profile.codec_scale = saved
     return {f: float(math.exp(sum(math.log(k) for k in ks) / len(ks))) for f, ks in per_family.items()}
+
+
+def fit_collective_overhead(profile: Profile, option: HardwareOption, measured_s: float,
+                            sharding: Sharding, hi: float = 1.0) -> float:
+    """Sharded training: the per-collective overhead (seconds, in ``[0, hi]``) at which the
+    predicted step time of FSDP's own collectives on ``option`` equals ``measured_s`` (bisection;
+    the prediction grows with it). 0.0 when the model already predicts at least the measurement."""
+    saved = profile.collective_overhead_s
+
+    def pred(x: float) -> float:
+        profile.collective_overhead_s = x
+        return sharded_step_time(profile, {}, option, sharding, hook=False).step_s
+
+    try:
+        if pred(0.0) >= measured_s:
+            return 0.0
+        if pred(hi) <= measured_s:
+            return hi
+        a, b = 0.0, hi
+        for _ in range(60):
+            m = (a + b) / 2
+            a, b = (m, b) if pred(m) < measured_s else (a, m)
+        return (a + b) / 2
+    finally:
+        profile.collective_overhead_s = saved
 
 
 def _candidate_name(cfg: CodecConfig) -> str:

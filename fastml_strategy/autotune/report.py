@@ -235,6 +235,7 @@ def figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) -> dict[str
     for a in (ax1, ax2):
         a.set_xticks(x, op["option"], rotation=30, ha="right", fontsize=7)
     ax1.legend(fontsize=7, loc="best")
+    fig.subplots_adjust(wspace=0.45)  # the right panel's tick labels clear of the left panel
     fig.suptitle("Time and cost per hardware option", fontsize=10)
     figs["options"] = _png(fig)
 
@@ -311,7 +312,8 @@ def _sharded_figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) ->
     ax1.set_ylabel("MB sent per rank per step")
     ax1.set_title(f"Bytes per rank per step (left bar: {kind}'s own, right: tuned)", fontsize=8)
     ax1.legend(fontsize=6, loc="upper left")
-    ax2.bar(x, sd["fsdp_state_MiB_per_rank"], 0.6, color="#999999", label=f"{kind} state (params, grads, optimizer)")
+    ax2.bar(x, sd["fsdp_state_MiB_per_rank"], 0.6, color="#999999",
+            label=f"{kind} state (params, grads, optimizer)")
     ax2.bar(x, sd["residual_MiB_per_rank"], 0.6, bottom=sd["fsdp_state_MiB_per_rank"], color="#c0392b",
             label="FastML residuals (tuned plan)")
     ax2.set_ylabel("MiB per rank")
@@ -400,7 +402,9 @@ def _summary(result: "AutotuneResult", s: "Settings") -> list[str]:
             f"{(b['reduce_scatter_bytes'] + b['allreduce_bytes']) / 1e6:.4g} MB ({short} alone "
             f"{(d['reduce_scatter_bytes'] + d['allreduce_bytes']) / 1e6:.4g} MB). FastML residuals "
             f"{b['residual_bytes'] / 2 ** 20:.4g} MiB per rank beside {short}'s own "
-            f"{b['state_bytes'] / 2 ** 20:.4g} MiB ({limit}).")
+            f"{b['state_bytes'] / 2 ** 20:.4g} MiB ({limit})."
+            + (f" Each FSDP collective costs {1e3 * prof.collective_overhead_s:.3g} ms beyond the link "
+               f"(fitted to {short}'s measured step time)." if prof.collective_overhead_s else ""))
     return lines
 
 

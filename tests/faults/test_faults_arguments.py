@@ -288,6 +288,9 @@ def _autotune_rows(tmp):
         ("storage", [target, "--storage", "sqlite:////nonexistent-dir-fastml/x.db"], "nonexistent-dir-fastml",
          "unreachable"),
         ("out-file", [target, "--out", str(tmp / "afile")], "afile", "give a folder"),
+        ("sharding", [target, "--sharding", "zero"], "--sharding 'zero'", "use ddp"),
+        ("ranks-per-node", [target, "--sharding", "hsdp", "--world-size", "4", "--ranks-per-node", "3"],
+         "--ranks-per-node 3", "divisor"),
     ]
 
 

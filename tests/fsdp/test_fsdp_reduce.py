@@ -155,6 +155,9 @@ def _hsdp(rank, world_size, recipe, steps, form):
     model = shard(OddNet(), mesh=mesh if form == "native" else mesh["shard"])
     group = None if form == "native" else mesh["replicate"].get_group()
     state = ff.register(model, plan=plan(recipe), replicate_group=group)
+    # FastML's takeover of native HSDP must not change how FSDP reshards after forward
+    post_mesh = [g._use_post_forward_mesh for m in (ref, model) for g in m._get_fsdp_state()._fsdp_param_groups]
+    assert post_mesh == [False] * len(post_mesh), post_mesh
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
     gens = [torch.Generator().manual_seed(7 + rank) for _ in range(2)]
     for _ in range(steps):

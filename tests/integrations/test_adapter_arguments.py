@@ -65,3 +65,52 @@ def test_accelerate_setup_in_one_process_is_a_no_op_but_checks_the_plan(monkeypa
     monkeypatch.setenv("FASTML_LAYER_STATS_EVERY", "-3")
     with pytest.raises(ValueError, match="layer_stats_every=-3"):
         fa.setup(acc, model)
+
+
+def test_fsdp_strategies_check_their_arguments_before_any_process_starts(monkeypatch):
+    import functools
+
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
+
+    from fastml_strategy.lightning import FastMLFSDPFabricStrategy, FastMLFSDPStrategy
+
+    with pytest.raises(ValueError, match="replicate_size=0"):
+        FastMLFSDPStrategy(replicate_size=0)
+    with pytest.raises(ValueError, match="give one of them"):
+        FastMLFSDPStrategy(hybrid=True, replicate_size=2)
+    with pytest.raises(ValueError, match="shard_plan compresses HSDP's intra-node reduce-scatter"):
+        FastMLFSDPFabricStrategy(shard_plan="int8")
+    with pytest.raises(ValueError, match="builds its own data-parallel device mesh.*tensor_parallel_size"):
+        FastMLFSDPStrategy(tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="all_gather_bits=16"):
+        FastMLFSDPFabricStrategy(all_gather_bits=16)
+    with pytest.raises(ValueError, match="must not hold 'mesh'"):
+        FastMLFSDPStrategy(fully_shard_kwargs={"mesh": None})
+    with pytest.raises(TypeError, match="FSDP1 wrap policy"):
+        FastMLFSDPStrategy(auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}))
+    with pytest.raises(TypeError, match="cannot be called with one module"):
+        FastMLFSDPFabricStrategy(auto_wrap_policy=functools.partial(size_based_auto_wrap_policy, min_num_params=1))
+    with pytest.raises(TypeError, match="not a set of torch.nn.Module classes"):
+        FastMLFSDPStrategy(auto_wrap_policy={int})
+    with pytest.raises(TypeError, match="parallelize_fn"):
+        FastMLFSDPFabricStrategy(parallelize_fn="fully_shard")
+    monkeypatch.setenv("FASTML_PLAN", "int5")
+    with pytest.raises(ValueError, match="FASTML_PLAN='int5' is not a usable plan"):
+        FastMLFSDPStrategy()
+    monkeypatch.setenv("FASTML_PLAN", "int2")
+    assert FastMLFSDPStrategy().plan == Plan.from_recipe("int2")
+    with pytest.raises(RuntimeError, match="during or after fit"):
+        FastMLFSDPStrategy().compression_stats()
+
+
+def test_fsdp_wrap_policies_pick_the_modules_they_name():
+    from fastml_strategy.lightning import _wrap_policy
+
+    big, small, act = torch.nn.Linear(1024, 1024), torch.nn.Linear(64, 64), torch.nn.ReLU()
+    default = _wrap_policy(None)  # own parameters >= 2**20 elements
+    assert default(big) and not default(small) and not default(act)
+    assert not default(torch.nn.Sequential(big))  # a container holds no parameters of its own
+    by_class = _wrap_policy({torch.nn.Linear})
+    assert by_class(big) and by_class(small) and not by_class(act)
+    assert _wrap_policy(64 * 64)(small) and not _wrap_policy(64 * 64 + 65)(small)
+    assert _wrap_policy(lambda m: m is act)(act)

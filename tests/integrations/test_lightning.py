@@ -128,9 +128,18 @@ from lightning_fabric.strategies import STRATEGY_REGISTRY as D
 names = [r["fastml"]["strategy"].__name__ for r in (A, B, C, D)]
 assert names == ["FastMLStrategy", "_PLFastMLStrategy", "FastMLFabricStrategy", "_LFFastMLFabricStrategy"], names
 assert issubclass(B["fastml"]["strategy"], pytorch_lightning.strategies.DDPStrategy)
+fsdp = [r["fastml_fsdp"]["strategy"] for r in (A, B, C, D)]
+assert [c.__name__ for c in fsdp] == ["FastMLFSDPStrategy", "_PLFastMLFSDPStrategy", "FastMLFSDPFabricStrategy",
+                                      "_LFFastMLFSDPFabricStrategy"], fsdp
+for cls, pkg in zip(fsdp, (lightning.pytorch, pytorch_lightning, lightning.fabric, lightning_fabric)):
+    assert issubclass(cls, pkg.strategies.ModelParallelStrategy), cls
 fastml_strategy.lightning._register_strategies()  # idempotent
 t2 = lightning.pytorch.Trainer(strategy="fastml", accelerator="cpu", devices=2, logger=False)
 assert type(t2.strategy).__name__ == "FastMLStrategy" and t2.strategy.plan.name == "int2"
+t4 = lightning.pytorch.Trainer(strategy="fastml_fsdp", accelerator="cpu", devices=2, logger=False)
+assert type(t4.strategy).__name__ == "FastMLFSDPStrategy" and t4.strategy.plan.name == "int2"
+f4 = lightning.fabric.Fabric(strategy="fastml_fsdp", accelerator="cpu", devices=2)
+assert type(f4.strategy).__name__ == "FastMLFSDPFabricStrategy" and f4.strategy.plan.name == "int2"
 
 # the standalone pytorch_lightning package trains with its own FastML class (one process, gloo)
 import torch

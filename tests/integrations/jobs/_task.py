@@ -39,6 +39,25 @@ def param_digest(module: nn.Module) -> str:
     return h.hexdigest()
 
 
+def full_digest(module: nn.Module) -> str:
+    """param_digest of an FSDP2 model: sharded parameters gathered first (a collective: every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    h = hashlib.sha256()
+    for name, p in sorted(module.state_dict().items()):
+        t = p.full_tensor() if isinstance(p, DTensor) else p
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def units(module: nn.Module) -> int:
+    """How many FSDP2 units (fully_shard modules) the model has."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return sum(isinstance(m, FSDPModule) for m in module.modules())
+
+
 def write_json(path: str, obj: dict) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path + ".tmp", "w") as f:
