@@ -740,6 +740,10 @@ def main() -> None:
                     help="1 (FSDP's default): each block's parameters are gathered again for backward (the "
                          "root's are kept); 0: reshard_after_forward=False everywhere, one all-gather per "
                          "unit per step")
+    ap.add_argument("--hsdp-link", default=LINKS["hsdp"],
+                    help=f"rate of the link between the two nodes (tc's form; default {LINKS['hsdp']})")
+    ap.add_argument("--fsdp-link", default=LINKS["fsdp"],
+                    help=f"rate of the link the 1-D FSDP ranks share (default {LINKS['fsdp']})")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true",
                     help="cProfile rank 0's timed steps; the top functions go to the log and the output")
@@ -757,6 +761,9 @@ def main() -> None:
         _worker(a)
         return
 
+    for scen, rate in (("hsdp", a.hsdp_link), ("fsdp", a.fsdp_link)):
+        _rate_bits(rate)  # a clear error for a malformed rate, before anything starts
+        LINKS[scen] = rate
     preset = QUICK if a.quick else FULL
     a.shared_process = a.shared_process or a.quick
     cfg = {k: (getattr(a, k) if getattr(a, k) is not None else preset[k]) for k in FULL}

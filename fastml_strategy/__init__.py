@@ -6,8 +6,10 @@ Public API, grouped by purpose:
 - DDP: :func:`register_hook`, :class:`FastMLState`
 - errors: :class:`CompressionError` (a rank failed or died during the compressed all-reduce),
   :class:`ReplicaDriftError` (the replica check found parameters that differ across ranks)
-- Lightning / Fabric: ``fastml_strategy.lightning.FastMLStrategy`` (the name ``"fastml"`` is registered
-  with Lightning's strategy registries at import when Lightning is installed)
+- sharded training (FSDP2, HSDP): ``fastml_strategy.fsdp.register`` and ``FSDPState``
+- Lightning / Fabric: ``fastml_strategy.lightning.FastMLStrategy`` and ``FastMLFSDPStrategy`` (the
+  names ``"fastml"`` and ``"fastml_fsdp"`` are registered with Lightning's strategy registries at
+  import when Lightning is installed)
 - Accelerate: ``fastml_strategy.accelerate``
 - autotuning: ``fastml_strategy.autotune`` and the ``fastml-autotune`` command
 

@@ -19,10 +19,9 @@ Two nodes, HSDP (shard inside each node, replicate across the two)::
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST0:29400 \\
         --rdzv_id digits recipes/train_fsdp.py --replicate-size 2
 
-Checkpoints (``--ckpt DIR``, a folder): model and optimizer shards through
-``torch.distributed.checkpoint`` (every rank writes its own), and every rank's FastML state (its
-error-feedback residuals are its own) in ``DIR/fastml.rank<R>.pt``, written beside the target and
-renamed. ``--resume DIR`` continues the same trajectory exactly; resume with the same number of
+Checkpoints (``--ckpt DIR``, a folder): one ``torch.distributed.checkpoint`` with the model and optimizer
+shards and every rank's FastML state (``state.distributed_state_dict()``: its error-feedback residuals
+are its own). ``--resume DIR`` continues the same trajectory exactly; resume with the same number of
 processes and the same ``--replicate-size``.
 """
 
@@ -32,7 +31,6 @@ import argparse
 import hashlib
 import json
 import os
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -42,19 +40,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils.data import TensorDataset
 
 import fastml_strategy.fsdp
-
-
-def digits_split():
-    from sklearn.datasets import load_digits
-
-    x, y = load_digits(return_X_y=True)
-    x = torch.tensor(x, dtype=torch.float32) / 16.0
-    y = torch.tensor(y, dtype=torch.long)
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-    x, y = x[perm], y[perm]
-    return torch.utils.data.TensorDataset(x[:1500], y[:1500]), torch.utils.data.TensorDataset(x[1500:], y[1500:])
+from fastml_strategy._digits import load_digits_split
 
 
 def make_model(hidden: int, mesh) -> nn.Module:
@@ -79,27 +68,21 @@ def params_sha256(model: nn.Module) -> str:
 
 
 def save_checkpoint(folder: str, model: nn.Module, opt, step: int, state) -> None:
-    """Every rank: its model and optimizer shards (DCP) and its own FastML state."""
+    """Every rank writes its model and optimizer shards and its own FastML state (its residuals, step,
+    plans) into one distributed checkpoint."""
     model_sd, optim_sd = get_state_dict(model, opt)
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=folder)
-    own = {"fastml": state.state_dict(), "step": step}  # this rank's residuals, step, plans
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".fastml.", suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:  # write beside the target, then rename: never a torn file
-        torch.save(own, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(folder, f"fastml.rank{dist.get_rank()}.pt"))
-    dist.barrier()
+    dcp.save({"model": model_sd, "optimizer": optim_sd, "fastml": state.distributed_state_dict(),
+              "step": step}, checkpoint_id=folder)
 
 
 def load_checkpoint(folder: str, model: nn.Module, opt, state) -> int:
     model_sd, optim_sd = get_state_dict(model, opt)
-    loaded = {"model": model_sd, "optimizer": optim_sd}
+    # loads in place into this template: a fresh FastML state already holds every residual
+    loaded = {"model": model_sd, "optimizer": optim_sd, "fastml": state.distributed_state_dict(), "step": 0}
     dcp.load(loaded, checkpoint_id=folder)
     set_state_dict(model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
-    own = torch.load(os.path.join(folder, f"fastml.rank{dist.get_rank()}.pt"), weights_only=True)
-    state.load_state_dict(own["fastml"])  # checks world size, shard size and plan
-    return own["step"]
+    state.load_state_dict(loaded["fastml"])  # checks world size, shard size and plan
+    return int(loaded["step"])
 
 
 def main() -> None:
@@ -130,7 +113,8 @@ def main() -> None:
     mesh = (init_device_mesh(device.type, (world,)) if r == 1 else
             init_device_mesh(device.type, (r, world // r), mesh_dim_names=("replicate", "shard")))
 
-    train, val = digits_split()
+    xtr, ytr, xte, yte = load_digits_split()
+    train, val = TensorDataset(xtr, ytr), TensorDataset(xte, yte)
     sampler = torch.utils.data.DistributedSampler(train, shuffle=True, seed=0, drop_last=True)
     loader = torch.utils.data.DataLoader(train, batch_size=args.batch_size, sampler=sampler)
     with torch.device(device):
