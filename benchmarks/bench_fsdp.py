@@ -85,6 +85,8 @@ METHODS = {
         "fsdp-fp32": ("FSDP fp32", "fp32", None),
         "fsdp-bf16": ("FSDP bf16 params + reduce", "bf16", None),
         "fastml-int4": ("FastML int4 reduce-scatter (bf16 params)", "bf16", "int4"),
+        # opt-in: the parameter all-gathers quantized to int8 too (register(all_gather_bits=8))
+        "fastml-int4-ag8": ("FastML int4 reduce-scatter + int8 all-gather (bf16 params)", "bf16", "int4+ag8"),
     },
 }
 BASELINES = {"hsdp": ("hsdp-fp32", "hsdp-bf16"), "fsdp": ("fsdp-fp32", "fsdp-bf16")}
@@ -305,7 +307,9 @@ def _run_method(a: argparse.Namespace, method: str, mesh, cfg: dict, acc: dict, 
     if plan is not None:
         import fastml_strategy.fsdp as ff
 
-        state = ff.register(model, plan=plan, layer_stats_every=0)
+        plan, _, ag_bits = plan.partition("+ag")  # "int4+ag8": all_gather_bits=8
+        state = ff.register(model, plan=plan, layer_stats_every=0,
+                            all_gather_bits=int(ag_bits) if ag_bits else None)
         state._reduce_scatter = timed(state._reduce_scatter, "fastml")
         state._all_reduce = timed(state._all_reduce, "fastml")
 
@@ -364,6 +368,8 @@ def _run_method(a: argparse.Namespace, method: str, mesh, cfg: dict, acc: dict, 
         s = state.stats()
         me["stats"] = {k: s[k] for k in ("steps", "bytes_sent", "bytes_uncompressed", "compression_ratio",
                                          "residual_bytes", "nonfinite_steps")}
+        # gradient bytes only (the all-gather's, with all_gather_bits, are counted on the wire)
+        me["stats"]["bytes_sent"] -= s.get("all_gather", {}).get("bytes_sent", 0)
         state.close()
     gathered = [None] * world
     dist.all_gather_object(gathered, me)
@@ -556,8 +562,10 @@ def _machine() -> str:
     simd = ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16") if f in flags) or "no AVX2"
     import torch
 
+    march = os.environ.get("FASTML_CPU_MARCH", "native")
     return (f"{model} (family {fam}, model {mod}; {simd}), {os.cpu_count()} cores, "
-            f"Python {platform.python_version()}, torch {torch.__version__}")
+            f"Python {platform.python_version()}, torch {torch.__version__}; FastML's CPU codec built "
+            f"with -march={march}")
 
 
 def _summarise(res: dict, link: str | None, cfg: dict) -> dict:

@@ -86,7 +86,7 @@ def _worker(rank: int, port: int, steps: int, seeds: list[int], q) -> None:
                     loss.backward()
                     opt.step()
                     opt.zero_grad()
-                    losses.append(loss.item())
+                    losses.append(float(loss.detach()))
                 acc = accuracy(model, xte, yte)
                 nparams = sum(p.numel() for p in model.parameters())
                 res = state.stats()["residual_bytes"] if state else 0

@@ -57,7 +57,7 @@ import torch.distributed as dist
 from fastml_strategy import codecs
 from fastml_strategy.collective import CompressedAllReduce, CompressionError, ShardedTensor
 from fastml_strategy.config import Plan, resolve_plan
-from fastml_strategy.hook import _default_group_timeout, agreed_plan  # noqa: F401
+from fastml_strategy.hook import agreed_plan, own_rank_state
 
 __all__ = ["register", "FSDPState", "shard_chunks", "save_distributed", "load_distributed", "TESTED_TORCH"]
 
@@ -376,20 +376,7 @@ class FSDPState:
             sd = sd[f"rank{self.rank}"]
             if isinstance(sd, dict) and set(sd) == {"state", "tensors"}:
                 sd = _dcp_decode(sd["state"], sd["tensors"])
-        if not isinstance(sd, dict) or "format_version" not in sd:
-            raise ValueError("FSDPState.load_state_dict: not a FastML state (no 'format_version'); pass "
-                             "what state_dict() or distributed_state_dict() returned")
-        if sd["format_version"] != STATE_FORMAT_VERSION:
-            raise ValueError(f"FastML FSDP state format_version {sd['format_version']!r} is not "
-                             f"supported (this FastML reads {STATE_FORMAT_VERSION})")
-        if "per_rank" in sd:
-            per = sd["per_rank"]
-            if len(per) != self.world_size:
-                raise ValueError(
-                    f"the checkpoint holds FastML state of {len(per)} ranks but this run has "
-                    f"{self.world_size}; resume with the same world size, or drop the FastML entry to "
-                    f"restart error feedback from zero")
-            sd = per[self.rank]
+        sd = own_rank_state(sd, self.rank, self.world_size, STATE_FORMAT_VERSION, "FSDPState")
         if sd.get("kind") != "fsdp":
             raise ValueError("FSDPState.load_state_dict: this is a DDP FastML state (from register_hook); "
                              "load it with FastMLState.load_state_dict, or drop it to start fresh")

@@ -228,21 +228,7 @@ class FastMLState:
         return {"format_version": STATE_FORMAT_VERSION, "per_rank": gathered}
 
     def load_state_dict(self, sd: dict) -> None:
-        if not isinstance(sd, dict) or "format_version" not in sd:
-            raise ValueError("FastMLState.load_state_dict: not a FastML state (no 'format_version'); "
-                             "pass what state_dict() returned")
-        if sd["format_version"] != STATE_FORMAT_VERSION:
-            raise ValueError(f"FastML state format_version {sd['format_version']!r} is not supported "
-                             f"(this FastML reads {STATE_FORMAT_VERSION})")
-        if "per_rank" in sd:
-            per = sd["per_rank"]
-            if len(per) != self.world_size:
-                raise ValueError(
-                    f"the checkpoint holds FastML state of {len(per)} ranks but this run has "
-                    f"{self.world_size}; resume with the same world size, or drop the FastML entry "
-                    f"from the checkpoint to restart error feedback from zero"
-                )
-            sd = per[self.rank]
+        sd = own_rank_state(sd, self.rank, self.world_size, STATE_FORMAT_VERSION, "FastMLState")
         saved = Plan.from_dict(sd["plan"])
         if saved.digest() != self.plan.digest():
             warnings.warn(
@@ -268,6 +254,27 @@ class FastMLState:
             d.pop(k, None)
         d["_state_dict"] = self.state_dict()
         return d
+
+
+def own_rank_state(sd: Any, rank: int, world_size: int, version: int, owner: str) -> dict:
+    """This rank's entry of a saved FastML state: ``sd`` itself (one rank's ``state_dict()``) or its
+    ``per_rank[rank]`` (``state_dict(all_ranks=True)``), after checking the format version and the
+    world size."""
+    if not isinstance(sd, dict) or "format_version" not in sd:
+        raise ValueError(f"{owner}.load_state_dict: not a FastML state (no 'format_version'); pass what "
+                         f"state_dict() returned")
+    if sd["format_version"] != version:
+        raise ValueError(f"FastML state format_version {sd['format_version']!r} is not supported by "
+                         f"{owner} (this FastML reads {version})")
+    if "per_rank" not in sd:
+        return sd
+    per = sd["per_rank"]
+    if len(per) != world_size:
+        raise ValueError(
+            f"the checkpoint holds FastML state of {len(per)} ranks but this run has {world_size}; "
+            f"resume with the same world size, or drop the FastML entry from the checkpoint to restart "
+            f"error feedback from zero")
+    return per[rank]
 
 
 def _fastml_hook(state, bucket):

@@ -49,6 +49,15 @@ _SRC = Path(__file__).with_name("quantize_cpu.cpp")
 # whether FP exception flags may be raised: without it gcc does not vectorise the clamp-and-convert.
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math", "-std=c++17",
           "-shared", "-fPIC", "-pthread")
+
+
+def _flags() -> tuple:
+    """The compiler flags; ``FASTML_CPU_MARCH`` replaces ``native`` (e.g. ``x86-64-v3`` builds for any
+    AVX2 machine, so an AVX-512 machine can measure what AVX2-only users get)."""
+    march = os.environ.get("FASTML_CPU_MARCH", "native").strip() or "native"
+    if not all(c.isalnum() or c in "-_." for c in march):
+        raise RuntimeError(f"FASTML_CPU_MARCH={march!r} is not a -march value (e.g. native, x86-64-v3)")
+    return tuple(f"-march={march}" if f == "-march=native" else f for f in _FLAGS)
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _MIN_ELEMS_PER_THREAD = 1 << 18
 
@@ -100,7 +109,8 @@ def _build() -> ctypes.CDLL:
         raise RuntimeError("no C++ compiler found (tried $CXX, g++, c++, clang++)")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
     src = _SRC.read_bytes()
-    key = hashlib.sha256(b"\0".join([src, " ".join(_FLAGS).encode(), version.encode(),
+    flags = _flags()
+    key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), version.encode(),
                                      _cpu_id().encode()])).hexdigest()[:20]
     out_dir = _cache_dir()
     lib_path = out_dir / f"quantize_cpu-{key}.so"
@@ -111,7 +121,7 @@ def _build() -> ctypes.CDLL:
         os.close(fd)
         try:
             t0 = time.perf_counter()
-            proc = subprocess.run([cxx, *_FLAGS, "-o", tmp, str(_SRC)], capture_output=True, text=True,
+            proc = subprocess.run([cxx, *flags, "-o", tmp, str(_SRC)], capture_output=True, text=True,
                                   timeout=300)
             if proc.returncode != 0:
                 raise RuntimeError(f"{cxx} failed (exit {proc.returncode}): {proc.stderr.strip()[-800:]}")
