@@ -50,7 +50,7 @@ import torch.distributed as dist
 from fastml_strategy import codecs
 from fastml_strategy.config import Codec, CodecConfig, Plan
 
-__all__ = ["BucketLayout", "ShardLayout", "CompressedAllReduce", "CompressionError"]
+__all__ = ["BucketLayout", "ShardLayout", "CompressedAllReduce", "CompressionError", "DecodeError"]
 
 HEADER = 64  # bytes: int32 status, int32 rank, 56 bytes of UTF-8 error text
 _STATUS_OK, _STATUS_ERROR = 0, 1
@@ -59,6 +59,10 @@ _M32 = 0xFFFFFFFF
 
 class CompressionError(RuntimeError):
     """Raised on every rank when compression or communication failed on one of them."""
+
+
+class DecodeError(CompressionError):
+    """Decoding failed on this rank after the bucket's last collective (the caller tells the others)."""
 
 
 def _mix(*xs: int) -> int:
@@ -223,8 +227,10 @@ class BucketLayout(_Messages):
         self.configs: dict[str, CodecConfig] = {}
         # plan_numels: the parameters' own sizes, when the bucket holds only a shard of them (HSDP):
         # whether a tensor is small enough to travel uncompressed is a property of the parameter.
+        self.uncompressed = True  # every tensor fp32 in the plan: a plain all-reduce does it
         for name, off, n, pn in zip(names, offsets, numels, plan_numels or numels):
             planned = codecs.effective_config(plan.for_parameter(name, pn), n, W)
+            self.uncompressed = self.uncompressed and planned.codec is Codec.FP32
             cfg = codecs.wire_config(planned, dtype)
             self.configs[name] = cfg
             p = _Param(name, int(off), int(n))
@@ -267,7 +273,7 @@ class BucketLayout(_Messages):
         self.gather_size = pos
         self.gsend = self.grecv = None
         self.topk_acc: dict[str, torch.Tensor] = {}
-        if persistent:
+        if persistent and not self.uncompressed:
             self._alloc()
 
     def _alloc(self) -> None:
@@ -587,12 +593,58 @@ class CompressedAllReduce:
         known to be finite, so a step that GradScaler skips leaves every bucket's residuals alone).
         ``baseline_elem_size``: bytes per element of the uncompressed all-reduce the statistics
         compare against (fp32 for DDP)."""
+        if lay.uncompressed:
+            return self._plain_all_reduce(lay, buf, baseline_elem_size)
         transient = lay.acquire()
         try:
             return self._run(lay, buf, step, layer_stats, commit, baseline_elem_size)
         finally:
             if transient:
                 lay.release()
+
+    def _plain_all_reduce(self, lay: BucketLayout, buf: torch.Tensor, baseline_elem_size: int) -> bool:
+        """A bucket with nothing to compress: exactly what DDP's own hook does (divide, then one
+        all-reduce in the gradients' dtype), so ``none`` is DDP's result for every dtype (float64 too)
+        and costs one collective."""
+        W = self.world_size
+        if W > 1:
+            buf.div_(W)
+            dist.all_reduce(buf, group=self.group)
+        nbytes = buf.numel() * buf.element_size()
+        self.bytes_sent += int(round(2.0 * (W - 1) / W * nbytes))
+        self.bytes_uncompressed += 2.0 * (W - 1) / W * baseline_elem_size * lay.total_numel
+        return bool(torch.isfinite(buf).all())
+
+    @torch.no_grad()
+    def sparse_all_reduce(self, buf: torch.Tensor) -> bool:
+        """A sparse gradient (its own DDP bucket): the exact sparse all-reduce DDP does, then the mean.
+        Every rank sums the same rows in the same order, so replicas stay identical; uncompressed
+        whatever the plan says. Returns whether the result is finite."""
+        W = self.world_size
+        nbytes = buf._values().numel() * buf.element_size() + buf._indices().numel() * 8
+        if W > 1:
+            dist.all_reduce(buf, group=self.group)
+            buf.div_(W)
+        # gloo's sparse all-reduce all-gathers every rank's indices and values
+        self.bytes_sent += (W - 1) * nbytes
+        self.bytes_uncompressed += (W - 1) * nbytes
+        return bool(torch.isfinite(buf._values()).all())
+
+    def exchange_status(self, error: BaseException | None, stage: str, device: torch.device) -> None:
+        """Every rank tells every other whether ``error`` happened on it (a 64-byte all_gather); if it
+        did on any rank, every rank raises the same :class:`CompressionError`, naming the lowest."""
+        W = self.world_size
+        if W == 1:
+            if error is not None:
+                raise CompressionError(f"FastML: compression failed during {stage} ({error})") from error
+            return
+        if device.type != "cuda":
+            device = torch.device("cpu")
+        mine = torch.zeros(HEADER, dtype=torch.uint8, device=device)
+        self._write_header(mine, error)
+        out = torch.zeros(W * HEADER, dtype=torch.uint8, device=device)
+        dist.all_gather(list(out.view(W, HEADER).unbind(0)), mine, group=self.group)
+        self._check_headers(list(out.view(W, HEADER).unbind(0)), stage, error)
 
     def _run(self, lay: BucketLayout, buf: torch.Tensor, step: int, layer_stats: bool, commit: bool,
              baseline_elem_size: int) -> bool:
@@ -615,7 +667,10 @@ class CompressedAllReduce:
         self._check_headers([lay.grecv[j * lay.gather_size:] for j in range(W)], "reduction",
                             local_error)
 
-        finite = self._decode(lay, buf)
+        try:
+            finite = self._decode(lay, buf)
+        except Exception as e:  # noqa: BLE001 - no collective left to carry it: see exchange_status
+            raise DecodeError(f"{type(e).__name__}: {e}") from e
         if finite and commit:
             self.commit(lay)
         self.bytes_uncompressed += 2.0 * (W - 1) / W * baseline_elem_size * lay.total_numel

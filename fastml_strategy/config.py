@@ -424,21 +424,61 @@ class Plan:
         if not isinstance(self.name, str):
             raise ValueError(f"plan.name is {self.name!r}; use a string (it names the plan in logs)")
 
-    def check_parameters(self, names: Iterable[str]) -> None:
-        """Raise ValueError if an exact name or a pattern of the plan matches no parameter."""
+    def check_parameters(self, names: Iterable[str], aliases: Mapping[str, str] | None = None,
+                         frozen: Iterable[str] = ()) -> None:
+        """Raise ValueError if an exact name of the plan is not a parameter of the model (see
+        :meth:`resolve_names`); warn about notes (a pattern that matches nothing, an alias, a frozen
+        parameter)."""
+        import warnings
+
+        _, notes = self.resolve_names(names, aliases, frozen)
+        for note in notes:
+            warnings.warn(f"FastML plan: {note}", stacklevel=2)
+
+    def resolve_names(self, names: Iterable[str], aliases: Mapping[str, str] | None = None,
+                      frozen: Iterable[str] = ()) -> tuple["Plan", list[str]]:
+        """Match the plan's keys against the model: ``names`` are the parameters that train,
+        ``aliases`` maps other names of a parameter to its own (tied weights: ``head.weight`` ->
+        ``tok.weight``), ``frozen`` names parameters that do not train now.
+
+        An exact key that names an alias is rewritten to the parameter's name; one that names a frozen
+        parameter is kept (it applies once the parameter trains); a ``re:`` pattern that matches no
+        parameter is kept too. Each of these gives a note. A key that is none of these raises
+        ValueError naming it. Returns ``(plan with aliases resolved, notes)``."""
         names = list(names)
         present = set(names)
-        missing = [k for k, _ in self.layers if not k.startswith("re:") and k not in present]
-        unmatched = [k for k, _ in self.layers
-                     if k.startswith("re:") and not any(re.fullmatch(k[3:], n) for n in names)]
-        if missing or unmatched:
+        aliases = dict(aliases or {})
+        frozen = set(frozen)
+        notes: list[str] = []
+        missing: list[str] = []
+        layers: list[tuple[str, CodecConfig]] = []
+        for key, cfg in self.layers:
+            if key.startswith("re:"):
+                everything = names + sorted(frozen)
+                if not any(re.fullmatch(key[3:], n) for n in everything):
+                    notes.append(f"the pattern {key!r} matches no parameter of the model; it does nothing")
+                layers.append((key, cfg))
+            elif key in present:
+                layers.append((key, cfg))
+            elif key in aliases:
+                target = aliases[key]
+                notes.append(f"{key!r} is another name of {target!r} (tied weights): its setting applies "
+                             f"to {target!r}")
+                layers.append((target, cfg))
+            elif key in frozen:
+                notes.append(f"{key!r} is frozen (requires_grad=False): its setting applies once it trains")
+                layers.append((key, cfg))
+            else:
+                missing.append(key)
+        if missing:
             sample = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
-            bad = missing + unmatched
             raise ValueError(
-                f"plan.layers names {bad} but the model has no such parameter (its parameters: "
+                f"plan.layers names {missing} but the model has no such parameter (its parameters: "
                 f"{sample}); use names from model.named_parameters() (without a 'module.' prefix), "
-                f"or fix the 're:' pattern"
+                f"or a 're:' pattern"
             )
+        resolved = self if layers == list(self.layers) else dataclasses.replace(self, layers=tuple(layers))
+        return resolved, notes
 
 
 def resolve_plan(plan: Any) -> Plan:

@@ -57,7 +57,8 @@ import torch.distributed as dist
 from fastml_strategy import codecs
 from fastml_strategy.collective import CompressedAllReduce, CompressionError, ShardedTensor
 from fastml_strategy.config import Plan, resolve_plan
-from fastml_strategy.hook import agreed_plan, own_rank_state
+from fastml_strategy.hook import (agreed_plan, check_saved_state, fitting_residuals, model_names,
+                                  own_rank_state)
 
 __all__ = ["register", "FSDPState", "shard_chunks", "save_distributed", "load_distributed", "TESTED_TORCH"]
 
@@ -368,10 +369,13 @@ class FSDPState:
         dict is the template to load into (its residuals exist from registration on)."""
         return {f"rank{self.rank}": _dcp_encode(self.state_dict())}
 
-    def load_state_dict(self, sd: dict) -> None:
+    def load_state_dict(self, sd: dict, strict: bool = True) -> None:
         """Load what :meth:`state_dict` (one rank, or ``all_ranks=True``),
         :meth:`distributed_state_dict` or :func:`load_distributed` returned; call before the first
-        step of the resumed run."""
+        step of the resumed run. The state must be this rank's, from the same world size and shard
+        size and, with ``strict``, the same plans, with residuals that fit the model: otherwise
+        ValueError names the mismatch before anything is loaded (``strict=False``: see
+        :meth:`fastml_strategy.FastMLState.load_state_dict`)."""
         if isinstance(sd, dict) and f"rank{self.rank}" in sd and "format_version" not in sd:
             sd = sd[f"rank{self.rank}"]
             if isinstance(sd, dict) and set(sd) == {"state", "tensors"}:
@@ -380,27 +384,36 @@ class FSDPState:
         if sd.get("kind") != "fsdp":
             raise ValueError("FSDPState.load_state_dict: this is a DDP FastML state (from register_hook); "
                              "load it with FastMLState.load_state_dict, or drop it to start fresh")
-        if sd.get("world_size") != self.world_size or sd.get("shard_size") != self.shard_size:
+        if sd.get("shard_size") != self.shard_size:
             raise ValueError(
-                f"the FastML state was saved with {sd.get('world_size')} ranks in shards of "
-                f"{sd.get('shard_size')}; this run has {self.world_size} in shards of "
-                f"{self.shard_size}: residuals are per rank and per shard, so resume with the same "
-                f"layout, or drop the FastML entry to restart error feedback from zero")
-        for key, mine in (("plan", self.plan), ("shard_plan", self.shard_plan)):
-            saved = sd.get(key)
-            if (saved is None) != (mine is None) or (
-                    saved is not None and Plan.from_dict(saved).digest() != mine.digest()):
-                warnings.warn(f"FastML: the checkpoint's {key} differs from this run's; residuals are "
-                              f"loaded for the layers present in both. Pass the checkpoint's plan to "
-                              f"resume exactly.", stacklevel=2)
+                f"FSDPState.load_state_dict: the state was saved with shards of {sd.get('shard_size')} "
+                f"ranks, this run shards over {self.shard_size}: residuals are per rank and per shard, so "
+                f"resume with the same mesh, or drop the FastML entry to restart error feedback from zero")
+        check_saved_state(sd, self.rank, self.world_size, self.plan, strict, "FSDPState")
+        check_saved_state(sd, self.rank, self.world_size, self.shard_plan, strict, "FSDPState",
+                          plan_key="shard_plan")
+        hops = (("reduce_scatter", self._rs), ("all_reduce", self._ar))
+        saved = sd.get("residuals") or {}
+        fitting = {key: fitting_residuals(saved.get(key, {}), self._residual_sizes(key), strict, "FSDPState")
+                   for key, eng in hops if eng is not None}
         self.step = int(sd["step"])
         for key, eng in (("reduce_scatter", self._rs), ("all_reduce", self._ar), ("all_gather", self._ag)):
             if eng is None:
                 continue
             counters = (sd.get("counters") or {}).get(key) or [0, 0.0]
             eng.bytes_sent, eng.bytes_uncompressed = int(counters[0]), float(counters[1])
-            if key != "all_gather":
-                eng.load_residuals((sd.get("residuals") or {}).get(key, {}))
+            if key in fitting:
+                eng.load_residuals(fitting[key])
+
+    def _residual_sizes(self, hop: str) -> dict:
+        """Elements of each parameter's residual on this rank: the whole gradient for the
+        reduce-scatter, this rank's shard of it for the cross-replica all-reduce."""
+        sizes = {}
+        for unit in self._units:
+            for fp, name in zip(unit.params, unit.names):
+                chunks, _ = unit.layout_of(fp, self.shard_size)
+                sizes[name] = sum(chunks) if hop == "reduce_scatter" else chunks[self.shard_rank]
+        return sizes
 
     def close(self) -> None:
         """Give the model back to FSDP's own collectives (FastML's residuals are dropped)."""
@@ -651,7 +664,10 @@ def register(
                 f"register afterwards, on every rank")
         named = dict(model.named_parameters())
         names = {id(p): n for n, p in named.items()}
-        names_all.extend(named)
+        trainable, al, fr = model_names(model)
+        names_all.extend(trainable)
+        aliases.update(al)
+        frozen.extend(fr)
         units, mesh_infos = [], set()
         for mod in model.modules():
             if not isinstance(mod, FSDPModule):
@@ -707,15 +723,20 @@ def register(
                              "reduce-scatter); with plain FSDP, give the plan as plan=")
         if shard_plan is not None:
             sp = resolve_plan(shard_plan)
-            sp.check_parameters(list(named))
+            sp.check_parameters(trainable, al, fr)
             found["shard_plan"] = sp
         found.update(units=units, native_hsdp=native_hsdp, shard_size=shard_size, rep=rep)
 
-    names_all: list = []  # filled by inspect() once the model is known to be an FSDP2 module
-    plan_obj = agreed_plan(plan, names_all, world, world_size, check=inspect)
+    # filled by inspect() once the model is known to be an FSDP2 module
+    names_all: list = []
+    aliases: dict = {}
+    frozen: list = []
+    plan_obj = agreed_plan(plan, names_all, world, world_size, check=inspect, aliases=aliases,
+                           frozen=frozen)
     shard_plan_obj = found.get("shard_plan")
     if shard_plan_obj is not None:  # the same on every rank too
-        agreed_plan(shard_plan_obj, names_all, world, world_size)
+        shard_plan_obj = agreed_plan(shard_plan_obj, names_all, world, world_size, aliases=aliases,
+                                     frozen=frozen)
     units, native_hsdp, shard_size, rep = (found["units"], found["native_hsdp"], found["shard_size"],
                                            found["rep"])
     shard_rank = units[0].group.mesh_info.shard_mesh_rank

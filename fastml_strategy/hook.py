@@ -34,7 +34,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from fastml_strategy.collective import CompressedAllReduce, CompressionError
+from fastml_strategy.collective import CompressedAllReduce, CompressionError, DecodeError
 from fastml_strategy.config import Plan, resolve_plan
 
 __all__ = ["FastMLState", "register_hook", "ReplicaDriftError", "CompressionError"]
@@ -56,6 +56,7 @@ class _Job:
     numels: tuple
     future: torch.futures.Future
     event: Optional[Any] = None
+    sparse: bool = False  # a sparse gradient (nn.Embedding(sparse=True)): its own bucket, exact
     done: threading.Event = field(default_factory=threading.Event)  # set once the future is complete
 
 
@@ -87,7 +88,8 @@ class FastMLState:
         self.rank = rank
         self.world_size = world_size
         self._names = names  # id(param) -> name (as in model.module.named_parameters())
-        self._params = params
+        self._params = params  # every parameter (the replica check covers frozen ones too)
+        self._param_names = [names.get(id(p), "") for p in params]
         self._engine = CompressedAllReduce(plan, process_group, rank, world_size)
         self._queue: "queue.Queue[Optional[_Job]]" = queue.Queue()
         self._stream = None  # CUDA stream of the comm thread, made on first CUDA bucket
@@ -100,6 +102,9 @@ class FastMLState:
         # bucket so far was finite: residuals move on only when the whole step is finite.
         self._uncommitted: list = []
         self._step_finite = True
+        # An error of this rank after a bucket's last collective (decoding the result): the other ranks
+        # cannot see it in a message header, so every rank exchanges its status at the end of the step.
+        self._step_error: Optional[BaseException] = None
         # The first error of the comm thread (a peer died, a collective timed out, an encoder raised,
         # replicas drifted). Sticky: the process group may be unusable, so no further collective is
         # issued and every later bucket fails with this error (a restart from a checkpoint is the fix).
@@ -153,13 +158,24 @@ class FastMLState:
 
     def _process(self, job: _Job) -> None:
         eng = self._engine
-        lay = eng.layout_for(job.names, job.offsets, job.numels, job.buffer.device, job.buffer.dtype)
-        every = self.layer_stats_every
-        layer_stats = every > 0 and self.step % every == 0
-        finite = eng.run(lay, job.buffer, self.step, layer_stats=layer_stats, commit=False)
-        self._uncommitted.append(lay)
+        if job.sparse:
+            finite = eng.sparse_all_reduce(job.buffer)
+        else:
+            lay = eng.layout_for(job.names, job.offsets, job.numels, job.buffer.device, job.buffer.dtype)
+            every = self.layer_stats_every
+            layer_stats = every > 0 and self.step % every == 0
+            try:
+                finite = eng.run(lay, job.buffer, self.step, layer_stats=layer_stats, commit=False)
+                self._uncommitted.append(lay)
+            except DecodeError as e:  # every rank hears of it at the end of the step (below)
+                self._step_error = self._step_error or e
+                finite = False
         self._step_finite = self._step_finite and finite
         if job.is_last:
+            error, self._step_error = self._step_error, None
+            # one 64-byte all_gather per step: a rank whose decoding failed makes every rank raise now,
+            # instead of leaving the others waiting in the next step's collectives
+            eng.exchange_status(error, "decoding", job.buffer.device)
             if self._step_finite:
                 for done in self._uncommitted:
                     eng.commit(done)
@@ -227,19 +243,23 @@ class FastMLState:
         dist.all_gather_object(gathered, own, group=self.process_group)
         return {"format_version": STATE_FORMAT_VERSION, "per_rank": gathered}
 
-    def load_state_dict(self, sd: dict) -> None:
+    def load_state_dict(self, sd: dict, strict: bool = True) -> None:
+        """Load what :meth:`state_dict` returned (this rank's, or every rank's with ``all_ranks=True``).
+
+        The saved state must come from the same rank of the same world size and, with ``strict``
+        (the default), the same plan, and its residuals must fit this model's parameters; otherwise
+        ValueError names the mismatch before anything is loaded. ``strict=False`` loads under another
+        plan: residuals are taken for the layers both plans give one of the same size, the rest start
+        from zero (with a warning naming them)."""
         sd = own_rank_state(sd, self.rank, self.world_size, STATE_FORMAT_VERSION, "FastMLState")
-        saved = Plan.from_dict(sd["plan"])
-        if saved.digest() != self.plan.digest():
-            warnings.warn(
-                f"FastML: the checkpoint was made with plan {saved.name!r}, this run uses "
-                f"{self.plan.name!r}; residuals are loaded for layers present in both. Pass the "
-                f"checkpoint's plan to resume exactly.", stacklevel=2)
+        check_saved_state(sd, self.rank, self.world_size, self.plan, strict, "FastMLState")
+        sizes = {n: p.numel() for n, p in zip(self._param_names, self._params)}
+        residuals = fitting_residuals(sd.get("residuals", {}), sizes, strict, "FastMLState")
         self.step = int(sd["step"])
         counters = sd.get("counters", {})
         self._engine.bytes_sent = int(counters.get("bytes_sent", 0))
         self._engine.bytes_uncompressed = float(counters.get("bytes_uncompressed", 0.0))
-        self._engine.load_residuals(sd.get("residuals", {}))
+        self._engine.load_residuals(residuals)
 
     def close(self) -> None:
         """Stop the communication thread (the hook then fails any further bucket)."""
@@ -254,6 +274,52 @@ class FastMLState:
             d.pop(k, None)
         d["_state_dict"] = self.state_dict()
         return d
+
+
+def check_saved_state(sd: dict, rank: int, world_size: int, plan: Optional[Plan], strict: bool,
+                      owner: str, plan_key: str = "plan") -> None:
+    """Raise ValueError, naming the mismatch and the fix, if a saved state is another rank's, from
+    another world size or (``strict``) from another plan."""
+    saved_rank, saved_world = sd.get("rank"), sd.get("world_size")
+    if saved_world is not None and saved_world != world_size:
+        raise ValueError(
+            f"{owner}.load_state_dict: the state was saved by a run of {saved_world} ranks, this run has "
+            f"{world_size}; error-feedback residuals belong to one rank, so resume with {saved_world} "
+            f"ranks, or do not load the FastML state (its residuals then start from zero)")
+    if saved_rank is not None and saved_rank != rank:
+        raise ValueError(
+            f"{owner}.load_state_dict: this is rank {saved_rank}'s state, loaded on rank {rank}; save with "
+            f"state_dict(all_ranks=True) (or one file per rank) and give each rank its own")
+    saved = sd.get(plan_key)
+    saved_plan = Plan.from_dict(saved) if saved is not None else None
+    if (saved_plan is None) != (plan is None) or (
+            saved_plan is not None and saved_plan.digest() != plan.digest()):
+        what = (f"the state was saved with {plan_key} {saved_plan.name if saved_plan else None!r}, "
+                f"this run uses {plan.name if plan else None!r}")
+        if strict:
+            raise ValueError(
+                f"{owner}.load_state_dict: {what}; pass the checkpoint's plan (Plan.from_dict("
+                f"state['{plan_key}'])) to resume exactly, or load_state_dict(..., strict=False) to keep "
+                f"the residuals of the layers both plans compress alike")
+        warnings.warn(f"FastML: {what}; residuals are loaded for the layers both plans give one of the "
+                      f"same size", stacklevel=3)
+
+
+def fitting_residuals(residuals: dict, sizes: dict, strict: bool, owner: str) -> dict:
+    """The saved residuals that fit ``sizes`` (name -> elements); with ``strict`` a residual of a
+    parameter the model lacks, or of another size, raises ValueError naming it."""
+    bad = [(n, t.numel(), sizes.get(n)) for n, t in residuals.items() if sizes.get(n) != t.numel()]
+    if bad and strict:
+        n, got, want = bad[0]
+        have = "no such parameter" if want is None else f"{want} elements here"
+        raise ValueError(
+            f"{owner}.load_state_dict: the saved residual of {n!r} has {got} elements, the model has "
+            f"{have}{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}; resume the same model "
+            f"(and mesh), or load with strict=False to start those residuals from zero")
+    if bad:
+        warnings.warn(f"FastML: residuals of {[b[0] for b in bad]} do not fit this model and start from zero",
+                      stacklevel=3)
+    return {n: t for n, t in residuals.items() if sizes.get(n) == t.numel()}
 
 
 def own_rank_state(sd: Any, rank: int, world_size: int, version: int, owner: str) -> dict:
@@ -284,17 +350,23 @@ def _fastml_hook(state, bucket):
     if state._failure is not None:
         raise state._failure
     buf = bucket.buffer()
-    grads = bucket.gradients()
     params = bucket.parameters()
-    base = buf.storage_offset()
+    if buf.is_sparse:  # DDP hands a sparse gradient over in a bucket of its own, with no dense views
+        offsets, numels = (0,), (params[0].numel(),)
+    else:
+        grads = bucket.gradients()
+        base = buf.storage_offset()
+        offsets = tuple(g.storage_offset() - base for g in grads)
+        numels = tuple(g.numel() for g in grads)
     job = _Job(
         index=bucket.index(),
         is_last=bucket.is_last(),
         buffer=buf,
         names=tuple(state._names[id(p)] for p in params),
-        offsets=tuple(g.storage_offset() - base for g in grads),
-        numels=tuple(g.numel() for g in grads),
+        offsets=offsets,
+        numels=numels,
         future=torch.futures.Future(devices=[buf.device] if buf.is_cuda else None),
+        sparse=buf.is_sparse,
     )
     if buf.is_cuda:
         job.event = torch.cuda.Event()
@@ -329,12 +401,29 @@ def _agree(group, world_size: int, payload: Any) -> list:
     return out
 
 
-def agreed_plan(plan: Any, names: list, group: Any, world_size: int, check: Any = None) -> Plan:
-    """Resolve ``plan`` and check it against the parameter ``names`` on every rank, then agree: every
-    rank raises the same ValueError if the plan (or ``check()``, any further validation) failed on any
-    rank, or if ranks hold different plans. A collective on ``group``."""
+def model_names(module: torch.nn.Module) -> tuple:
+    """``(trainable names, aliases, frozen names)`` of a module's parameters: a parameter reachable under
+    several names (tied weights) is known by its first; the others map to it in ``aliases``."""
+    first: dict = {}
+    aliases: dict = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    named = dict(module.named_parameters())
+    return ([n for n, p in named.items() if p.requires_grad], aliases,
+            [n for n, p in named.items() if not p.requires_grad])
+
+
+def agreed_plan(plan: Any, names: list, group: Any, world_size: int, check: Any = None,
+                aliases: Optional[dict] = None, frozen: Any = ()) -> Plan:
+    """Resolve ``plan`` and check it against the parameter ``names`` on every rank (``aliases`` and
+    ``frozen``: see :meth:`Plan.resolve_names`), then agree: every rank raises the same ValueError if
+    the plan (or ``check()``, any further validation) failed on any rank, or if ranks hold different
+    plans. A collective on ``group``. Returns the plan with aliases resolved; notes are warned."""
     # Validate locally, then agree: a rank whose plan is bad must not leave the others waiting.
-    error, digest, plan_obj, failed_check = None, None, None, None
+    error, digest, plan_obj, failed_check, notes = None, None, None, None, []
     try:
         if check is not None:
             try:
@@ -342,8 +431,7 @@ def agreed_plan(plan: Any, names: list, group: Any, world_size: int, check: Any 
             except (TypeError, ValueError, RuntimeError) as e:
                 failed_check = type(e).__name__
                 raise
-        plan_obj = resolve_plan(plan)
-        plan_obj.check_parameters(names)
+        plan_obj, notes = resolve_plan(plan).resolve_names(names, aliases, frozen)
         digest = plan_obj.digest()
     except Exception as e:  # noqa: BLE001 - any local failure must reach every rank, or they hang
         error = str(e) if isinstance(e, ValueError) or failed_check else f"{type(e).__name__}: {e}"
@@ -364,6 +452,8 @@ def agreed_plan(plan: Any, names: list, group: Any, world_size: int, check: Any 
             f"FastML: ranks hold different plans ({desc}); give every rank the same plan (the same "
             f"file, recipe or FASTML_PLAN), or the ranks' messages would not match"
         )
+    for note in notes:
+        warnings.warn(f"FastML plan: {note}", stacklevel=3)
     return plan_obj
 
 
@@ -419,11 +509,18 @@ def register_hook(
     world_size = dist.get_world_size(process_group)
 
     module = model.module
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    names = {id(p): n for n, p in named}
+    trainable, aliases, frozen = model_names(module)
+    names = {id(p): n for n, p in module.named_parameters()}
 
-    plan_obj = agreed_plan(plan, [n for n, _ in named], process_group, world_size)
-    state = FastMLState(plan_obj, process_group, rank, world_size, names, [p for _, p in named],
+    plan_obj = agreed_plan(plan, trainable, process_group, world_size, aliases=aliases, frozen=frozen)
+    sparse = [f"{prefix}{'.' if prefix else ''}weight" for prefix, m in module.named_modules()
+              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
+    lossy = [n for n in sparse if plan_obj.for_parameter(n).lossy]
+    if lossy:
+        warnings.warn(f"FastML: {lossy} produce sparse gradients, which travel uncompressed (an exact sparse "
+                      f"all-reduce, as DDP does it), whatever the plan says; use sparse=False to compress "
+                      f"them", stacklevel=2)
+    state = FastMLState(plan_obj, process_group, rank, world_size, names, list(module.parameters()),
                         check_replicas_every=check_replicas_every, layer_stats_every=layer_stats_every)
     model.register_comm_hook(state, _fastml_hook)
     return state

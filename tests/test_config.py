@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import warnings
+
 import pytest
 
 from fastml_strategy import RECIPES, Codec, CodecConfig, Plan
@@ -90,8 +92,23 @@ def test_check_parameters_names_unknown():
     plan = Plan.from_recipe("int4").with_layers({"enc.weight": RECIPES["int8"], "re:dec\\..*": RECIPES["int2"]})
     with pytest.raises(ValueError, match="enc.weight") as e:
         plan.check_parameters(["fc.weight", "fc.bias"])
-    assert "re:dec" in str(e.value)
-    plan.check_parameters(["enc.weight", "dec.bias"])
+    assert "re:dec" not in str(e.value)  # a pattern that matches nothing is a note, not an error
+    with pytest.warns(UserWarning, match=r"re:dec.*matches no parameter"):
+        plan.check_parameters(["enc.weight", "fc.bias"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan.check_parameters(["enc.weight", "dec.bias"])
+
+
+def test_plan_names_an_alias_or_a_frozen_parameter():
+    plan = Plan.from_recipe("int4").with_layers({"head.weight": RECIPES["int8"], "enc.weight": RECIPES["int2"]})
+    resolved, notes = plan.resolve_names(["tok.weight", "head.bias"], aliases={"head.weight": "tok.weight"},
+                                         frozen=["enc.weight"])
+    assert resolved.for_parameter("tok.weight") == RECIPES["int8"]  # the alias resolves to its parameter
+    assert resolved.for_parameter("enc.weight") == RECIPES["int2"]  # kept for when it trains
+    assert any("another name of 'tok.weight'" in n for n in notes)
+    assert any("'enc.weight' is frozen" in n for n in notes)
+    assert plan.digest() != resolved.digest()
 
 
 def test_env_plan(monkeypatch):

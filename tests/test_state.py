@@ -81,3 +81,48 @@ def test_state_dict_rejects_wrong_world_size():
 
     with pytest.raises(ValueError, match="3 ranks but this run has 2"):
         _S().load_state_dict(sd)
+
+
+def _mismatches(rank, world_size):
+    import fastml_strategy as fm
+
+    out = {}
+    d = DDP(_model(), bucket_cap_mb=0.02)
+    s = fm.register_hook(d, plan="int4")
+    o = torch.optim.SGD(d.parameters(), lr=0.05)
+    _steps(d, o, 0, 2, rank)
+    own = s.state_dict()
+
+    def attempt(key, sd, **kw):
+        try:
+            s.load_state_dict(sd, **kw)
+            out[key] = None
+        except ValueError as e:
+            out[key] = str(e)
+
+    attempt("other_world", dict(own, world_size=8, rank=5))
+    attempt("other_rank", dict(own, rank=1 - rank))
+    int8 = fm.Plan.from_recipe("int8").to_dict()
+    attempt("other_plan", dict(own, plan=int8))
+    bad = dict(own["residuals"])
+    bad["2.weight"] = torch.zeros(7)
+    attempt("wrong_shape", dict(own, residuals=bad))
+    attempt("unknown_param", dict(own, residuals={**own["residuals"], "nope.weight": torch.zeros(3)}))
+    step_before = s.step
+    attempt("other_plan_loose", dict(own, plan=int8), strict=False)
+    out["step_after_loose"] = (step_before, s.step)
+    # after every refusal the hook still trains
+    _steps(d, o, 2, 3, rank)
+    out["steps"] = s.step
+    return out
+
+
+def test_load_state_dict_names_every_mismatch_before_loading():
+    for r in run_workers(_mismatches, 2):
+        assert "saved by a run of 8 ranks, this run has 2" in r["other_world"]
+        assert "this is rank" in r["other_rank"] and "state_dict(all_ranks=True)" in r["other_rank"]
+        assert "saved with plan 'int8'" in r["other_plan"] and "strict=False" in r["other_plan"]
+        assert "'2.weight' has 7 elements" in r["wrong_shape"]
+        assert "'nope.weight'" in r["unknown_param"] and "no such parameter" in r["unknown_param"]
+        assert r["other_plan_loose"] is None  # strict=False loads (with a warning)
+        assert r["steps"] == 3

@@ -150,6 +150,46 @@ def test_encoder_exception_on_one_rank_fails_every_rank_alike(stage):
     assert res[0]["again"] == res[1]["again"] != "no error"
 
 
+def _final_decode_raises(rank, world_size):
+    """Rank 1's decoding of the all-gathered result fails (after the bucket's last collective): no
+    message header can carry it, so the ranks exchange their status at the end of the step."""
+    import fastml_strategy.codecs as codecs
+    from fastml_strategy import CompressionError
+
+    model, ddp, state, opt = _setup("int4")
+    t0 = time.monotonic()
+    for step in range(5):
+        if step == 3 and rank == 1:
+            real = codecs.decode_dense
+
+            def boom(buf, *a, **k):
+                ptr = buf.untyped_storage().data_ptr()
+                if any(ptr == lay.grecv.untyped_storage().data_ptr()
+                       for lay in state._engine.layouts.values() if lay.grecv is not None):
+                    raise RuntimeError("injected decode failure")
+                return real(buf, *a, **k)
+
+            codecs.decode_dense = boom
+        t0 = time.monotonic()
+        try:
+            loss_of(ddp, rank, step).backward()
+        except CompressionError as e:
+            return {"step": step, **_error_report(e, t0)}
+        opt.step()
+        opt.zero_grad()
+    return {"step": None}
+
+
+def test_final_decode_exception_on_one_rank_fails_every_rank_promptly():
+    res = run_workers(_final_decode_raises, 2, timeout=60, pg_timeout=PG_TIMEOUT)
+    assert res[0]["step"] == res[1]["step"] == 3, res
+    assert res[0]["msg"] == res[1]["msg"], "every rank must raise the same error"
+    assert "compression failed on rank 1 during decoding" in res[0]["msg"], res[0]["msg"]
+    assert "injected decode failure" in res[0]["msg"]
+    assert "injected decode failure" in res[1]["cause"]
+    assert res[0]["elapsed"] < COMM_TIMEOUT, res  # at once, not at the process group's timeout
+
+
 # -- non-finite gradients on one rank --------------------------------------------------------------------
 def _nonfinite(rank, world_size, plan):
     model, ddp, state, opt = _setup(plan, check_replicas_every=1)
