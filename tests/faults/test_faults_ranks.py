@@ -256,7 +256,13 @@ def _drift(rank, world_size, perturb):
     import fastml_strategy as fm
     from fastml_strategy.hook import ReplicaDriftError
 
-    if perturb:
+    if perturb == "frozen":  # a parameter frozen at registration (unfrozen later, say) is checked too
+        model = mlp()
+        model[0].weight.requires_grad_(False)
+        ddp = DDP(model, bucket_cap_mb=0.02)
+        state = fm.register_hook(ddp, plan="int4", check_replicas_every=2)
+        opt = torch.optim.SGD([p for p in ddp.parameters() if p.requires_grad], lr=0.05)
+    elif perturb:
         model, ddp, state, opt = _setup("int4", check_replicas_every=2)
     else:  # the hook's own group, which must inherit init_process_group's timeout
         model = mlp()
@@ -265,8 +271,8 @@ def _drift(rank, world_size, perturb):
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     for step in range(7):
         if perturb and step == 3 and rank == 1:
-            with torch.no_grad():
-                model[2].weight[3, 3] += 1e-6  # one element, one rank, outside the all-reduce
+            with torch.no_grad():  # one element, one rank, outside the all-reduce
+                (model[0].weight if perturb == "frozen" else model[2].weight)[3, 3] += 1e-6
         try:
             loss_of(ddp, rank, step).backward()
         except ReplicaDriftError as e:
@@ -277,8 +283,9 @@ def _drift(rank, world_size, perturb):
     return {"step": None, "steps": state.stats()["steps"], "timeout_s": timeout.total_seconds()}
 
 
-def test_replica_drift_is_detected_on_every_rank():
-    res = run_workers(_drift, 2, True, timeout=60, pg_timeout=PG_TIMEOUT)
+@pytest.mark.parametrize("perturb", [True, "frozen"])
+def test_replica_drift_is_detected_on_every_rank(perturb):
+    res = run_workers(_drift, 2, perturb, timeout=60, pg_timeout=PG_TIMEOUT)
     # Perturbed before step 3's forward; the check runs after steps 2, 4, 6 (at the end of the
     # all-reduce of the step's last bucket): it fires during step 3's backward (state step 4).
     assert res[0]["step"] == res[1]["step"] == 3, res
