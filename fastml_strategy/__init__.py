@@ -4,6 +4,7 @@ Public API, grouped by purpose:
 
 - plans: :class:`Plan`, :class:`CodecConfig`, :class:`Codec`, ``RECIPES``
 - DDP: :func:`register_hook`, :class:`FastMLState`
+- local steps with compressed outer synchronisation (DiLoCo, below 1 Gbit/s): :class:`LocalSGD`
 - errors: :class:`CompressionError` (a rank failed or died during the compressed all-reduce),
   :class:`ReplicaDriftError` (the replica check found parameters that differ across ranks)
 - sharded training (FSDP2, HSDP): ``fastml_strategy.fsdp.register`` and ``FSDPState``
@@ -20,6 +21,7 @@ Importing this package never initialises CUDA and does not import optuna, accele
 
 from fastml_strategy.config import RECIPES, Codec, CodecConfig, Plan
 from fastml_strategy.hook import CompressionError, FastMLState, ReplicaDriftError, register_hook
+from fastml_strategy.localsgd import LocalSGD
 
 __version__ = "0.1.0.dev0"
 
@@ -32,6 +34,8 @@ __all__ = [
     # DDP
     "register_hook",
     "FastMLState",
+    # local steps with compressed outer synchronisation (DiLoCo)
+    "LocalSGD",
     # errors
     "CompressionError",
     "ReplicaDriftError",

@@ -1,0 +1,415 @@
+"""Below 1 Gbit/s: local steps with a compressed outer synchronisation (DiLoCo, Streaming DiLoCo).
+
+What it does
+------------
+Every rank trains its own copy of the model with its own (inner) optimizer, with no communication,
+for ``every`` = H inner steps. Then the ranks synchronise: each computes its *pseudo-gradient*, the
+parameters at the last synchronisation minus its parameters now, FastML's compressed
+scatter-reduce-allgather averages it (per-layer plan, error-feedback residuals kept from one
+synchronisation to the next; :mod:`fastml_strategy.collective`), and an outer optimizer (Nesterov SGD,
+lr 0.7, momentum 0.9 as in DiLoCo) applies the average to the shared parameters. Every rank decodes the
+same bytes and runs the same outer step, so the replicas are bit-identical after every
+synchronisation.
+
+Streaming (``fragments=F``, ``delay=tau``; Streaming DiLoCo): the parameters are cut into F fragments
+(consecutive parameters of about equal size), synchronised at staggered inner steps (fragment f at
+steps ``f * H / F`` + multiples of H), so each synchronisation moves 1/F of the model and the link is
+busy all the time instead of in bursts. A fragment's all-reduce runs on a communication thread while
+the inner steps go on; its outer update is applied ``delay`` inner steps later, and its parameters are
+then set to the new shared values (the local progress of those ``delay`` steps on that fragment is
+dropped, ``mix=1``; ``mix=a`` keeps ``1 - a`` of it and gives up identical replicas for that fragment
+until its next synchronisation).
+
+Usage::
+
+    model = MyModel()                                   # not wrapped in DDP: no per-step all-reduce
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    local = fastml_strategy.LocalSGD(model, inner, every=50, plan="int4")   # broadcasts rank 0's weights
+    for x, y in loader:
+        loss_fn(model(x), y).backward()
+        inner.step(); inner.zero_grad()
+        local.step()                                    # synchronises every 50 steps
+    local.stats()   # inner_steps, outer_steps, bytes_sent, bytes_per_inner_step, compression ratios
+
+Checkpoints: ``local.state_dict()`` holds the shared (last-synchronised) parameters, the outer
+optimizer's state, the residuals, the counters and any fragment update still waiting for its delay;
+save it with the model's and the inner optimizer's state dicts, and ``load_state_dict`` resumes exactly.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from fastml_strategy.collective import CompressedAllReduce, CompressionError, DecodeError
+from fastml_strategy.config import Plan
+from fastml_strategy.hook import (_default_group_timeout, agreed_plan, check_saved_state, fitting_residuals,
+                                  model_names, own_rank_state)
+
+__all__ = ["LocalSGD"]
+
+STATE_FORMAT_VERSION = 1
+OUTER = ("nesterov", "sgd")
+
+
+def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"LocalSGD: {name}={value!r}; use a whole number >= {minimum}")
+    return value
+
+
+class _Fragment:
+    """A run of consecutive parameters synchronised together, with its flat pseudo-gradient buffer."""
+
+    def __init__(self, index: int, names: list, params: list, offset: int) -> None:
+        self.index = index
+        self.names = names
+        self.params = params
+        self.numels = [p.numel() for p in params]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
+        self.offset = offset  # its first synchronisation step (staggered by fragment)
+        self.numel = sum(self.numels)
+        self.pending: Optional[tuple] = None  # (apply at inner step, future of the averaged delta)
+
+
+class LocalSGD:
+    """Local steps with compressed outer synchronisation for a model on every rank (see the module
+    docstring). Call :meth:`step` after every inner ``optimizer.step()``.
+
+    ``every``: inner steps between two synchronisations of a fragment (H). ``outer``: ``"nesterov"``
+    (DiLoCo) or ``"sgd"``; ``outer_lr``, ``outer_momentum``: its settings (``outer="sgd",
+    outer_lr=1, outer_momentum=0`` is plain parameter averaging). ``plan``: the compression of the
+    pseudo-gradients (a recipe, a Plan, a plan file, or None: ``FASTML_PLAN``, else int4), keyed by
+    parameter name. ``fragments``: F (1: the whole model at once). ``delay``: inner steps between a
+    fragment's synchronisation and its outer update (0: at once; then the collective runs in
+    :meth:`step`). ``mix``: share of the new shared value a delayed fragment takes (1: replicas identical).
+    ``process_group``: the ranks to average over (default: a new group of all ranks).
+
+    The constructor is a collective: every rank calls it, before the first inner step; it broadcasts
+    rank 0's parameters and buffers so the replicas start identical, and every rank raises the same
+    error for a bad argument or plan.
+    """
+
+    def __init__(self, model: torch.nn.Module, inner_optimizer: Optional[torch.optim.Optimizer] = None, *,
+                 every: int = 50, outer: str = "nesterov", outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9, plan: Any = None, fragments: int = 1, delay: int = 0,
+                 mix: float = 1.0, process_group: Any = None, layer_stats_every: int = 1) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"LocalSGD: model is a {type(model).__name__}; pass the torch.nn.Module every "
+                            f"rank trains")
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise TypeError("LocalSGD: the model is wrapped in DistributedDataParallel, which all-reduces "
+                            "every step; pass the plain module (model.module): LocalSGD synchronises it")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("LocalSGD: torch.distributed is not initialised; call dist.init_process_group "
+                               "(torchrun sets the environment) first")
+        self.model = model
+        self.inner_optimizer = inner_optimizer
+        self.every = every
+        self.outer, self.outer_lr, self.outer_momentum = outer, outer_lr, outer_momentum
+        self.fragments, self.delay, self.mix = fragments, delay, mix
+        self.layer_stats_every = layer_stats_every
+        if process_group is None:
+            process_group = dist.new_group(ranks=list(range(dist.get_world_size())),
+                                           timeout=_default_group_timeout())
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        trainable, aliases, frozen = model_names(model)
+
+        def check() -> None:
+            _positive_int("every", self.every)
+            _positive_int("fragments", self.fragments)
+            _positive_int("delay", self.delay, minimum=0)
+            _positive_int("layer_stats_every", self.layer_stats_every, minimum=0)
+            if self.outer not in OUTER:
+                raise ValueError(f"LocalSGD: outer={self.outer!r}; use one of {list(OUTER)}")
+            for name, v, lo in (("outer_lr", self.outer_lr, 0.0), ("outer_momentum", self.outer_momentum, 0.0)):
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo:
+                    raise ValueError(f"LocalSGD: {name}={v!r}; use a finite number >= {lo}")
+            if self.outer == "nesterov" and self.outer_momentum <= 0:
+                raise ValueError("LocalSGD: outer='nesterov' needs outer_momentum > 0 (0.9 in DiLoCo); "
+                                 "use outer='sgd' for no momentum")
+            if isinstance(self.mix, bool) or not isinstance(self.mix, (int, float)) or not 0 < self.mix <= 1:
+                raise ValueError(f"LocalSGD: mix={self.mix!r}; use a number in (0, 1] (1: replicas identical)")
+            if not named:
+                raise ValueError("LocalSGD: the model has no parameter that requires a gradient")
+            if self.fragments > len(named):
+                raise ValueError(f"LocalSGD: fragments={self.fragments} but the model has {len(named)} "
+                                 f"trainable parameters; use at most {len(named)} fragments")
+            if self.delay >= max(1, self.every // self.fragments) and self.delay > 0:
+                raise ValueError(
+                    f"LocalSGD: delay={self.delay} must be shorter than the gap between two fragments' "
+                    f"synchronisations (every // fragments = {self.every // self.fragments}); lower delay "
+                    f"or raise every")
+            devices = {p.device for _, p in named}
+            if len(devices) > 1:
+                raise ValueError(f"LocalSGD: the parameters are on several devices ({sorted(map(str, devices))});"
+                                 f" keep one model replica on one device per rank")
+
+        self.plan: Plan = agreed_plan(plan, trainable, process_group, self.world_size, check=check,
+                                      aliases=aliases, frozen=frozen)
+        # Start identical: rank 0's parameters and buffers everywhere.
+        src = dist.get_global_rank(process_group, 0) if process_group is not dist.group.WORLD else 0
+        with torch.no_grad():
+            for t in list(model.parameters()) + list(model.buffers()):
+                dist.broadcast(t.data, src=src, group=process_group)
+        self._named = named
+        # the shared parameters (the last synchronisation's result), fp32, and the outer optimizer on them
+        self._anchor = {n: p.detach().to(torch.float32, copy=True).requires_grad_(True) for n, p in named}
+        params = list(self._anchor.values())
+        if outer == "nesterov":
+            self._outer = torch.optim.SGD(params, lr=outer_lr, momentum=outer_momentum, nesterov=True)
+        else:
+            self._outer = torch.optim.SGD(params, lr=outer_lr, momentum=outer_momentum)
+        self._fragments = self._split(named, fragments, every)
+        self._engine = CompressedAllReduce(self.plan, process_group, self.rank, self.world_size)
+        # one thread issues the fragments' collectives in order (every rank in the same order)
+        self._runner = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastml-localsgd")
+        self.inner_steps = 0
+        self.outer_steps = 0
+        self.nonfinite_syncs = 0
+        self._failure: Optional[BaseException] = None
+
+    # -- fragments -------------------------------------------------------------------------------------------
+    @staticmethod
+    def _split(named: list, fragments: int, every: int) -> list:
+        """Consecutive parameters in fragments of about equal size; fragment f first syncs at step
+        ``f * every // fragments`` past a multiple of ``every`` (staggered)."""
+        total = sum(p.numel() for _, p in named)
+        out, cur, acc = [], [], 0
+        for i, (n, p) in enumerate(named):
+            cur.append((n, p))
+            acc += p.numel()
+            left_params, left_frags = len(named) - i - 1, fragments - len(out) - 1
+            if left_frags > 0 and (acc >= total * (len(out) + 1) / fragments or left_params == left_frags):
+                out.append(cur)
+                cur = []
+        out.append(cur)
+        return [_Fragment(f, [n for n, _ in ps], [p for _, p in ps], f * every // fragments)
+                for f, ps in enumerate(out)]
+
+    def _due(self, frag: _Fragment, t: int) -> bool:
+        """Whether fragment ``frag`` synchronises after inner step ``t`` (1-based): at its offset, then
+        every ``every`` steps."""
+        return t > 0 and t >= frag.offset and (t - frag.offset) % self.every == 0
+
+    # -- the synchronisation of one fragment -------------------------------------------------------------
+    def _delta(self, frag: _Fragment) -> torch.Tensor:
+        """The flat pseudo-gradient of a fragment: shared - local, in fp32."""
+        out = torch.empty(frag.numel, dtype=torch.float32, device=frag.params[0].device)
+        with torch.no_grad():
+            for n, p, off, k in zip(frag.names, frag.params, frag.offsets, frag.numels):
+                torch.sub(self._anchor[n].detach().reshape(-1), p.detach().reshape(-1).to(torch.float32),
+                          out=out[off: off + k])
+        return out
+
+    def _all_reduce(self, frag: _Fragment, delta: torch.Tensor, outer_step: int) -> tuple:
+        """Runs on the communication thread: the compressed mean of ``delta`` over the ranks."""
+        eng = self._engine
+        if delta.is_cuda:
+            torch.cuda.set_device(delta.device)  # the current device is per thread
+        lay = eng.layout_for(frag.names, frag.offsets, frag.numels, delta.device, delta.dtype)
+        every = self.layer_stats_every
+        error: Optional[BaseException] = None
+        try:
+            finite = eng.run(lay, delta, outer_step, layer_stats=every > 0 and outer_step % every == 0)
+        except DecodeError as e:  # after the last collective: every rank hears of it just below
+            error, finite = e, False
+        eng.exchange_status(error, "decoding", delta.device)
+        if delta.is_cuda:
+            torch.cuda.current_stream(delta.device).synchronize()
+        return delta, finite
+
+    def _apply(self, frag: _Fragment, mean: torch.Tensor, finite: bool) -> None:
+        """The outer step on a fragment's shared parameters, then the local ones take them (mix)."""
+        with torch.no_grad():
+            if finite:
+                for n, off, k in zip(frag.names, frag.offsets, frag.numels):
+                    a = self._anchor[n]
+                    a.grad = mean[off: off + k].view_as(a)
+                self._outer.step()
+                for n in frag.names:
+                    self._anchor[n].grad = None
+            else:  # a rank diverged (NaN/inf): skip the outer step, every rank restarts from the shared values
+                self.nonfinite_syncs += 1
+            mix = self.mix if finite else 1.0
+            for n, p in zip(frag.names, frag.params):
+                shared = self._anchor[n].detach().to(p.dtype)
+                if mix == 1.0:
+                    p.copy_(shared)
+                else:
+                    p.mul_(1 - mix).add_(shared, alpha=mix)
+
+    def _explain(self, e: BaseException, frag: _Fragment) -> BaseException:
+        if isinstance(e, CompressionError):
+            return e
+        err = CompressionError(
+            f"FastML LocalSGD: the synchronisation of fragment {frag.index} at inner step {self.inner_steps} "
+            f"failed on rank {self.rank} ({type(e).__name__}: {e}). If another rank died or timed out, its "
+            f"log has the cause; restart from the last checkpoint.")
+        err.__cause__ = e
+        return err
+
+    def _wait(self, frag: _Fragment) -> None:
+        _, fut = frag.pending
+        frag.pending = None
+        try:
+            mean, finite = fut.result()
+        except BaseException as e:  # noqa: BLE001
+            self._failure = self._explain(e, frag)
+            raise self._failure from None
+        self._apply(frag, mean, finite)
+        self.outer_steps += 1
+
+    # -- public -------------------------------------------------------------------------------------------------
+    def step(self) -> None:
+        """Count one inner step; synchronise the fragments that are due, apply the delayed ones."""
+        if self._failure is not None:
+            raise self._failure
+        if self._runner is None:
+            raise RuntimeError("LocalSGD: close() was called; create a new LocalSGD to train on")
+        self.inner_steps += 1
+        t = self.inner_steps
+        for frag in self._fragments:
+            if frag.pending is not None and frag.pending[0] <= t:
+                self._wait(frag)
+        for frag in self._fragments:
+            if not self._due(frag, t):
+                continue
+            if frag.pending is not None:  # cannot happen with a valid delay; keep the order anyway
+                self._wait(frag)
+            delta = self._delta(frag)
+            if delta.is_cuda:
+                torch.cuda.current_stream(delta.device).synchronize()  # the thread reads it
+            outer_step = (t - frag.offset) // self.every
+            fut = self._runner.submit(self._all_reduce, frag, delta, outer_step)
+            frag.pending = (t + self.delay, fut)
+            if self.delay == 0:
+                self._wait(frag)
+
+    def synchronize(self) -> None:
+        """Apply every fragment update still waiting for its delay (call before evaluating or saving
+        if you want the shared parameters in the model now)."""
+        for frag in self._fragments:
+            if frag.pending is not None:
+                self._wait(frag)
+
+    def stats(self) -> dict:
+        """Cumulative figures of this rank: bytes sent by the synchronisations, and what DDP's fp32
+        all-reduce would have sent for the same inner steps (``ddp_bytes``: one all-reduce of every
+        gradient per inner step)."""
+        eng = self._engine
+        sent = eng.bytes_sent
+        W = self.world_size
+        numel = sum(f.numel for f in self._fragments)
+        ddp = 2.0 * (W - 1) / W * 4 * numel * self.inner_steps if W > 1 else 0.0
+        unc = eng.bytes_uncompressed
+        steps = max(1, self.inner_steps)
+        return {
+            "inner_steps": self.inner_steps,
+            "outer_steps": self.outer_steps,
+            "every": self.every,
+            "fragments": self.fragments,
+            "world_size": W,
+            "plan": self.plan.name,
+            "bytes_sent": int(sent),
+            "bytes_uncompressed": int(round(unc)),
+            "compression_ratio": unc / sent if sent else 1.0,
+            "bytes_per_inner_step": sent / steps,
+            "ddp_bytes": int(round(ddp)),
+            "ratio_vs_ddp": ddp / sent if sent else float("inf") if ddp else 1.0,
+            "residual_bytes": eng.residual_nbytes(),
+            "nonfinite_syncs": self.nonfinite_syncs,
+            "layers": eng.layer_stats(),
+        }
+
+    def state_dict(self) -> dict:
+        """This rank's state: shared parameters, outer optimizer, residuals, counters, and the averaged
+        updates of fragments still waiting for their delay (waits for their communication first)."""
+        pending = {}
+        for frag in self._fragments:
+            if frag.pending is not None:
+                at, fut = frag.pending
+                mean, finite = fut.result()
+                frag.pending = (at, _done(mean, finite))
+                pending[frag.index] = {"at": at, "mean": mean.detach().cpu().clone(), "finite": finite}
+        return {
+            "format_version": STATE_FORMAT_VERSION,
+            "kind": "localsgd",
+            "plan": self.plan.to_dict(),
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "every": self.every,
+            "fragments": self.fragments,
+            "inner_steps": self.inner_steps,
+            "outer_steps": self.outer_steps,
+            "nonfinite_syncs": self.nonfinite_syncs,
+            "shared": {n: a.detach().cpu().clone() for n, a in self._anchor.items()},
+            "outer_optimizer": self._outer.state_dict(),
+            "counters": {"bytes_sent": self._engine.bytes_sent,
+                         "bytes_uncompressed": self._engine.bytes_uncompressed},
+            "residuals": {k: v.detach().cpu().clone() for k, v in self._engine.residuals().items()},
+            "pending": pending,
+        }
+
+    def load_state_dict(self, sd: dict, strict: bool = True) -> None:
+        """Load what :meth:`state_dict` returned on this rank (same world size, ``every``,
+        ``fragments`` and, with ``strict``, plan); raises ValueError naming any mismatch first."""
+        sd = own_rank_state(sd, self.rank, self.world_size, STATE_FORMAT_VERSION, "LocalSGD")
+        if sd.get("kind") != "localsgd":
+            raise ValueError("LocalSGD.load_state_dict: not a LocalSGD state; pass what LocalSGD.state_dict() "
+                             "returned")
+        check_saved_state(sd, self.rank, self.world_size, self.plan, strict, "LocalSGD")
+        for key in ("every", "fragments"):
+            if sd.get(key) != getattr(self, key):
+                raise ValueError(f"LocalSGD.load_state_dict: the state was saved with {key}={sd.get(key)}, "
+                                 f"this run has {key}={getattr(self, key)}; resume with the same setting")
+        shared = sd["shared"]
+        missing = sorted(set(self._anchor) - set(shared))
+        if missing or any(shared[n].shape != a.shape for n, a in self._anchor.items() if n in shared):
+            raise ValueError(f"LocalSGD.load_state_dict: the saved shared parameters do not fit this model "
+                             f"(missing or of another shape: {missing or 'shapes differ'}); resume the same model")
+        sizes = {n: p.numel() for n, p in self._named}
+        residuals = fitting_residuals(sd.get("residuals", {}), sizes, strict, "LocalSGD")
+        with torch.no_grad():
+            for n, a in self._anchor.items():
+                a.copy_(shared[n].to(a.device))
+        self._outer.load_state_dict(sd["outer_optimizer"])
+        self.inner_steps = int(sd["inner_steps"])
+        self.outer_steps = int(sd["outer_steps"])
+        self.nonfinite_syncs = int(sd.get("nonfinite_syncs", 0))
+        c = sd.get("counters", {})
+        self._engine.bytes_sent = int(c.get("bytes_sent", 0))
+        self._engine.bytes_uncompressed = float(c.get("bytes_uncompressed", 0.0))
+        self._engine.load_residuals(residuals)
+        for frag in self._fragments:
+            p = sd.get("pending", {}).get(frag.index)
+            frag.pending = None if p is None else (
+                int(p["at"]), _done(p["mean"].to(frag.params[0].device), bool(p["finite"])))
+
+    def close(self) -> None:
+        """Apply what is pending and stop the communication thread."""
+        if self._runner is not None:
+            try:
+                if self._failure is None:
+                    self.synchronize()
+            finally:
+                self._runner.shutdown(wait=True)
+                self._runner = None
+
+    def __getstate__(self) -> dict:
+        raise TypeError("LocalSGD holds a process group and a thread and cannot be pickled; save "
+                        "state_dict() instead")
+
+
+def _done(mean: torch.Tensor, finite: bool) -> concurrent.futures.Future:
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+    fut.set_result((mean, finite))
+    return fut
+
