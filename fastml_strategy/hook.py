@@ -25,6 +25,7 @@ Usage::
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations at registration.
 
+import logging
 import queue
 import threading
 import warnings
@@ -38,6 +39,8 @@ from fastml_strategy.collective import CompressedAllReduce, CompressionError, De
 from fastml_strategy.config import Plan, resolve_plan
 
 __all__ = ["FastMLState", "register_hook", "ReplicaDriftError", "CompressionError"]
+
+log = logging.getLogger(__name__)
 
 STATE_FORMAT_VERSION = 1
 
@@ -85,6 +88,7 @@ class FastMLState:
         self.layer_stats_every = layer_stats_every  # per-layer error costs a pass; measured every N steps
         # -- internal state -------------------------------------------------------------------------
         self.process_group = process_group  # our own group: nothing else issues collectives on it
+        self._own_group = False  # register_hook made the group: close() destroys it
         self.rank = rank
         self.world_size = world_size
         self._names = names  # id(param) -> name (as in model.module.named_parameters())
@@ -230,7 +234,6 @@ class FastMLState:
             "step": self.step,
             "rank": self.rank,
             "world_size": self.world_size,
-            "rng": {"seed": self.plan.seed, "step": self.step},
             "counters": {"bytes_sent": self._engine.bytes_sent,
                          "bytes_uncompressed": self._engine.bytes_uncompressed},
             "residuals": {k: v.detach().cpu().clone() for k, v in self._engine.residuals().items()},
@@ -262,10 +265,18 @@ class FastMLState:
         self._engine.load_residuals(residuals)
 
     def close(self) -> None:
-        """Stop the communication thread (the hook then fails any further bucket)."""
+        """Stop the communication thread and destroy FastML's own process group (not one the caller
+        passed); the hook then fails any further bucket. Call on every rank."""
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout=30)
+        if getattr(self, "_own_group", False) and self.process_group is not None:
+            try:
+                dist.destroy_process_group(self.process_group)
+            except Exception as e:  # noqa: BLE001 - already gone with the default group
+                log.debug("FastML: destroying the communication group: %s", e)
+            self.process_group = None
+            self._own_group = False
 
     def __getstate__(self) -> dict:
         # Like PowerSGDState: what cannot be pickled (process group, thread) is dropped.
@@ -382,16 +393,24 @@ def _fastml_hook(state, bucket):
 
 
 def _default_group_timeout():
-    """The timeout the user gave ``init_process_group`` (None, torch's default, if unreadable)."""
+    """The timeout the user gave ``init_process_group`` (None, torch's default, if unreadable: then
+    a warning says so, since a dead peer would stall the others for torch's default of 30 minutes).
+    Reads torch internals (``_get_default_group``, ``options._timeout``); tests/test_hook_dist.py
+    fails if torch renames them."""
     try:
         pg = dist.distributed_c10d._get_default_group()
-    except Exception:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001
+        warnings.warn(f"FastML: cannot read the default process group ({e}); FastML's own group uses "
+                      f"torch's default timeout", stacklevel=3)
         return None
     for device in ("cpu", "cuda"):
         try:
             return pg._get_backend(torch.device(device)).options._timeout
         except Exception:  # noqa: BLE001 - no backend for this device, or a torch without the field
             continue
+    warnings.warn("FastML: cannot read the timeout of init_process_group (torch internals changed); "
+                  "FastML's own group uses torch's default (30 minutes): a dead rank is noticed that late",
+                  stacklevel=3)
     return None
 
 
@@ -414,6 +433,30 @@ def model_names(module: torch.nn.Module) -> tuple:
     named = dict(module.named_parameters())
     return ([n for n, p in named.items() if p.requires_grad], aliases,
             [n for n, p in named.items() if not p.requires_grad])
+
+
+def plan_summary(plan: Plan, params: dict, world_size: int) -> str:
+    """One line: the plan, how many tensors and elements each codec takes, and any top-k layer that
+    falls back to its dense codec at this world size."""
+    from fastml_strategy.codecs import effective_config
+
+    counts: dict = {}
+    fallbacks = []
+    for name, p in params.items():
+        if not p.requires_grad:
+            continue
+        planned = plan.for_parameter(name, p.numel())
+        cfg = effective_config(planned, p.numel(), world_size)
+        if cfg is not planned and cfg != planned:
+            fallbacks.append(f"{name} ({planned.describe()} -> {cfg.describe()})")
+        k = cfg.describe()
+        n, e = counts.get(k, (0, 0))
+        counts[k] = (n + 1, e + p.numel())
+    parts = ", ".join(f"{k}: {n} tensors / {e:,} elements" for k, (n, e) in sorted(counts.items()))
+    text = f"plan {plan.name!r} on {world_size} ranks: {parts}"
+    if fallbacks:
+        text += f"; top-k falls back to dense at this world size for {', '.join(fallbacks)}"
+    return text
 
 
 def agreed_plan(plan: Any, names: list, group: Any, world_size: int, check: Any = None,
@@ -499,12 +542,15 @@ def register_hook(
     if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(f"register_hook: process_group is a {type(process_group).__name__}; pass a "
                         f"torch.distributed ProcessGroup (from dist.new_group) or None for all ranks")
-    if process_group is None:
+    own_group = process_group is None
+    if own_group:
         # A dedicated group (a collective call on every rank): nothing else issues collectives on it.
         # It keeps the default group's timeout: dist.new_group would otherwise give it torch's default
         # (30 minutes), and a dead peer would stall the others that long whatever the user set.
-        process_group = dist.new_group(ranks=list(range(dist.get_world_size())),
-                                       timeout=_default_group_timeout())
+        timeout = _default_group_timeout()
+        process_group = dist.new_group(ranks=list(range(dist.get_world_size())), timeout=timeout)
+        log.info("FastML: communication group of %d ranks, timeout %s", dist.get_world_size(),
+                 timeout if timeout is not None else "torch's default")
     rank = dist.get_rank(process_group)
     world_size = dist.get_world_size(process_group)
 
@@ -522,5 +568,8 @@ def register_hook(
                       f"them", stacklevel=2)
     state = FastMLState(plan_obj, process_group, rank, world_size, names, list(module.parameters()),
                         check_replicas_every=check_replicas_every, layer_stats_every=layer_stats_every)
+    state._own_group = own_group
+    if rank == 0:
+        log.info("FastML: %s", plan_summary(plan_obj, dict(module.named_parameters()), world_size))
     model.register_comm_hook(state, _fastml_hook)
     return state

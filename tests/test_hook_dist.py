@@ -292,3 +292,33 @@ def test_communication_overlaps_backward():
     for overlapped, buckets in run_workers(_overlap, 2, timeout=120):
         assert buckets >= 3
         assert overlapped, "bucket 0's all-reduce could not run while backward went on"
+
+
+def _cycles(rank, world_size):
+    import threading
+
+    import fastml_strategy as fm
+    from torch.distributed import distributed_c10d as c10d
+
+    def counts():
+        return threading.active_count(), len(c10d._world.pg_map)
+
+    model = _mlp()
+    before = None
+    for i in range(10):
+        ddp = DDP(model, bucket_cap_mb=0.02)
+        state = fm.register_hook(ddp, plan="int4")
+        loss = torch.nn.functional.cross_entropy(ddp(torch.randn(4, 32)), torch.randint(0, 10, (4,)))
+        loss.backward()
+        state.close()
+        del ddp, state
+        if i == 0:
+            before = counts()
+    return before, counts()
+
+
+def test_register_close_cycles_leak_no_thread_or_group():
+    """close() stops the communication thread and destroys FastML's own process group (Lightning's
+    re-fit and the autotuner's measurements register again and again)."""
+    for before, after in run_workers(_cycles, 2, timeout=120):
+        assert after == before, (before, after)
