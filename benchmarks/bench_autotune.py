@@ -198,7 +198,7 @@ def inner(args: argparse.Namespace) -> None:
            "--out", str(tune), "--trials", str(args.trials),
            "--calibration-trials", str(args.calibration_trials),
            "--calibration-steps", str(args.calibration_steps), "--measure-steps", "40",
-           "--max-accuracy-loss", "0.01", "--quiet"]
+           "--max-accuracy-loss", "0.01", "--quiet"] + (["--overwrite"] if args.resume else [])
     print("$", " ".join(cmd), flush=True)
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, env=env, cwd=REPO, timeout=1800)

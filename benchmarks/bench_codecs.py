@@ -10,7 +10,17 @@ the traffic a pass over memory can reach). ``%copy`` compares each operation's m
 The codecs run as the collective calls them: outputs preallocated (``packed_out``/``meta_out``/
 ``out``), the residual updated in place. CPU runs use one thread unless ``--threads``.
 
+The compiled CPU path runs once per build in ``--builds``: by default ``native`` and, on an x86-64
+machine that can run it, ``x86-64-v3`` (the AVX2-only build that a machine without AVX-512 compiles),
+so one AVX-512 machine measures both. Builds, operations and bit-widths are interleaved (every build
+times one case before the next case starts), so load from other jobs hits them alike; the copy is
+timed before, between and after the bit-widths, and the best is the reference. ``--rounds R`` repeats
+the whole set R times and keeps each case's best call, so that a burst of load cannot spoil one case.
+
     python benchmarks/bench_codecs.py                        # CPU, 100 MB, bits 1-8, one thread
+    python benchmarks/bench_codecs.py --bits 4 --backends cpu --builds native,x86-64-v3,x86-64,generic
+    python benchmarks/bench_codecs.py --backends cpu --rounds 3 --verify   # RESULTS.md's CPU table
+    python benchmarks/bench_codecs.py --backends cpu --baseline /tmp/old.cpp --size-mb 0.5 --reps 300
     python benchmarks/bench_codecs.py --device cuda --size-mb 1024 --sweep
     python benchmarks/bench_codecs.py --bits 4 --backends cpu,torch --csv /tmp/b.csv
 
@@ -20,6 +30,7 @@ Writes a CSV (default ``benchmarks/out/bench_codecs.csv``) and prints a table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime as _dt
 import os
@@ -33,6 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fastml_strategy.kernels import cpu as cpu_kernels  # noqa: E402
 from fastml_strategy.kernels import (  # noqa: E402
     available_backends,
     dequantize,
@@ -42,10 +54,12 @@ from fastml_strategy.kernels import (  # noqa: E402
 )
 
 OPS = ("encode", "encode_ef", "decode", "decode_acc")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def traffic_per_elem(op: str, bits: int) -> float:
-    return {"clone": 8.0, "copy": 8.0, "encode": 4 + bits / 8, "encode_ef": 12 + bits / 8,
+def traffic_per_elem(op: str, bits: int, in_bytes: int = 4) -> float:
+    """Bytes read + written per element; ``in_bytes``: the encoder's input element (fp32 4, bf16/fp16 2)."""
+    return {"clone": 8.0, "copy": 8.0, "encode": in_bytes + bits / 8, "encode_ef": in_bytes + 8 + bits / 8,
             "decode": 4 + bits / 8, "decode_acc": 8 + bits / 8}[op]
 
 
@@ -56,8 +70,12 @@ class Timer:
         self.budget_s = budget_s
 
     def __call__(self, fn) -> tuple[float, float]:
-        """(median, best) seconds per call: one warm-up, then up to ``reps`` calls (at least 3) within
-        the budget."""
+        """(median, best) seconds per call of :meth:`samples`."""
+        times = self.samples(fn)
+        return statistics.median(times), min(times)
+
+    def samples(self, fn) -> list[float]:
+        """Seconds per call: one warm-up, then up to ``reps`` calls (at least 3) within the budget."""
         fn()
         times: list[float] = []
         start = time.perf_counter()
@@ -73,22 +91,58 @@ class Timer:
                 t = time.perf_counter()
                 fn()
                 times.append(time.perf_counter() - t)
-        return statistics.median(times), min(times)
+        return times
 
 
 def machine(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    model = platform.processor() or platform.machine()
+    model, fam, flags = "", "?", set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
+                key, _, val = line.partition(":")
+                key = key.strip()
+                if key == "model name" and not model:
+                    model = val.strip()
+                elif key == "cpu family" and fam == "?":
+                    fam = val.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = set(val.split())
     except OSError:
         pass
-    return f"{model} ({os.cpu_count()} cpus)"
+    simd = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "asimd", "sve") if f in flags]
+    model = model or platform.processor() or platform.machine()
+    return f"{model} (family {fam}; {' '.join(simd) or 'no AVX2'}; {os.cpu_count()} cpus)"
+
+
+def default_builds() -> list[str]:
+    """``native``, plus ``x86-64-v3`` (the AVX2-only build) where this CPU can run it."""
+    return [b for b in cpu_kernels.local_builds() if b in ("native", "x86-64-v3")]
+
+
+def impls(backends: list[str], builds: list[str],
+          baseline: str | None = None) -> list[tuple[str, str, str | None]]:
+    """(label, backend, build): the compiled CPU path once per build (and per build of ``baseline``,
+    as ``BUILD@baseline``), other backends once."""
+    out = []
+    for be in backends:
+        if be == "cpu":
+            for b in builds:
+                if baseline:
+                    out.append((f"cpu[{b}@baseline]", "cpu", f"{b}@{baseline}"))
+                out.append((f"cpu[{b}]", "cpu", b))
+        else:
+            out.append((be, be, None))
+    return out
+
+
+def selected(build: str | None):
+    """Select a build (``MARCH`` or ``MARCH@SOURCE``) for the block."""
+    if not build:
+        return contextlib.nullcontext({})
+    march, _, source = build.partition("@")
+    return cpu_kernels.use_build(march, source or None)
 
 
 def run(args) -> list[dict]:
@@ -104,38 +158,63 @@ def run(args) -> list[dict]:
     if device.type == "cpu" and "triton" in backends and not args.backends:
         backends.remove("triton")  # the interpreter is a test tool, not a CPU path
     timer = Timer(device, args.reps, args.budget_s)
+    builds = (args.builds.split(",") if args.builds else default_builds()) if device.type == "cpu" else []
+    todo = impls(backends, builds, args.baseline)
+    isa = {}
+    for label, _be, build in todo:
+        if build:
+            with selected(build) as info:
+                isa[label] = info.get("isa", "")
     g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(n, generator=g).to(device)
+    x32 = torch.randn(n, generator=g).to(device)  # the copy's tensor, and the encoder's input as fp32
+    x = x32.to(DTYPES[args.dtype])
     residual = (torch.randn(n, generator=g) * 0.01).to(device)
     out = torch.zeros(n, device=device)
-    dst = torch.empty_like(x)
+    dst = torch.empty_like(x32)
     stamp = _dt.datetime.now().isoformat(timespec="seconds")
     common = dict(date=stamp, device=device.type, machine=machine(device), numel=n, block_size=bs,
+                  dtype=args.dtype, rounding="stochastic" if args.stochastic else "nearest",
                   threads=args.threads if device.type == "cpu" else "")
-    rows: list[dict] = []
+    # Every timing of every round, by (label, op, bits, build): a case's median and best are over all
+    # rounds, so a burst of load from other jobs cannot spoil all of one case's calls.
+    samples: dict[tuple, list[float]] = {}
+    stoch = args.stochastic
 
-    def add(backend, op, bits, times):
-        rows.append(make_row(common, backend, op, bits, n, times))
+    def add(label, op, bits, fn, build=None):
+        samples.setdefault((label, op, bits, build), []).extend(timer.samples(fn))
 
-    add("-", "copy", 0, timer(lambda: dst.copy_(x)))
-    add("-", "clone", 0, timer(lambda: x.clone()))
-    for backend in backends:
+    for rnd in range(args.rounds):
+        add("-", "copy", 0, lambda: dst.copy_(x32))
+        if rnd == 0:
+            add("-", "clone", 0, lambda: x32.clone())
         for bits in args.bits:
             nbytes, nb = packed_nbytes(n, bits), num_blocks(n, bs)
             packed = torch.empty(nbytes, dtype=torch.uint8, device=device)
             meta = torch.empty(nb, 2, device=device)
-            enc = lambda: quantize(x, bits, bs, backend=backend, packed_out=packed, meta_out=meta)  # noqa: E731
-            add(backend, "encode", bits, timer(enc))
-            add(backend, "encode_ef", bits, timer(
-                lambda: quantize(x, bits, bs, residual=residual, backend=backend, packed_out=packed, meta_out=meta)))
-            add(backend, "decode", bits, timer(
-                lambda: dequantize(packed, meta, n, bits, bs, out=out, backend=backend)))
-            add(backend, "decode_acc", bits, timer(
-                lambda: dequantize(packed, meta, n, bits, bs, out=out, accumulate=True, backend=backend)))
-            print(f"  {backend} bits={bits} done", file=sys.stderr, flush=True)
-    add("-", "copy", 0, timer(lambda: dst.copy_(x)))  # again: on a shared machine, keep the best
+            cases = {
+                "encode": lambda be: quantize(x, bits, bs, stoch, 1, backend=be, packed_out=packed, meta_out=meta),
+                "encode_ef": lambda be: quantize(x, bits, bs, stoch, 1, residual=residual, backend=be,
+                                                 packed_out=packed, meta_out=meta),
+                "decode": lambda be: dequantize(packed, meta, n, bits, bs, out=out, backend=be),
+                "decode_acc": lambda be: dequantize(packed, meta, n, bits, bs, out=out, accumulate=True,
+                                                    backend=be),
+            }
+            for op in OPS:
+                for label, be, build in todo:
+                    with selected(build):
+                        if op.startswith("decode"):  # a payload this implementation wrote
+                            cases["encode"](be)
+                        add(label, op, bits, lambda: cases[op](be), build)
+            print(f"  round {rnd + 1}/{args.rounds} bits={bits} done", file=sys.stderr, flush=True)
+            add("-", "copy", 0, lambda: dst.copy_(x32))  # again: on a shared machine, keep the best
+    rows = [make_row(dict(common, build=build or "", isa=isa.get(label, "")), label, op, bits, n,
+                     (statistics.median(t), min(t)))
+            for (label, op, bits, build), t in samples.items()]
     if args.verify:
-        verify(x, residual, bs, args.bits, [b for b in backends if b != "torch"])
+        for label, be, build in todo:
+            if be != "torch":
+                with selected(build):
+                    verify(x, residual, bs, args.bits, [be], label)
     if args.sweep and device.type == "cuda":
         rows += sweep(args, x, residual, out, timer, common)
     copies = [r for r in rows if r["op"] == "copy"]
@@ -146,7 +225,7 @@ def run(args) -> list[dict]:
     return rows
 
 
-def verify(x, residual, bs, bits_list, backends) -> None:
+def verify(x, residual, bs, bits_list, backends, label=None) -> None:
     """Each backend against the torch reference on the full-size tensor (large indices included):
     packed bytes, metadata, new residual and decoded values, stochastic rounding included."""
     n = x.numel()
@@ -161,13 +240,14 @@ def verify(x, residual, bs, bits_list, backends) -> None:
             bad = {"packed": int((got[0] != ref[0]).sum()), "meta": int((got[1] != ref[1]).sum()),
                    "residual": int((r != ref_r).sum()), "decoded": int((y != ref_y).sum())}
             status = "bit-exact" if not any(bad.values()) else f"MISMATCH {bad}"
-            print(f"  verify {be} bits={bits} n={n}: {status}", flush=True)
+            print(f"  verify {label or be} bits={bits} n={n}: {status}", flush=True)
         del ref_r, ref, ref_y
 
 
 def make_row(common: dict, backend: str, op: str, bits: int, n: int, times: tuple[float, float]) -> dict:
     med, best = times
-    per = traffic_per_elem(op, bits)
+    in_bytes = 2 if common.get("dtype") in ("bfloat16", "float16") else 4
+    per = traffic_per_elem(op, bits, in_bytes)
     return dict(common, backend=backend, op=op, bits=bits, median_s=round(med, 6), best_s=round(best, 6),
                 gbps_input=round(n * 4 / best / 1e9, 3), gbps_input_median=round(n * 4 / med / 1e9, 3),
                 bytes_per_elem=per, traffic_gbps=round(n * per / best / 1e9, 3))
@@ -193,7 +273,8 @@ def sweep(args, x, residual, out, timer, common) -> list[dict]:
                 ("decode_acc", lambda: dequantize(packed, meta, n, bits, bs, out=out, accumulate=True,
                                                   backend="triton")),
             ):
-                rows.append(make_row(common, f"triton[{elems}x{warps}w]", op, bits, n, timer(fn)))
+                rows.append(make_row(dict(common, build="", isa=""), f"triton[{elems}x{warps}w]", op, bits, n,
+                                     timer(fn)))
             print(f"  sweep {elems}x{warps} done", file=sys.stderr, flush=True)
     finally:
         qt._CUDA_ELEMS_PER_PROGRAM, qt._CUDA_NUM_WARPS = saved
@@ -202,17 +283,21 @@ def sweep(args, x, residual, out, timer, common) -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
     unit = "GB/s"
-    print(f"\n{rows[0]['machine']}, {rows[0]['device']}, {rows[0]['numel'] * 4 / 1e6:.0f} MB fp32, "
+    inp = "" if rows[0].get("dtype", "float32") == "float32" else f" (encoder input {rows[0]['dtype']})"
+    rnd = ", stochastic rounding" if rows[0].get("rounding") == "stochastic" else ""
+    print(f"\n{rows[0]['machine']}, {rows[0]['device']}, {rows[0]['numel'] * 4 / 1e6:.0f} MB fp32{inp}{rnd}, "
           f"block {rows[0]['block_size']}, threads {rows[0]['threads'] or '-'}; {unit} of fp32 input, best "
           "of the timed calls (its memory traffic as % of the copy's)")
     for r in sorted((r for r in rows if r["op"] in ("clone", "copy")), key=lambda r: r["op"], reverse=True):
         print(f"  {r['op']:>6}: {r['gbps_input']:8.2f} {unit}  ({r['traffic_gbps']:.2f} {unit} moved; "
               f"median {r['gbps_input_median']:.2f})")
+    copy = next((r for r in rows if r["op"] == "copy"), None)
     backends = list(dict.fromkeys(r["backend"] for r in rows if r["op"] not in ("clone", "copy")))
     for be in backends:
         sub = [r for r in rows if r["backend"] == be]
         bits = sorted({r["bits"] for r in sub})
-        print(f"\n  backend {be}")
+        isa = f" ({sub[0]['isa']} kernels)" if sub[0].get("isa") else ""
+        print(f"\n  backend {be}{isa}")
         print("  " + f"{'op':<11}" + "".join(f"{'int' + str(b):>15}" for b in bits))
         for op in OPS:
             cells = []
@@ -221,6 +306,18 @@ def print_table(rows: list[dict]) -> None:
                 cells.append(f"{hit[0]['gbps_input']:8.2f} ({hit[0]['pct_of_copy']:3.0f}%)" if hit else " " * 15)
             if any(c.strip() for c in cells):
                 print("  " + f"{op:<11}" + "".join(f"{c:>15}" for c in cells))
+    cpus = [be for be in backends if be.startswith("cpu[")]
+    if len(cpus) > 1 and copy:
+        print(f"\n  side by side ({unit} of input; copy {copy['gbps_input']:.2f}):")
+        width = max(22, *(len(be) + 2 for be in cpus))
+        print("  " + f"{'op':<16}" + "".join(f"{be:>{width}}" for be in cpus))
+        for b in sorted({r["bits"] for r in rows if r["backend"] in cpus}):
+            for op in OPS:
+                hit = {r["backend"]: r for r in rows if r["op"] == op and r["bits"] == b and r["backend"] in cpus}
+                if hit:
+                    cells = [f"{hit[be]['gbps_input']:8.2f} ({hit[be]['pct_of_copy']:3.0f}%)" if be in hit else ""
+                             for be in cpus]
+                    print("  " + f"{op + ' int' + str(b):<16}" + "".join(f"{c:>{width}}" for c in cells))
 
 
 def main(argv=None) -> None:
@@ -230,10 +327,22 @@ def main(argv=None) -> None:
     p.add_argument("--bits", type=lambda s: [int(b) for b in s.split(",")], default=list(range(1, 9)),
                    help="comma-separated bit-widths (default 1-8)")
     p.add_argument("--block-size", type=int, default=512)
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                   help="the encoder's input (GB/s stay per fp32-sized element: 4 bytes per element)")
+    p.add_argument("--stochastic", action="store_true", help="encode with stochastic rounding (seed 1)")
     p.add_argument("--backends", default="", help="comma-separated (default: every available one)")
+    p.add_argument("--builds", default="",
+                   help="builds of the compiled CPU path, comma-separated -march values or 'generic' (scalar) "
+                        "(default: native, plus x86-64-v3 on x86-64 machines that can run it)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
     p.add_argument("--reps", type=int, default=5, help="timed calls per case, at most (CUDA: use ~20)")
     p.add_argument("--budget-s", type=float, default=2.0, help="stop repeating a case after this long")
+    p.add_argument("--baseline", default="",
+                   help="another quantize_cpu.cpp (e.g. `git show HEAD~1:fastml_strategy/kernels/quantize_cpu.cpp "
+                        "> /tmp/old.cpp`): each build of it runs beside the same build of this one")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat the whole interleaved set this many times; each case keeps its best call "
+                        "(use 3 or more on a shared machine)")
     p.add_argument("--sweep", action="store_true", help="CUDA: also time Triton launch shapes (int4)")
     p.add_argument("--verify", action="store_true",
                    help="also check each backend bit-exactly against the torch reference at this size")
@@ -243,8 +352,9 @@ def main(argv=None) -> None:
     print_table(rows)
     path = Path(args.csv)
     path.parent.mkdir(parents=True, exist_ok=True)
-    cols = ["date", "device", "machine", "backend", "op", "bits", "block_size", "numel", "threads", "median_s",
-            "best_s", "gbps_input", "gbps_input_median", "bytes_per_elem", "traffic_gbps", "pct_of_copy"]
+    cols = ["date", "device", "machine", "backend", "build", "isa", "dtype", "rounding", "op", "bits", "block_size",
+            "numel", "threads",
+            "median_s", "best_s", "gbps_input", "gbps_input_median", "bytes_per_elem", "traffic_gbps", "pct_of_copy"]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols)
         w.writeheader()

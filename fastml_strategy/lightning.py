@@ -735,7 +735,12 @@ class _FSDPMixin:
         """Every rank writes its own FastML state into ``path/fastml_strategy`` (a collective)."""
         from fastml_strategy.fsdp import save_distributed
 
-        save_distributed(self._fastml_state, path / CHECKPOINT_KEY)
+        with warnings.catch_warnings():
+            # Our subfolder of a checkpoint Lightning has just (re)written, e.g. "last": replacing it is
+            # the point, so torch.distributed.checkpoint's "Detected an existing checkpoint" is noise.
+            warnings.filterwarnings("ignore", message=rf"Detected an existing checkpoint in .*{CHECKPOINT_KEY}",
+                                    category=UserWarning)
+            save_distributed(self._fastml_state, path / CHECKPOINT_KEY)
 
     def _fastml_load_dcp(self, path: Path) -> bool:
         """Load this rank's FastML state from ``path/fastml_strategy`` (a collective); False if there is none."""

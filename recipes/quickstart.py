@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import torch
@@ -19,6 +20,19 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fastml_strategy as fm
 from fastml_strategy._digits import accuracy, batches, digits_mlp, load_digits_split
+
+
+def fail(message: str) -> None:
+    """One line for the whole job: rank 0 prints the error, every rank exits with status 2.
+
+    FastML agrees on the plan across ranks before the first step, so every rank raises the same error;
+    printing it once (not a traceback per rank) is the whole report.
+    """
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"{os.path.basename(__file__)}: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(2)
 
 
 def main() -> None:
@@ -45,9 +59,12 @@ def main() -> None:
     model = digits_mlp(args.hidden).to(device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     # Recipes keep tensors under min_numel uncompressed; this model's layers are small, so lower it.
-    plan = fm.Plan.from_recipe(args.plan, min_numel=args.min_numel) if args.plan in fm.RECIPES \
-        else fm.config.resolve_plan(args.plan)
-    state = fm.register_hook(ddp, plan=plan)
+    try:
+        plan = fm.Plan.from_recipe(args.plan, min_numel=args.min_numel) if args.plan in fm.RECIPES \
+            else fm.config.resolve_plan(args.plan)
+        state = fm.register_hook(ddp, plan=plan)
+    except ValueError as e:  # a bad plan or plan file: the same error on every rank, before any step
+        fail(str(e))
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     stream = batches(xtr, ytr, args.batch_size, rank, world)
 

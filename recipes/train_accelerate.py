@@ -10,6 +10,9 @@ Run::
     torchrun --nproc_per_node 2 recipes/train_accelerate.py --cpu --max-steps 50
     # 2 CPU processes through accelerate + Open MPI (Debian: apt-get install openmpi-bin):
     accelerate launch --config_file recipes/accelerate/multi_cpu.yaml recipes/train_accelerate.py --cpu
+    # ... as root, Open MPI refuses to start unless both variables are set:
+    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \\
+        accelerate launch --config_file recipes/accelerate/multi_cpu.yaml recipes/train_accelerate.py --cpu
     # one GPU node, 8 GPUs:
     FASTML_PLAN=int4 accelerate launch --config_file recipes/accelerate/single_node_multi_gpu.yaml \\
         recipes/train_accelerate.py --mixed-precision bf16
@@ -34,6 +37,7 @@ import argparse
 import hashlib
 import json
 import os
+import sys
 
 import torch
 from torch import nn
@@ -133,7 +137,14 @@ def main() -> None:
 
     # The one FastML line: registers on the DDP or FSDP2 model (None in a single process) and its state
     # for save_state/load_state.
-    state = fastml_strategy.accelerate.setup(accelerator, model, plan=args.plan)
+    try:
+        state = fastml_strategy.accelerate.setup(accelerator, model, plan=args.plan)
+    except ValueError as e:  # a bad plan (or FASTML_PLAN): the same error on every process, before any step
+        # one line for the whole job: the main process prints it, every process exits with status 2
+        if accelerator.is_main_process:
+            print(f"{os.path.basename(__file__)}: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        accelerator.end_training()
+        sys.exit(2)
 
     def save(folder: str, at_step: int) -> None:
         accelerator.save_state(folder)  # every process calls it; FastML gathers every rank's state

@@ -26,6 +26,7 @@ import argparse
 import hashlib
 import json
 import os
+import sys
 
 import torch
 from torch import nn
@@ -46,6 +47,16 @@ def digits_split():
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     x, y = x[perm], y[perm]
     return torch.utils.data.TensorDataset(x[:1500], y[:1500]), torch.utils.data.TensorDataset(x[1500:], y[1500:])
+
+
+def fail(message: str) -> None:
+    """One line for the whole job: rank 0 prints the error, every rank exits with status 2 (a bad plan
+    raises the same error on every rank, before any step)."""
+    # torchrun and SLURM-style launchers set RANK; Fabric's own launcher fails before starting others
+    first = os.environ.get("RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
+    if first and os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"{os.path.basename(__file__)}: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 def main() -> None:
@@ -69,11 +80,14 @@ def main() -> None:
     args = ap.parse_args()
 
     devices = int(args.devices) if args.devices.isdigit() else args.devices
-    if args.strategy == "fastml":
-        strategy = FastMLFabricStrategy(plan=args.plan)  # or strategy="fastml"
-    else:  # or strategy="fastml_fsdp"
-        strategy = FastMLFSDPFabricStrategy(plan=args.plan, auto_wrap_policy={nn.Linear},
-                                            replicate_size=args.replicate_size)
+    try:
+        if args.strategy == "fastml":
+            strategy = FastMLFabricStrategy(plan=args.plan)  # or strategy="fastml"
+        else:  # or strategy="fastml_fsdp"
+            strategy = FastMLFSDPFabricStrategy(plan=args.plan, auto_wrap_policy={nn.Linear},
+                                                replicate_size=args.replicate_size)
+    except ValueError as e:  # a bad plan: before any process group or step
+        fail(str(e))
     fabric = LF.Fabric(strategy=strategy,
                        accelerator=args.accelerator, devices=devices, num_nodes=args.num_nodes,
                        precision=args.precision, loggers=CSVLogger(args.out, name="digits"))

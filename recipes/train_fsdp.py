@@ -31,6 +31,7 @@ import argparse
 import hashlib
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -65,6 +66,19 @@ def params_sha256(model: nn.Module) -> str:
         t = p.full_tensor() if isinstance(p, DTensor) else p
         h.update(name.encode() + t.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def fail(message: str) -> None:
+    """One line for the whole job: rank 0 prints the error, every rank exits with status 2.
+
+    FastML agrees on the plan across ranks before the first step, so every rank raises the same error;
+    printing it once (not a traceback per rank) is the whole report.
+    """
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"{os.path.basename(__file__)}: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(2)
 
 
 def save_checkpoint(folder: str, model: nn.Module, opt, step: int, state) -> None:
@@ -121,7 +135,10 @@ def main() -> None:
         model = make_model(args.hidden, mesh)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)  # after fully_shard: its parameters
 
-    state = fastml_strategy.fsdp.register(model, args.plan)  # validates the plan on every rank first
+    try:
+        state = fastml_strategy.fsdp.register(model, args.plan)  # validates the plan on every rank first
+    except ValueError as e:  # a bad plan or plan file: the same error on every rank, before any step
+        fail(str(e))
 
     step = load_checkpoint(args.resume, model, opt, state) if args.resume else 0
     steps_per_epoch = len(loader)

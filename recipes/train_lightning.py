@@ -23,10 +23,21 @@ HSDP's cross-replica all-reduce; checkpoints are folders of per-rank shards, Fas
     torchrun --nnodes 2 --nproc_per_node 8 ... recipes/train_lightning.py --strategy fastml_fsdp \\
         --num-nodes 2 --devices 8 --hybrid      # shard inside a node, replicate across nodes
 
+How long: ``--max-steps N`` optimizer steps (the epochs then run as long as needed), else
+``--max-epochs`` (default 5 when no ``--max-steps`` is given).
+
 Compression figures go to the logger (``fastml/compression_ratio``, ``fastml/bytes_sent_per_step``,
 ``fastml/rel_error/<layer>``, and with FSDP ``fastml/residual_bytes``; see ``lightning_logs/``).
-Checkpoints carry every rank's FastML state, so ``--resume last`` continues exactly where the last run
-stopped.
+
+Resuming: checkpoints (``OUT/checkpoints``: one at each epoch end, ``last`` when the run stops, and
+every ``--ckpt-every N`` steps if asked) carry every rank's FastML state and, because the training
+batches come from a resumable loader (``ResumableLoader``: the shuffle order depends on the epoch
+only, and its position within the epoch is saved), ``--resume last --max-steps 100`` after a 50-step
+run continues at step 51 with the batch an uninterrupted run would have used, and reaches the same
+parameters bit for bit (resume with the same number of processes and the same ``--batch-size``)::
+
+    python recipes/train_lightning.py --accelerator cpu --devices 2 --max-steps 50
+    python recipes/train_lightning.py --accelerator cpu --devices 2 --max-steps 100 --resume last
 """
 
 from __future__ import annotations
@@ -34,7 +45,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
+import sys
+import warnings
 
 import torch
 from torch import nn
@@ -45,6 +59,79 @@ from lightning.pytorch.loggers import CSVLogger
 
 import fastml_strategy  # noqa: F401  registers strategy="fastml" and "fastml_fsdp"
 from fastml_strategy.lightning import FastMLFSDPStrategy, FastMLStrategy
+
+
+def quiet_lightning(resuming: bool) -> None:
+    """Silence what this script triggers in Lightning and torch and cannot fix; your own warnings stay.
+
+    - Lightning 2.6's ``_pytree`` calls a torch API that torch 2.13 deprecated (``FutureWarning``, once
+      per fit/validate and rank); only warnings raised from that Lightning module are dropped;
+    - the "💡 Tip" advertisements Lightning logs at startup;
+    - torch.distributed.checkpoint's "Detected an existing checkpoint ... overwriting" for ``last.ckpt``
+      (FSDP checkpoints are folders), which ``ModelCheckpoint(save_last=True)`` replaces by design;
+    - when resuming into the same ``--out``: "Checkpoint directory ... exists and is not empty".
+    """
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning, module=r"lightning\.pytorch\.utilities\._pytree")
+    warnings.filterwarnings("ignore", message=r"Detected an existing checkpoint in .*/last(-v\d+)?\.ckpt, ",
+                            category=UserWarning)
+
+    class NoTips(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not str(record.msg).startswith("💡 Tip")
+
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(NoTips())
+    if resuming:
+        warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+
+
+def fail(message: str) -> None:
+    """One line for the whole job: rank 0 prints the error, every rank exits with status 2 (a bad plan
+    raises the same error on every rank, before any step)."""
+    # torchrun and SLURM-style launchers set RANK; Lightning's own launcher fails before starting others
+    first = os.environ.get("RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
+    if first and os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"{os.path.basename(__file__)}: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+class ResumableLoader:
+    """The training batches of one rank, resumable mid-epoch.
+
+    Lightning saves ``state_dict()`` in every checkpoint and hands it back to ``load_state_dict()`` on
+    ``fit(ckpt_path=...)``. Without it, a checkpoint taken mid-epoch (``--max-steps`` reached,
+    ``--ckpt-every``) resumes with the wrong batches ("your dataloader is not resumable") and the run
+    drifts from an uninterrupted one. The order of an epoch comes from a ``DistributedSampler`` seeded
+    by (seed, epoch) alone; this loader counts the epochs itself (Lightning's epoch counter is one
+    ahead after resuming from a checkpoint written when ``max_steps`` stopped an epoch early) and the
+    batches already yielded in the current one. With a known length Lightning fetches no batch ahead,
+    so that count is exactly the batches trained on.
+    """
+
+    def __init__(self, loader: torch.utils.data.DataLoader) -> None:
+        self.loader = loader
+        self.dataset = loader.dataset
+        self.epoch = 0  # the epoch being yielded (the sampler's shuffle seed is seed + epoch)
+        self.done = 0  # batches of it yielded so far
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        # Lazy: runs at the first batch, after load_state_dict on a resume.
+        if self.done >= len(self):  # the previous epoch ran to its end
+            self.epoch, self.done = self.epoch + 1, 0
+        self.loader.sampler.set_epoch(self.epoch)
+        # skip at the index level: the skipped batches are neither loaded nor collated
+        for indices in list(self.loader.batch_sampler)[self.done:]:
+            self.done += 1
+            yield self.loader.collate_fn([self.dataset[i] for i in indices])
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "batches_done": self.done}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.done = int(state["epoch"]), int(state["batches_done"])
 
 
 class DigitsData(L.LightningDataModule):
@@ -64,10 +151,16 @@ class DigitsData(L.LightningDataModule):
         self.val = torch.utils.data.TensorDataset(x[1500:], y[1500:])
 
     def train_dataloader(self):
-        return torch.utils.data.DataLoader(self.train, batch_size=self.batch_size, shuffle=True, drop_last=True)
+        # Our own sampler (Trainer(use_distributed_sampler=False)): each rank its shard, the order from
+        # (seed, epoch) only, so a resumed run sees the batches the uninterrupted run saw.
+        sampler = torch.utils.data.DistributedSampler(
+            self.train, num_replicas=self.trainer.world_size, rank=self.trainer.global_rank, shuffle=True,
+            seed=0, drop_last=True)
+        return ResumableLoader(torch.utils.data.DataLoader(self.train, batch_size=self.batch_size, sampler=sampler,
+                                                           drop_last=True))
 
     def val_dataloader(self):
-        return torch.utils.data.DataLoader(self.val, batch_size=256)
+        return torch.utils.data.DataLoader(self.val, batch_size=512)  # every rank: the whole validation set
 
 
 class DigitsMLP(L.LightningModule):
@@ -108,39 +201,56 @@ def main() -> None:
     ap.add_argument("--devices", default="auto", help="processes per node (Lightning launches them)")
     ap.add_argument("--num-nodes", type=int, default=1)
     ap.add_argument("--precision", default="32-true", help="32-true, bf16-mixed, 16-mixed (GPU)")
-    ap.add_argument("--max-steps", type=int, default=-1, help="stop after this many optimizer steps")
-    ap.add_argument("--max-epochs", type=int, default=5)
+    ap.add_argument("--max-steps", type=int, default=-1,
+                    help="stop after this many optimizer steps (default: none; --max-epochs decides)")
+    ap.add_argument("--max-epochs", type=int, default=None,
+                    help="stop after this many epochs (default: 5 without --max-steps, else unlimited)")
     ap.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
     ap.add_argument("--batch-size", type=int, default=32, help="per process")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--out", default="lightning_logs", help="logs and checkpoints go here")
-    ap.add_argument("--resume", default=None, help="checkpoint path, or 'last'")
+    ap.add_argument("--resume", default=None,
+                    help="checkpoint path, or 'last' (the latest in OUT/checkpoints): continues exactly")
+    ap.add_argument("--ckpt-every", type=int, default=None, metavar="N",
+                    help="also checkpoint every N optimizer steps (mid-epoch too; each resumes exactly)")
     ap.add_argument("--summary", default=None, help="write final figures to SUMMARY.rank<R>.json")
     args = ap.parse_args()
 
-    L.seed_everything(0)
+    quiet_lightning(resuming=args.resume is not None)
     devices = int(args.devices) if args.devices.isdigit() else args.devices
-    if args.strategy == "fastml":
-        strategy = FastMLStrategy(plan=args.plan)  # or strategy="fastml" (plan from FASTML_PLAN)
-    else:  # or strategy="fastml_fsdp" (default wrap rule, plan from FASTML_PLAN)
-        strategy = FastMLFSDPStrategy(plan=args.plan, auto_wrap_policy={nn.Linear},
-                                      replicate_size=args.replicate_size, hybrid=args.hybrid)
+    try:
+        if args.strategy == "fastml":
+            strategy = FastMLStrategy(plan=args.plan)  # or strategy="fastml" (plan from FASTML_PLAN)
+        else:  # or strategy="fastml_fsdp" (default wrap rule, plan from FASTML_PLAN)
+            strategy = FastMLFSDPStrategy(plan=args.plan, auto_wrap_policy={nn.Linear},
+                                          replicate_size=args.replicate_size, hybrid=args.hybrid)
+    except ValueError as e:  # a bad plan: before any process group or step
+        fail(str(e))
+    L.seed_everything(0)
+    max_epochs = args.max_epochs if args.max_epochs is not None else (5 if args.max_steps < 0 else -1)
+    checkpoints = [ModelCheckpoint(dirpath=os.path.join(args.out, "checkpoints"), save_last=True)]
+    if args.ckpt_every:
+        checkpoints.append(ModelCheckpoint(dirpath=os.path.join(args.out, "checkpoints"), save_top_k=-1,
+                                           every_n_train_steps=args.ckpt_every))
     trainer = L.Trainer(
         strategy=strategy,
         accelerator=args.accelerator, devices=devices, num_nodes=args.num_nodes, precision=args.precision,
-        max_steps=args.max_steps, max_epochs=args.max_epochs, accumulate_grad_batches=args.accumulate,
-        logger=CSVLogger(args.out, name="digits"), log_every_n_steps=10,
-        callbacks=[ModelCheckpoint(dirpath=os.path.join(args.out, "checkpoints"), save_last=True)],
+        max_steps=args.max_steps, max_epochs=max_epochs, accumulate_grad_batches=args.accumulate,
+        use_distributed_sampler=False,  # DigitsData shards the data itself, resumably
+        logger=CSVLogger(args.out, name="digits"), log_every_n_steps=10, callbacks=checkpoints,
     )
     model, data = DigitsMLP(args.hidden, args.lr), DigitsData(args.batch_size)
     trainer.fit(model, data, ckpt_path=args.resume)
 
     stats = trainer.strategy.compression_stats()
-    metrics = trainer.validate(model, data, verbose=False)[0]
+    model.eval()
+    with torch.no_grad():  # every rank (an FSDP model gathers its shards): the whole validation set
+        xv, yv = data.val.tensors
+        val_acc = (model(xv.to(model.device)).argmax(-1).cpu() == yv).float().mean().item()
     if trainer.is_global_zero:
-        print(f"compression {stats['compression_ratio']:.2f}x over {stats['steps']} steps, "
-              f"validation accuracy {metrics['val_acc']:.3f}", flush=True)
+        print(f"compression {stats['compression_ratio']:.2f}x over {stats['steps']} steps (step "
+              f"{trainer.global_step}), validation accuracy {val_acc:.3f}", flush=True)
     if args.summary:
         from torch.distributed.tensor import DTensor
 
@@ -151,7 +261,7 @@ def main() -> None:
         os.makedirs(os.path.dirname(os.path.abspath(args.summary)), exist_ok=True)
         with open(f"{args.summary}.rank{trainer.global_rank}.json", "w") as f:
             json.dump({"rank": trainer.global_rank, "world_size": trainer.world_size, "step": trainer.global_step,
-                       "val_acc": metrics["val_acc"], "params_sha256": h.hexdigest(), "plan": stats["plan"],
+                       "val_acc": val_acc, "params_sha256": h.hexdigest(), "plan": stats["plan"],
                        "fastml_step": stats["steps"], "compression_ratio": stats["compression_ratio"]}, f)
 
 

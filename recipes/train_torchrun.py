@@ -25,6 +25,7 @@ import argparse
 import hashlib
 import json
 import os
+import sys
 import tempfile
 
 import torch
@@ -61,6 +62,19 @@ def params_sha256(model: nn.Module) -> str:
     for name, p in sorted(model.state_dict().items()):
         h.update(name.encode() + p.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def fail(message: str) -> None:
+    """One line for the whole job: rank 0 prints the error, every rank exits with status 2.
+
+    FastML agrees on the plan across ranks before the first step, so every rank raises the same error;
+    printing it once (not a traceback per rank) is the whole report.
+    """
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"{os.path.basename(__file__)}: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(2)
 
 
 def save_checkpoint(path: str, model: DDP, opt, step: int, state) -> None:
@@ -104,7 +118,10 @@ def main() -> None:
     model = DDP(make_model(args.hidden).to(device), device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
-    state = fastml_strategy.register_hook(model, args.plan)  # validates the plan on every rank first
+    try:
+        state = fastml_strategy.register_hook(model, args.plan)  # validates the plan on every rank first
+    except ValueError as e:  # a bad plan or plan file: the same error on every rank, before any step
+        fail(str(e))
 
     step = 0
     if args.resume:
@@ -114,7 +131,6 @@ def main() -> None:
         state.load_state_dict(ckpt["fastml"])  # picks this rank's residuals
         step = ckpt["step"]
 
-    first_step = step  # stats() counts bytes since register_hook, steps since the first run
     steps_per_epoch = len(loader)
     while step < args.max_steps:
         sampler.set_epoch(step // steps_per_epoch)
@@ -128,8 +144,9 @@ def main() -> None:
             step += 1
             if rank == 0 and (step % 50 == 0 or step == args.max_steps):
                 s = state.stats()
+                # bytes_sent and steps both continue from the checkpoint when resuming: like with like
                 print(f"step {step} loss {loss.item():.4f} compression {s['compression_ratio']:.2f}x "
-                      f"({s['bytes_sent'] / (step - first_step) / 1024:.1f} KiB sent per step)", flush=True)
+                      f"({s['bytes_sent'] / s['steps'] / 1024:.1f} KiB sent per step)", flush=True)
             if step >= args.max_steps:
                 break
 

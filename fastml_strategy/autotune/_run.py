@@ -27,7 +27,7 @@ from fastml_strategy.autotune.workload import Workload, as_workload, load_target
 from fastml_strategy.config import DEFAULT_MIN_NUMEL, Plan
 
 __all__ = ["autotune", "AutotuneResult", "Settings", "prepare", "UNIFORM_RECIPES", "SCALING_NODES",
-           "WHATIF_NODES", "WHATIF_RANKS_PER_NODE", "baseline_label"]
+           "WHATIF_NODES", "WHATIF_RANKS_PER_NODE", "ASSUMED_TARGET_STEPS", "baseline_label"]
 
 # The uniform recipes every report compares against (the issue's list), plus plain DDP.
 UNIFORM_RECIPES = ("none", "fp16", "int8", "int4", "int2", "topk1")
@@ -36,6 +36,13 @@ SCALING_NODES = (8, 16, 32, 64, 128, 256, 512, 1024)
 WHATIF_NODES = (2, 8, 32, 128)
 WHATIF_RANKS_PER_NODE = (1, 2, 4, 8)
 LOCAL = "local"
+# Training length when the user gives none (--target-steps) and is not asked: every time and cost scales
+# with it, the choice of plan does not (it multiplies every option and plan alike). The report says it
+# was assumed, never that the user gave it.
+ASSUMED_TARGET_STEPS = 10_000
+# Where the training length came from, as the report words it.
+TARGET_STEPS_SOURCES = {"given": "--target-steps", "entered": "entered at the prompt",
+                        "assumed": "assumed; pass --target-steps N for your run"}
 
 
 def baseline_label(sharding: Sharding) -> str:
@@ -62,7 +69,8 @@ class Settings:
     profile_steps: int = 5
     measure_steps: int = 10
     max_accuracy_loss: float = 0.01
-    target_steps: float | None = None
+    target_steps: float = ASSUMED_TARGET_STEPS
+    target_steps_source: str = "assumed"  # "given" (--target-steps), "entered" (prompt) or "assumed"
     max_groups: int = 24
     min_numel: int = DEFAULT_MIN_NUMEL
     options: list[str] = field(default_factory=lambda: list(CANDIDATES))
@@ -98,12 +106,44 @@ class AutotuneResult:
     groups: dict[str, list[str]] = field(default_factory=dict)
     sharding: Sharding = field(default_factory=Sharding)
     whatif: list[dict[str, Any]] = field(default_factory=list)  # sharded: cluster shapes per option
+    target_steps: float = ASSUMED_TARGET_STEPS  # steps of uncompressed training every time and cost is for
+    target_steps_source: str = "assumed"  # see TARGET_STEPS_SOURCES
+    # Set when the measured link is not a network (every rank on one machine): the report flags it.
+    link_warning: str | None = None
 
 
 def _positive_int(name: str, v: Any, minimum: int = 1) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
         raise ValueError(f"{name} is {v!r}; give a whole number >= {minimum}")
     return v
+
+
+def _autotune_output(path: Path) -> bool:
+    """Whether ``path`` is a file this command wrote (not a user's own file of the same name)."""
+    try:
+        if path.name == "plan.json":
+            return json.loads(path.read_text()).get("meta", {}).get("tuned_by") == "fastml-autotune"
+        if path.name in ("report.html", "report.md"):
+            return "fastml-autotune report" in path.read_text(errors="replace")[:2000]
+    except (OSError, ValueError, AttributeError):
+        return False
+    return False
+
+
+def _refuse_finished_out(out: Path) -> None:
+    """An earlier run's outputs in ``out`` are replaced only with ``--overwrite``."""
+    if not out.is_dir():
+        return
+    found = [n for n in ("plan.json", "report.html", "report.md") if _autotune_output(out / n)]
+    if not found:  # empty, or only autotune.db of a stopped run: resume into it
+        return
+    import datetime
+
+    when = datetime.datetime.fromtimestamp(max((out / n).stat().st_mtime for n in found))
+    shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+    raise ValueError(f"--out {str(out)!r} already holds the outputs of an earlier run ({shown}; written "
+                     f"{when:%Y-%m-%d %H:%M}); pass --overwrite to replace them (its autotune.db is "
+                     f"reused, so finished steps are not redone), or give another --out")
 
 
 def _check_storage(url: str) -> Any:
@@ -128,9 +168,19 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
             ranks_per_node: int | None = None, param_dtype: str | None = None,
             reduce_dtype: str | None = None, reshard_after_forward: bool = True,
             intra_node_link: str | Link | None = None,
-            max_residual_gb: float | None = None) -> Settings:
+            max_residual_gb: float | None = None, overwrite: bool = False,
+            target_steps_source: str | None = None) -> Settings:
     """Validate every input and open the storage; raise ValueError (one line) on the first problem.
     Writes nothing unless everything else is valid (then: the output folder and the default SQLite).
+
+    ``out`` holding the outputs of an earlier finished run (plan.json, a report) is refused unless
+    ``overwrite``: the new run would replace them. Its ``autotune.db`` is reused either way, so a
+    rerun (or a run stopped before it wrote anything) resumes instead of starting over.
+
+    ``target_steps``: steps uncompressed training takes to reach the target; every time and cost is
+    for that many steps. None: :data:`ASSUMED_TARGET_STEPS`, reported as assumed.
+    ``target_steps_source`` says where a given value came from (``"given"``, the default, or
+    ``"entered"`` at the command's prompt).
 
     Sharded training (``sharding="fsdp"`` or ``"hsdp"``): ``ranks_per_node`` (default: torchrun's
     LOCAL_WORLD_SIZE, else 1), ``param_dtype`` / ``reduce_dtype`` (fp32 or bf16, as in FSDP2's
@@ -143,6 +193,8 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
     out_p = Path(out)
     if out_p.exists() and not out_p.is_dir():
         raise ValueError(f"--out {str(out_p)!r} is a file; give a folder for the outputs")
+    if rank == 0 and not overwrite:
+        _refuse_finished_out(out_p)
     for name, v, lo in (("--trials", trials, 1), ("--calibration-trials", calibration_trials, 1),
                         ("--calibration-steps", calibration_steps, 10), ("--profile-steps", profile_steps, 1),
                         ("--measure-steps", measure_steps, 1), ("--max-groups", max_groups, 1),
@@ -152,9 +204,16 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
             or not max_accuracy_loss >= 0:
         raise ValueError(f"--max-accuracy-loss is {max_accuracy_loss!r}; give a number >= 0 "
                          f"(0.01 = one accuracy point, or 1% more final loss without an eval function)")
-    if target_steps is not None and not (isinstance(target_steps, (int, float)) and target_steps > 0):
+    if target_steps is not None and (isinstance(target_steps, bool) or not isinstance(target_steps, (int, float))
+                                     or not 0 < target_steps < math.inf):
         raise ValueError(f"--target-steps is {target_steps!r}; give the number of steps uncompressed "
                          f"training takes to reach your target (> 0)")
+    if target_steps is None:
+        steps_source = "assumed"
+    else:
+        steps_source = target_steps_source or "given"
+        if steps_source not in TARGET_STEPS_SOURCES:
+            raise ValueError(f"target_steps_source is {steps_source!r}; use one of {list(TARGET_STEPS_SOURCES)}")
     sharding_v = _check_sharding(sharding, ranks_per_node, param_dtype, reduce_dtype,
                                  reshard_after_forward, intra_node_link, max_residual_gb)
     opts = list(options or default_options(sharding_v))
@@ -218,7 +277,9 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
                     link=link_v, storage_url=url or "", trials=trials,
                     calibration_trials=calibration_trials, calibration_steps=calibration_steps,
                     profile_steps=profile_steps, measure_steps=measure_steps,
-                    max_accuracy_loss=float(max_accuracy_loss), target_steps=target_steps,
+                    max_accuracy_loss=float(max_accuracy_loss),
+                    target_steps=float(target_steps) if target_steps is not None else float(ASSUMED_TARGET_STEPS),
+                    target_steps_source=steps_source,
                     max_groups=max_groups, min_numel=min_numel, options=opts,
                     verify_rounds=verify_rounds, seed=seed,
                     progress=progress, sharding=sharding_v, ranks_per_node=rpn,
@@ -271,6 +332,58 @@ class _Failed:
     message: str
 
 
+class _Progress:
+    """One progress bar per phase, each with a total known when the phase starts.
+
+    The phases count different things (profiling steps, calibration training runs, cost-model trials
+    that take microseconds, plans timed for real), so one bar over all of them has no meaningful rate
+    and its ETA is fiction (a first estimate of half an hour for a 77-second run). Per phase the rate
+    compares like with like, and no bar passes its total: a bar that is finished says so.
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.bar: Any = None
+
+    def phase(self, name: str, total: int, unit: str) -> None:
+        from tqdm.auto import tqdm
+
+        self.close()
+        self.bar = tqdm(total=max(1, int(total)), desc=name, unit=unit, disable=not self.enabled,
+                        dynamic_ncols=True, leave=True)
+
+    def set_description(self, name: str) -> None:
+        if self.bar is not None:
+            self.bar.set_description(name)
+
+    def update(self, n: int = 1) -> None:
+        if self.bar is not None:  # never past the total, whatever a phase's caller counts
+            self.bar.update(max(0, min(int(n), self.bar.total - self.bar.n)))
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _one_machine_warning(s: Settings, link: Link) -> str | None:
+    """Every rank on one host: the measured "link" is loopback or shared memory, not a network."""
+    import socket
+
+    import torch.distributed as dist
+
+    hosts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    if len(set(hosts)) > 1:
+        return None
+    return (f"All {len(hosts)} ranks ran on one machine ({hosts[0]}), so the measured link "
+            f"({link.bandwidth_Bps * 8 / 1e9:.3g} Gbit/s, {link.latency_s * 1e6:.3g} us per message) is "
+            f"between processes of that machine (loopback or shared memory), "
+            f"not a network (unless you shaped it, e.g. with tc). The 'local' figures, and the 8-1024 "
+            f"node predictions drawn from them, describe that machine, not a cluster; pass --link RATE "
+            f"(e.g. --link 10gbit) for your cluster's link, or launch across machines.")
+
+
 def _fingerprint(s: Settings) -> str:
     shapes = [(n, tuple(p.shape)) for n, p in s.workload.model.named_parameters()]
     key = json.dumps([s.workload.name, shapes, s.options, s.profile_steps, s.calibration_steps,
@@ -311,24 +424,16 @@ def autotune(target: str | Workload | Any, **kwargs: Any) -> AutotuneResult:
 
 def run(s: Settings) -> AutotuneResult:
     """Profile, calibrate, search, measure and report (rank 0 writes; every rank returns the result)."""
-    from tqdm.auto import tqdm
-
     from fastml_strategy.autotune import calibrate, profile as prof, report, search
     from fastml_strategy.autotune.measure import (measure_distributed, measure_local,
                                                   predict_local)
 
     lead = s.rank == 0
     fp = _fingerprint(s)
-    n_opts = len(s.catalog) + (1 if (s.distributed or s.link is not None) else 0)
-    trials_per_option = max(s.trials, len(s.options))
-    total = (s.profile_steps + 1 + s.calibration_trials + n_opts * trials_per_option
-             + (2 if s.distributed else len(UNIFORM_RECIPES) + 2) + 1
-             + (len(UNIFORM_RECIPES) + 1 if s.distributed else 0))
-    bar = tqdm(total=total, disable=not (s.progress and lead), unit="step", dynamic_ncols=True,
-               desc="fastml-autotune")
+    bar = _Progress(s.progress and lead)
     try:
         # -- 1. profile (cached in the storage, so a resumed run skips it) -----------------------------
-        bar.set_description("profiling")
+        bar.phase("profiling", s.profile_steps, "step")
         import optuna
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -351,6 +456,7 @@ def run(s: Settings) -> AutotuneResult:
         elif lead:
             profile = Profile.from_dict(cached)
             bar.update(s.profile_steps)
+        link_warning = None
         if s.distributed:
             samples = prof.measure_link()
             if lead:
@@ -359,6 +465,8 @@ def run(s: Settings) -> AutotuneResult:
         elif s.link is not None and lead:
             profile.link = s.link
         profile = _broadcast(profile, s.distributed)
+        if s.distributed:
+            link_warning = _one_machine_warning(s, profile.link)
         options = list(s.catalog)
         sh = s.sharding
         base_label = baseline_label(sh)
@@ -381,9 +489,9 @@ def run(s: Settings) -> AutotuneResult:
         # -- 1b. distributed: time the uniform recipes for real and fit the codec-time scales -------
         measured_pre: dict[str, float] = {}
         if s.distributed:
-            bar.set_description("measuring recipes")
             plans = {base_label: None}
             plans.update({r: _plan_from_choice(profile, c, r)[0] for r, c in recipe_choices.items()})
+            bar.phase("timing the recipes", len(plans), "plan")
             measured_pre = measure_distributed(s.workload, plans, steps=s.measure_steps,
                                                sharding=sh, ranks_per_node=s.ranks_per_node)
             bar.update(len(plans))
@@ -410,12 +518,13 @@ def run(s: Settings) -> AutotuneResult:
         ref, points, conv, target_steps, rows, best, baseline, front, chosen = result_core
 
         # -- 4. measure step times: the tuned plan (never used in a fit) and the recipes -----------
-        bar.set_description("measuring")
         opt_by_name = {o.name: o for o in options}
         tuned_choice = search.expand(groups, best[chosen]["choice"])
         tuned_label = f"tuned ({chosen})"
         choices: dict[str, dict[str, str] | None] = {
             base_label: None, tuned_label: tuned_choice if best[chosen]["use_hook"] else None}
+        bar.phase("timing the tuned plan" if s.distributed else "timing plans (compute + codecs)",
+                  len(choices) if s.distributed else len(choices) + len(recipe_choices), "plan")
         step_rows = []
         if s.distributed:
             profile = _broadcast(profile if lead else None, True)  # with rank 0's codec scales
@@ -440,6 +549,7 @@ def run(s: Settings) -> AutotuneResult:
                                   "predicted_s": predict_local(profile, c), "measured_s": measured[k],
                                   "used_in_fit": False})
         bar.update(len(choices))
+        bar.close()
         for r in step_rows:
             r["error_pct"] = 100.0 * (r["predicted_s"] - r["measured_s"]) / r["measured_s"]
 
@@ -462,9 +572,10 @@ def run(s: Settings) -> AutotuneResult:
                                 baseline=baseline, profile=profile, convergence=conv,
                                 calibration=points, trials=rows, step_times=step_rows,
                                 scaling=scaling, pareto=front, groups=dict(groups), sharding=sh,
-                                whatif=whatif)
+                                whatif=whatif, target_steps=target_steps,
+                                target_steps_source=s.target_steps_source, link_warning=link_warning)
         if lead:
-            bar.set_description("writing report")
+            bar.phase("writing the report", 1, "file set")
             per_option_plans = {
                 o.name: _plan_from_choice(profile, search.expand(groups, best[o.name]["choice"]),
                                           f"autotuned-{o.name}",
@@ -472,7 +583,6 @@ def run(s: Settings) -> AutotuneResult:
                 for o in options}
             report.write_outputs(result, s, main_dict, per_option_plans)
             bar.update(1)
-        bar.set_description("done")
         return result
     finally:
         bar.close()
@@ -487,13 +597,15 @@ def _calibrate_and_search(s: Settings, profile: Profile, groups: Mapping[str, li
     Every study lives in the storage (search studies are named by the fit they used), so a resumed
     run replays finished rounds from the database instead of recomputing them.
     """
-    target_steps = float(s.target_steps or s.calibration_steps)
+    target_steps = float(s.target_steps)
     plans = calibrate.calibration_candidates(profile, groups, s.calibration_trials, s.seed)
     trials_per_option = max(s.trials, len(s.options))
     none_choice = {n: "none" for names in groups.values() for n in names}
     rnd = 0
     while True:
-        bar.set_description("calibrating" if rnd == 0 else f"verifying chosen plans (round {rnd})")
+        # the reference run and every plan (finished ones from the storage tick at once)
+        bar.phase("calibrating" if rnd == 0 else f"verifying the chosen plans (round {rnd} of up to "
+                  f"{s.verify_rounds})", 1 + len(plans), "run")
         ref, points = calibrate.run_calibration(
             s.workload, profile, groups, plans, storage=s.storage, study_name=cal_name,
             steps=s.calibration_steps, seed=s.seed, progress=bar)
@@ -502,6 +614,7 @@ def _calibrate_and_search(s: Settings, profile: Profile, groups: Mapping[str, li
         best: dict[str, dict[str, Any]] = {}
         baseline: dict[str, dict[str, Any]] = {}
         sh = s.sharding
+        bar.phase("searching", len(options) * trials_per_option, "trial")
         for opt in options:
             bar.set_description(f"searching {opt.name}")
             what = [_option_key(opt), asdict(opt.link), asdict(conv), target_steps, s.options,
@@ -533,8 +646,6 @@ def _calibrate_and_search(s: Settings, profile: Profile, groups: Mapping[str, li
             break
         plans = list(plans) + new
         rnd += 1
-        bar.total += len(new) + len(options) * trials_per_option
-        bar.refresh()
     # The Pareto front compares priced options (a cluster you already have costs nothing here).
     priced = {o.name for o in options if o.price_per_hour > 0}
     feas = [i for i, r in enumerate(rows) if r["feasible"] and r["option"] in priced]
@@ -600,6 +711,10 @@ def _meta(s: Settings, option: str, best: Mapping[str, Any], base: Mapping[str, 
         "hardware_option": option,
         "recommendation": advice,
         "world_size_ref": s.world_size,
+        # every time and cost below is for this many steps of uncompressed training (source: given,
+        # entered, or assumed when the user gave none)
+        "target_steps": s.target_steps,
+        "target_steps_source": s.target_steps_source,
         "predicted": {k: f(best[k]) for k in ("step_s", "tta_s", "cost_usd", "error", "g")},
         f"uncompressed_{sh.kind}": {k: f(base[k]) for k in ("step_s", "tta_s", "cost_usd")},
         "convergence": {"k": conv.k, "gamma": conv.gamma, "e_max": conv.e_max},

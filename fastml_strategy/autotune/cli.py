@@ -7,6 +7,10 @@ line on stderr before anything is profiled or written; 1 a failure during the ru
 Distributed: ``torchrun --nproc_per_node N -m fastml_strategy.autotune.cli TARGET ...`` (or the
 ``fastml-autotune`` script under torchrun): every rank loads the target, the link is measured with
 timed collectives, rank 0 searches and writes the outputs, all ranks measure the plans' step times.
+
+Training length: every time and cost is for ``--target-steps`` steps of uncompressed training. Without
+it, the command asks when run at a terminal (one process), and otherwise assumes
+:data:`~fastml_strategy.autotune._run.ASSUMED_TARGET_STEPS`; the report says which.
 """
 
 from __future__ import annotations
@@ -19,6 +23,16 @@ from typing import Sequence
 from fastml_strategy.config import DEFAULT_MIN_NUMEL
 
 PROG = "fastml-autotune"
+
+
+def _steps_arg(text: str) -> float:
+    """--target-steps: 20000, 20,000, 20k, 1.5M, 2e5 (the value is checked with the other inputs)."""
+    t = text.strip().lower().replace(",", "").replace("_", "")
+    scale = {"k": 1e3, "m": 1e6}.get(t[-1:], 1.0)
+    try:
+        return float(t[:-1] if scale != 1.0 else t) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of steps (e.g. 20000, 20k, 1.5M)") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,7 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Optuna storage URL; default sqlite:///OUT/autotune.db, so rerunning the same "
                         "command resumes a stopped run. An RDB URL (postgresql://...) lets several "
                         "machines tune one study")
-    p.add_argument("--out", default="fastml-autotune-out", metavar="DIR", help="output folder")
+    p.add_argument("--out", default="fastml-autotune-out", metavar="DIR",
+                   help="output folder; one holding an earlier run's outputs is refused without --overwrite")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the outputs of an earlier run in --out (its autotune.db is reused, so "
+                        "finished steps are not redone)")
     g = p.add_argument_group("calibration and profiling")
     g.add_argument("--calibration-trials", type=int, default=6, metavar="N",
                    help="short training runs of candidate plans against uncompressed training")
@@ -67,9 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-accuracy-loss", type=float, default=0.01, metavar="X",
                    help="largest accuracy loss allowed against uncompressed training (absolute, in the "
                         "eval function's units; without one, relative increase of the final loss)")
-    g.add_argument("--target-steps", type=float, default=None, metavar="N",
-                   help="steps uncompressed training takes to reach your target; default: "
-                        "--calibration-steps (time and cost scale with it)")
+    g.add_argument("--target-steps", type=_steps_arg, default=None, metavar="N",
+                   help="steps your uncompressed training takes to reach its target: every time and cost "
+                        "is for this many steps (the choice of plan does not depend on it). Default: asked "
+                        "at a terminal, else 10,000 assumed, and the report says so")
     g.add_argument("--max-groups", type=int, default=24, metavar="N",
                    help="search at most N layer groups (layers differing only in block index share a "
                         "choice; then similar sizes are merged)")
@@ -125,10 +144,54 @@ def _error(msg: str) -> None:
     print(f"{PROG}: error: {' '.join(msg.split())}", file=sys.stderr)
 
 
+def _parse_steps(text: str) -> float | None:
+    """'20000', '20,000', '20k', '1.5M', '2e5' -> a step count (None: not a positive number)."""
+    try:
+        v = _steps_arg(text)
+    except argparse.ArgumentTypeError:
+        return None
+    return v if 0 < v < float("inf") else None
+
+
+def _ask_target_steps() -> float | None:
+    """At a terminal: ask for the training length once (Enter keeps the assumed one)."""
+    from fastml_strategy.autotune._run import ASSUMED_TARGET_STEPS
+
+    for _ in range(3):
+        sys.stderr.write(f"{PROG}: how many optimizer steps does your training take, uncompressed, to reach "
+                         f"its target? Times and costs are reported for that many (Enter: assume "
+                         f"{ASSUMED_TARGET_STEPS:,}; --target-steps N skips this question): ")
+        sys.stderr.flush()
+        answer = sys.stdin.readline()
+        if not answer.strip():  # Enter, or end of input
+            return None
+        steps = _parse_steps(answer)
+        if steps is not None:
+            return steps
+        sys.stderr.write(f"{PROG}: {answer.strip()!r} is not a number of steps (e.g. 20000, 20k, 1.5M)\n")
+    return None
+
+
+def _interactive() -> bool:
+    try:
+        return sys.stdin.isatty() and sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced or closed streams
+        return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     distributed = _init_distributed()
     from fastml_strategy.autotune._run import prepare, run
+
+    steps_source = "given"
+    if args.target_steps is None and not distributed and _interactive():
+        try:
+            args.target_steps = _ask_target_steps()
+        except KeyboardInterrupt:
+            _error("interrupted before anything was profiled or written")
+            return 130
+        steps_source = "entered"
 
     settings = None
     failure = None
@@ -144,7 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress=not args.quiet, sharding=args.sharding, ranks_per_node=args.ranks_per_node,
             param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype,
             reshard_after_forward=args.reshard_after_forward, intra_node_link=args.intra_node_link,
-            max_residual_gb=args.max_residual_gb)
+            max_residual_gb=args.max_residual_gb, overwrite=args.overwrite,
+            target_steps_source=steps_source if args.target_steps is not None else None)
     except ValueError as e:
         failure = str(e)
     if distributed:  # every rank learns whether any rank failed validation, so none hangs
@@ -183,14 +247,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 finally:
                     dist.destroy_process_group()
     if settings.rank == 0:
+        from fastml_strategy.autotune.report import headline
+
+        # The report's answer, in words, then where the files are. Markdown bold is dropped here.
+        lines = [line.replace("**", "") for line in headline(result)]
         b = result.best[result.option]
-        extra = ""
         if settings.sharding.sharded:
-            mib = b.get("residual_bytes", 0) / 2 ** 20
-            extra = f" ({settings.sharding.kind}; FastML residuals {mib:.4g} MiB per rank)"
-        print(f"{PROG}: plan for {result.option}: predicted {1e3 * b['step_s']:.4g} ms/step, "
-              f"{b['tta_s'] / 3600:.4g} h, ${b['cost_usd']:.4g} to target{extra}; wrote "
-              f"{settings.out}/plan.json and report.html")
+            lines.append(f"Sharding {settings.sharding.kind}; FastML residuals "
+                         f"{b.get('residual_bytes', 0) / 2 ** 20:.4g} MiB per rank.")
+        print(f"{PROG}: {lines[0]}")
+        for line in lines[1:]:
+            print(f"  {line}")
+        print(f"  Wrote {settings.out}/plan.json (tuned for {result.option}), report.html, report.md and the "
+              f"CSV tables.", flush=True)
     return 0
 
 

@@ -499,10 +499,15 @@ def allreduce_unit_bytes(layers: Sequence[LayerProfile], choice: Mapping[str, st
     ranks = range(S) if shard_rank is None else (shard_rank,)
     total = 0
     for s in ranks:
+        cfgs = [_shard_cfg(choice, lp, _layout(lp, S)[0][s], R)[1] for lp in layers]
+        if all(cfg.codec is Codec.FP32 for cfg in cfgs):
+            # nothing to compress: the collective runs DDP's own all-reduce of the padded shard
+            padded = sum(_layout(lp, S)[1] for lp in layers)
+            total += int(round(2.0 * (R - 1) / R * padded * DTYPE_BYTES[reduce_dtype]))
+            continue
         total += 2 * (R - 1) * HEADER
-        for lp in layers:
+        for lp, cfg in zip(layers, cfgs):
             n = _layout(lp, S)[0][s]
-            _, cfg = _shard_cfg(choice, lp, n, R)
             total += codecs.wire_bytes(n, codecs.wire_config(cfg, dt), R)
     return int(round(total / len(ranks)))
 

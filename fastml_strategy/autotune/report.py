@@ -1,8 +1,14 @@
 """The outputs: plan.json, report.html (self-contained, plots embedded as base64 PNG), report.md and CSV
 tables, every file written atomically (``fastml_strategy._io``), so a crash never leaves half a report.
 
+The report opens with its answer in words (:func:`headline`): which plan on which option, or plain
+DDP when no compression pays, with the predicted saving in time and money for the training length the
+user gave (or an assumed one, said so). Times and money read in human units (ms, s, min, h, days; $);
+the CSV tables keep plain numbers (seconds, hours, USD) for other tools.
+
 Plots use matplotlib's object-oriented API with the Agg canvas (no pyplot, so the user's backend and
-global figure state are untouched).
+global figure state are untouched). Legends sit outside the axes and labels are on axes, not beside
+points, so nothing overlaps at any number of plans or options.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from fastml_strategy.config import Codec, CodecConfig
 if TYPE_CHECKING:
     from fastml_strategy.autotune._run import AutotuneResult, Settings
 
-__all__ = ["write_outputs", "bits_per_element", "OUTPUT_FILES"]
+__all__ = ["write_outputs", "bits_per_element", "headline", "human_time", "human_money", "OUTPUT_FILES"]
 
 OUTPUT_FILES = ("plan.json", "report.html", "report.md", "trials.csv", "layers.csv", "calibration.csv",
                 "step_times.csv", "scaling.csv", "options.csv")
@@ -37,6 +43,126 @@ def _base(result: "AutotuneResult") -> tuple[str, str]:
     if not sh.sharded:
         return "ddp", "uncompressed DDP"
     return sh.kind, f"{sh.kind.upper()}'s own collectives"
+
+
+def human_time(seconds: float) -> str:
+    """A duration as a person reads it: 850 ms, 42 s, 37 min, 5.2 h, 3.1 days."""
+    if not isinstance(seconds, (int, float)) or not math.isfinite(seconds):
+        return "n/a"
+    for limit, div, unit in ((1.0, 1e-3, "ms"), (90.0, 1.0, "s"), (90 * 60.0, 60.0, "min"),
+                             (48 * 3600.0, 3600.0, "h"), (math.inf, 86400.0, "days")):
+        if seconds < limit:
+            v = seconds / div
+            return f"{v:,.0f} {unit}" if v >= 100 else f"{v:.3g} {unit}"
+    return "n/a"  # unreachable
+
+
+def human_money(usd: float) -> str:
+    """Dollars as a person reads them: $0, under $0.001, $0.0412, $12.34, $1,234."""
+    if not isinstance(usd, (int, float)) or not math.isfinite(usd):
+        return "n/a"
+    if usd == 0:
+        return "$0"
+    if usd < 0.001:
+        return "under $0.001"
+    if usd < 1:  # three figures, so that $0.0412 and $0.0425 differ
+        return f"${usd:.3g}"
+    return f"${usd:,.2f}" if usd < 1000 else f"${usd:,.0f}"
+
+
+def _pct(v: float) -> str:
+    """A percentage without scientific notation: 0%, 0.31%, 4.2%, 77%, 130%."""
+    if abs(v) < 0.01:
+        return "0%"
+    return f"{v:.2g}%" if abs(v) < 10 else f"{v:,.0f}%"
+
+
+def _ms(seconds: float) -> str:
+    return human_time(seconds) if seconds >= 1.0 else f"{1e3 * seconds:.3g} ms"
+
+
+def _option(result: "AutotuneResult", name: str) -> Any:
+    return next(o for o in result.options if o.name == name)
+
+
+def _where(result: "AutotuneResult", name: str) -> str:
+    """An option in words: your own cluster, or a catalog entry with its size and price."""
+    o = _option(result, name)
+    if o.price_per_hour == 0 and o.measured_link is not None:
+        link = o.link
+        how = "measured" if link.source == "measured" else "from --link"
+        return (f"your cluster ({o.ranks} ranks; link {link.bandwidth_Bps * 8 / 1e9:.3g} Gbit/s with "
+                f"{link.latency_s * 1e6:.3g} us per message, {how})")
+    return (f"{name} ({o.nodes} node{'s' if o.nodes != 1 else ''} x {o.accelerators_per_node}, "
+            f"{human_money(o.price_per_hour)} per node-hour)")
+
+
+def _best_compressed(result: "AutotuneResult", name: str) -> dict[str, Any] | None:
+    """The best feasible compressed plan of an option, even where plain DDP beat it."""
+    rows = [r for r in result.trials if r["option"] == name and r.get("kind") == "fastml"
+            and r["feasible"] and math.isfinite(r["objective"])]
+    return min(rows, key=lambda r: (r["objective"], r["error"])) if rows else None
+
+
+def _steps_words(result: "AutotuneResult") -> str:
+    from fastml_strategy.autotune._run import TARGET_STEPS_SOURCES
+
+    return (f"{result.target_steps:,.0f} steps of uncompressed training "
+            f"({TARGET_STEPS_SOURCES.get(result.target_steps_source, result.target_steps_source)})")
+
+
+def headline(result: "AutotuneResult") -> list[str]:
+    """The answer, in words, first: what to do and what it saves. Markdown bold marks the verdict."""
+    name = result.option
+    b, d = result.best[name], result.baseline[name]
+    priced = _option(result, name).price_per_hour > 0
+    _, words = _base(result)
+    base = "plain DDP" if not result.sharding.sharded else words
+    where = _where(result, name)
+    lines = []
+    if b.get("use_hook", True):
+        speed = d["tta_s"] / b["tta_s"] if b["tta_s"] > 0 else float("nan")
+        how = ("register it with fastml_strategy.register_hook(model, plan=...) or FASTML_PLAN"
+               if not result.sharding.sharded else "pass it to fastml_strategy.fsdp.register after fully_shard")
+        money = f", {human_money(b['cost_usd'])} instead of {human_money(d['cost_usd'])}" if priced else ""
+        lines.append(f"**Use the tuned plan (plan.json) on {where}**: predicted {speed:.2f}x faster than "
+                     f"{base}, {human_time(b['tta_s'])} instead of {human_time(d['tta_s'])}{money} "
+                     f"({_ms(b['step_s'])} per step instead of {_ms(d['step_s'])}, "
+                     f"{_pct(100 * (b['g'] - 1))} more steps for the compression error); {how}.")
+    else:
+        bc = _best_compressed(result, name)
+        worse = ""
+        if bc is not None and d["tta_s"] > 0:
+            cost = (lambda r: f" and {human_money(r['cost_usd'])}") if priced else (lambda r: "")
+            worse = (f" The best compressed plan would take {human_time(bc['tta_s'])}{cost(bc)} against "
+                     f"{human_time(d['tta_s'])}{cost(d)} ({_pct(100 * (bc['tta_s'] / d['tta_s'] - 1))} "
+                     f"longer).")
+        lines.append(f"**Use {base} on {where}: no compression pays there.**{worse} plan.json is fp32 "
+                     f"throughout; do not register FastML.")
+    rentable = [o for o in result.options if o.price_per_hour > 0]
+    if rentable:
+        cheap = min(rentable, key=lambda o: (result.best[o.name]["cost_usd"], result.best[o.name]["tta_s"]))
+        fast = min(rentable, key=lambda o: (result.best[o.name]["tta_s"], result.best[o.name]["cost_usd"]))
+        cb, cd = result.best[cheap.name], result.baseline[cheap.name]
+        parts = []
+        if cheap.name != name:  # plan.json's option is the cheapest already: said above
+            plan = (f"its tuned plan (plans/{cheap.name}.json)" if cb.get("use_hook", True) else base)
+            line = (f"Cheapest to rent: **{cheap.name}** ({cheap.nodes} x {cheap.accelerators_per_node}, "
+                    f"{human_money(cheap.price_per_hour)} per node-hour): {human_money(cb['cost_usd'])} and "
+                    f"{human_time(cb['tta_s'])} with {plan}")
+            if cb.get("use_hook", True):
+                line += f", against {human_money(cd['cost_usd'])} with {base}"
+            parts.append(line)
+        if fast.name not in (cheap.name, name):
+            fb = result.best[fast.name]
+            parts.append(f"Fastest to rent: {fast.name}, {human_time(fb['tta_s'])} for {human_money(fb['cost_usd'])}")
+        if parts:
+            lines.append(". ".join(parts) + ".")
+    lines.append(f"Times and costs are for {_steps_words(result)}, plus the extra steps each plan's "
+                 f"compression error costs.")
+    if result.link_warning:
+        lines.append(f"**Warning: the measured link is not a network.** {result.link_warning}")
+    return lines
 
 
 def bits_per_element(cfg: CodecConfig, numel: int) -> float:
@@ -145,49 +271,86 @@ def _fig(w: float = 7.5, h: float = 3.6) -> Any:
     return Figure(figsize=(w, h))
 
 
+def _legend_right(ax: Any, x: float = 1.02) -> None:
+    """The legend beside the axes, right of them (at ``x`` in axes units, past a right-hand axis if
+    there is one): it never covers points, lines or the title (the saved figure grows to hold it:
+    ``bbox_inches="tight"``)."""
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(x, 1.0), borderaxespad=0.0,
+                  fontsize=7, frameon=False)
+
+
+def _time_unit(seconds: Any) -> tuple[float, str]:
+    """(divisor, unit) that puts durations in readable numbers on an axis."""
+    vals = [float(v) for v in seconds if isinstance(v, (int, float)) and math.isfinite(v) and v > 0]
+    top = max(vals) if vals else 1.0
+    for limit, div, unit in ((1.0, 1e-3, "ms"), (120.0, 1.0, "s"), (120 * 60.0, 60.0, "min"),
+                             (72 * 3600.0, 3600.0, "h"), (math.inf, 86400.0, "days")):
+        if top < limit:
+            return div, unit
+    return 86400.0, "days"
+
+
 def figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) -> dict[str, str]:
     figs: dict[str, str] = {}
     layers = t["layers"][t["layers"]["tunable"]]
+    bp, words = _base(result)
+    short = "DDP" if bp == "ddp" else bp.upper()
 
     # 1. per-layer bits and sparsity of the chosen plan
     fig = _fig(max(6.0, 0.45 * len(layers) + 2), 3.8)
     ax = fig.add_subplot(111)
     x = list(range(len(layers)))
-    ax.bar(x, layers["bits_per_element"], color="#3b75af", label="bits per element")
-    ax.axhline(32, color="grey", lw=0.8, ls="--")
-    ax.set_ylabel("bits per element (fp32 = 32)")
+    ax.bar(x, layers["bits_per_element"], color="#3b75af", label="bits per element (left axis)")
+    ax.axhline(32, color="grey", lw=0.8, ls="--", label="fp32 (32 bits)")
+    ax.set_ylim(0, 36)
+    ax.set_ylabel("bits per element")
     ax.set_xticks(x, [n if len(n) < 28 else "..." + n[-25:] for n in layers["name"]], rotation=60,
                   ha="right", fontsize=7)
     ax2 = ax.twinx()
-    ax2.plot(x, layers["sparsity"], "o", color="#c0392b", label="sparsity (top-k)")
+    ax2.plot(x, layers["sparsity"], "o", color="#c0392b", label="fraction dropped by top-k (right axis)")
     ax2.set_ylim(-0.02, 1.02)
     ax2.set_ylabel("fraction of entries dropped")
-    ax.set_title(f"Per-layer compression of the tuned plan ({result.option})")
-    fig.legend(loc="upper right", fontsize=8)
+    ax.set_title(f"Per-layer compression of the tuned plan ({result.option})", fontsize=9)
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, loc="upper left", bbox_to_anchor=(1.12, 1.0), borderaxespad=0.0,
+              fontsize=7, frameon=False)
     figs["layers"] = _png(fig)
 
-    # 2. predicted vs measured step time
+    # 2. predicted vs measured step time: one row per plan (names on the axis, never beside points)
     st = t["step_times"]
-    fig = _fig(5.5, 4.2)
+    fig = _fig(7.5, max(2.4, 0.36 * len(st) + 1.3))
     ax = fig.add_subplot(111)
     if len(st):
         fit = st["used_in_fit"].astype(bool) if "used_in_fit" in st else pd.Series(False, index=st.index)
-        ax.scatter(1e3 * st["measured_s"][~fit], 1e3 * st["predicted_s"][~fit], color="#3b75af",
-                   label="checks (never fitted)")
-        if fit.any():
-            ax.scatter(1e3 * st["measured_s"][fit], 1e3 * st["predicted_s"][fit], facecolors="none",
-                       edgecolors="#3b75af", label="recipes used to fit codec speed")
-        for _, r in st.iterrows():
-            ax.annotate(r["plan"], (1e3 * r["measured_s"], 1e3 * r["predicted_s"]), fontsize=7,
-                        xytext=(3, 3), textcoords="offset points")
-        hi = 1.1e3 * max(st["measured_s"].max(), st["predicted_s"].max())
-        ax.plot([0, hi], [0, hi], color="grey", lw=0.8)
-        ax.fill_between([0, hi], [0, 0.85 * hi], [0, 1.15 * hi], color="grey", alpha=0.12,
-                        label="within 15%")
-        ax.legend(fontsize=8)
-        ax.set_title(f"Step time: predicted vs measured\n({st['where'].iloc[0]})", fontsize=9)
-    ax.set_xlabel("measured ms/step")
-    ax.set_ylabel("predicted ms/step")
+        order = st.assign(_fit=fit).sort_values("measured_s", ascending=False).reset_index(drop=True)
+        y = list(range(len(order)))
+        meas, pred = 1e3 * order["measured_s"], 1e3 * order["predicted_s"]
+        for i, r in order.iterrows():
+            ax.plot([meas[i], pred[i]], [i, i], color="#bbbbbb", lw=1.5, zorder=1)
+        ax.scatter(meas, y, color="#222222", s=28, zorder=2, label="measured")
+        ax.scatter(pred[~order["_fit"]], [i for i in y if not order["_fit"][i]], marker="D", s=26,
+                   facecolors="#3b75af", edgecolors="#3b75af", zorder=3, label="predicted (a check: never fitted)")
+        if order["_fit"].any():
+            ax.scatter(pred[order["_fit"]], [i for i in y if order["_fit"][i]], marker="D", s=26,
+                       facecolors="none", edgecolors="#3b75af", zorder=3,
+                       label="predicted (recipe used to fit codec speed)")
+        ax.set_yticks(y, list(order["plan"]), fontsize=8)
+        ax.set_ylim(-0.7, len(order) - 0.3)
+        lo, hi = float(min(meas.min(), pred.min())), float(max(meas.max(), pred.max()))
+        if lo > 0 and hi / lo > 20:
+            ax.set_xscale("log")
+        else:
+            ax.set_xlim(0, hi * 1.08)
+        ax2 = ax.twinx()  # the error of each row, read off on the right
+        ax2.set_ylim(ax.get_ylim())
+        ax2.set_yticks(y, [f"{v:+.0f}%" for v in order["error_pct"]], fontsize=8)
+        ax2.set_ylabel("prediction error", fontsize=8)
+        ax.set_title(f"Step time: predicted vs measured ({order['where'].iloc[0]})", fontsize=9)
+        _legend_right(ax, x=1.14)  # past the error labels of the right-hand axis
+    ax.set_xlabel("ms per step")
     figs["step_times"] = _png(fig)
 
     # 3. Pareto front of time to accuracy vs cost (catalog options with a price)
@@ -196,47 +359,52 @@ def figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) -> dict[str
     ax = fig.add_subplot(111)
     priced = {o.name for o in result.options if o.price_per_hour > 0}
     feas = tr[tr["feasible"] & tr["option"].isin(priced)] if len(tr) else tr
+    div, unit = _time_unit(list(feas["tta_s"]) if len(feas) else [])
     for name, g in feas.groupby("option"):
-        ax.scatter(g["tta_s"] / 3600, g["cost_usd"], s=8, alpha=0.35, label=f"{name} trials")
+        ax.scatter(g["tta_s"] / div, g["cost_usd"], s=8, alpha=0.35, label=f"{name}: trials")
     front = feas[feas["pareto"]].sort_values("tta_s") if len(feas) else feas
     if len(front):
-        ax.plot(front["tta_s"] / 3600, front["cost_usd"], "k-o", ms=4, label="Pareto front")
-    bp, words = _base(result)
+        ax.plot(front["tta_s"] / div, front["cost_usd"], "k-o", ms=4, label="Pareto front")
     for o in result.options:
         if o.name in priced:
             b = result.baseline[o.name]
-            ax.scatter([b["tta_s"] / 3600], [b["cost_usd"]], marker="x", s=50,
-                       label=f"{o.name} {words}")
+            ax.scatter([b["tta_s"] / div], [b["cost_usd"]], marker="x", s=50, label=f"{o.name}: {words}")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("predicted time to accuracy (hours)")
+    ax.set_xlabel(f"predicted time to target ({unit})")
     ax.set_ylabel("predicted cost (USD)")
-    ax.set_title("Time vs cost, every feasible plan on every priced option", fontsize=9)
-    ax.legend(fontsize=6)
+    ax.set_title("Time vs cost: every feasible plan on every priced option", fontsize=9)
+    _legend_right(ax)
     figs["pareto"] = _png(fig)
 
-    # 4. time and cost per option vs uncompressed DDP
+    # 4. time and cost per option vs the uncompressed baseline
     op = t["options"]
-    fig = _fig(8.5, 3.6)
+    fig = _fig(8.5, 3.8)
     ax1, ax2 = fig.add_subplot(121), fig.add_subplot(122)
     x = list(range(len(op)))
     w = 0.38
-    ax1.bar([i - w / 2 for i in x], op[f"{bp}_hours"], w, label=words, color="#999999")
-    ax1.bar([i + w / 2 for i in x], op["tuned_hours"], w, label="tuned plan", color="#3b75af")
-    ax1.set_ylabel("hours to target")
-    ax2.bar([i - w / 2 for i in x], op[f"{bp}_cost_usd"], w, label=words, color="#999999")
-    ax2.bar([i + w / 2 for i in x], op["tuned_cost_usd"], w, label="tuned plan", color="#3b75af")
-    ax2.set_ylabel("USD to target")
+    div, unit = _time_unit(list(op[f"{bp}_hours"] * 3600) + list(op["tuned_hours"] * 3600))
+    ax1.bar([i - w / 2 for i in x], op[f"{bp}_hours"] * 3600 / div, w, label=words, color="#999999")
+    ax1.bar([i + w / 2 for i in x], op["tuned_hours"] * 3600 / div, w, label="tuned plan", color="#3b75af")
+    ax1.set_ylabel(f"time to target ({unit})")
+    ax2.bar([i - w / 2 for i in x], op[f"{bp}_cost_usd"], w, color="#999999")
+    ax2.bar([i + w / 2 for i in x], op["tuned_cost_usd"], w, color="#3b75af")
+    ax2.set_ylabel("cost to target (USD)")
+    top = max([v for v in list(op[f"{bp}_cost_usd"]) + list(op["tuned_cost_usd"]) if v > 0] or [1.0])
+    ax2.set_ylim(0, top * 1.08)
+    for i, o in enumerate(result.options):
+        if o.price_per_hour == 0:  # your own cluster: no bar, say why
+            ax2.text(i, top * 0.03, "no price", rotation=90, ha="center", va="bottom", fontsize=7,
+                     color="#666666")
     hours = [h for h in list(op[f"{bp}_hours"]) + list(op["tuned_hours"]) if h > 0]
     if hours and max(hours) / min(hours) > 50:  # options orders of magnitude apart
         ax1.set_yscale("log")
-    else:
-        ax1.set_ylim(0, ax1.get_ylim()[1] * 1.3)  # room for the legend above the bars
     for a in (ax1, ax2):
         a.set_xticks(x, op["option"], rotation=30, ha="right", fontsize=7)
-    ax1.legend(fontsize=7, loc="best")
-    fig.subplots_adjust(wspace=0.45)  # the right panel's tick labels clear of the left panel
-    fig.suptitle("Time and cost per hardware option", fontsize=10)
+    fig.subplots_adjust(wspace=0.45, top=0.80)  # the right panel's tick labels clear of the left panel
+    fig.suptitle("Time and cost per hardware option", fontsize=10, y=0.99)
+    fig.legend(*ax1.get_legend_handles_labels(), loc="upper center", bbox_to_anchor=(0.5, 0.93), ncol=2,
+               fontsize=8, frameon=False)
     figs["options"] = _png(fig)
 
     # 5. scaling predictions
@@ -247,15 +415,17 @@ def figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) -> dict[str
     for name, g in sc.groupby("option", sort=False):
         tu = g[g["plan"] == "tuned"]
         dd = g[g["plan"] == base_plan]
-        line, = ax.plot(tu["nodes"], 1e3 * tu["step_s"], "-o", ms=3, label=f"{name} tuned")
-        ax.plot(dd["nodes"], 1e3 * dd["step_s"], "--", color=line.get_color(),
-                label=f"{name} {'DDP' if bp == 'ddp' else bp.upper()}")
+        line, = ax.plot(tu["nodes"], 1e3 * tu["step_s"], "-o", ms=3, label=f"{name}: tuned")
+        ax.plot(dd["nodes"], 1e3 * dd["step_s"], "--", color=line.get_color(), label=f"{name}: {short}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("nodes (same global batch)")
-    ax.set_ylabel("predicted ms/step")
-    ax.set_title("Predicted step time, 8 to 1024 nodes", fontsize=9)
-    ax.legend(fontsize=6)
+    ax.set_ylabel("predicted ms per step")
+    title = "Predicted step time, 8 to 1024 nodes"
+    if result.link_warning:
+        title += "\n('local': a one-machine link, not a network: see the warning)"
+    ax.set_title(title, fontsize=9)
+    _legend_right(ax)
     figs["scaling"] = _png(fig)
 
     # 6. calibration: g(e)
@@ -265,7 +435,7 @@ def figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) -> dict[str
     conv = result.convergence
     if len(cal):
         ok = cal[~cal["pruned"]]
-        ax.scatter(ok["error"], ok["ratio"], label="calibration trials")
+        ax.scatter(ok["error"], ok["ratio"], label="calibration runs")
         pr = cal[cal["pruned"] & cal["error"].apply(math.isfinite)]
         if len(pr):
             ax.scatter(pr["error"], pr["ratio"], marker="^", color="#c0392b", label="pruned (lower bound)")
@@ -273,12 +443,12 @@ def figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) -> dict[str
         hi = max(float(finite.max()) if len(finite) else 0.0, conv.e_max, 1e-3) * 1.1
         es = [hi * i / 100 for i in range(101)]
         ax.plot(es, [conv.g(e) for e in es], color="black", lw=1,
-                label=f"g(e) = 1 + {conv.k:.3g} e^{conv.gamma:.2g}")
-        ax.axvline(conv.e_max, color="#c0392b", ls=":", label=f"e_max = {conv.e_max:.3g}")
+                label=f"fit: g(e) = 1 + {conv.k:.3g} e^{conv.gamma:.2g}")
+        ax.axvline(conv.e_max, color="#c0392b", ls=":", label=f"error limit e_max = {conv.e_max:.3g}")
     ax.set_xlabel("plan gradient error e")
     ax.set_ylabel("steps needed / uncompressed")
-    ax.legend(fontsize=7)
     ax.set_title("Convergence calibration", fontsize=9)
+    _legend_right(ax)
     figs["calibration"] = _png(fig)
     if result.sharding.sharded:
         figs.update(_sharded_figures(result, t))
@@ -311,18 +481,18 @@ def _sharded_figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) ->
             bottom = [b + v for b, v in zip(bottom, vals)]
     ax1.set_ylabel("MB sent per rank per step")
     ax1.set_title(f"Bytes per rank per step (left bar: {kind}'s own, right: tuned)", fontsize=8)
-    ax1.legend(fontsize=6, loc="upper left")
     ax2.bar(x, sd["fsdp_state_MiB_per_rank"], 0.6, color="#999999",
             label=f"{kind} state (params, grads, optimizer)")
     ax2.bar(x, sd["residual_MiB_per_rank"], 0.6, bottom=sd["fsdp_state_MiB_per_rank"], color="#c0392b",
             label="FastML residuals (tuned plan)")
     ax2.set_ylabel("MiB per rank")
     ax2.set_title("Memory per rank", fontsize=8)
-    ax2.legend(fontsize=6, loc="upper left")
     for a in (ax1, ax2):
         a.set_xticks(x, sd["option"], rotation=30, ha="right", fontsize=7)
-        a.set_ylim(0, a.get_ylim()[1] * 1.35)  # room for the legend above the bars
-    fig.tight_layout()
+        # legends below the tick labels: never over a bar, whatever the bars' heights
+        a.legend(*a.get_legend_handles_labels(), loc="upper center", bbox_to_anchor=(0.5, -0.22),
+                 ncol=2 if a is ax1 else 1, fontsize=7, frameon=False)
+    fig.subplots_adjust(wspace=0.3)
     figs["sharded"] = _png(fig)
 
     from matplotlib.colors import LogNorm
@@ -365,6 +535,7 @@ def _fmt(df: pd.DataFrame, cols: list[str] | None = None) -> pd.DataFrame:
 
 
 def _summary(result: "AutotuneResult", s: "Settings") -> list[str]:
+    """The details behind the headline: what was profiled and fitted."""
     b, d = result.best[result.option], result.baseline[result.option]
     conv = result.convergence
     prof = result.profile
@@ -374,22 +545,22 @@ def _summary(result: "AutotuneResult", s: "Settings") -> list[str]:
         f"Target `{s.target}`, reference world size {s.world_size}, {len(prof.layers)} parameters "
         f"({sum(lp.tunable for lp in prof.layers)} tuned in {len(result.groups)} groups), "
         f"catalog: {s.catalog_path}.",
-        f"plan.json is tuned for **{result.option}**: predicted {1e3 * b['step_s']:.4g} ms/step "
-        f"({words} {1e3 * d['step_s']:.4g} ms), gradient error {b['error']:.3g}, "
-        f"{100 * (b['g'] - 1):.3g}% extra steps, time to target {b['tta_s'] / 3600:.4g} h "
-        f"({short} {d['tta_s'] / 3600:.4g} h).",
-        f"Compute per step {1e3 * prof.compute_s:.4g} ms (forward {1e3 * prof.forward_s:.3g}, backward "
-        f"{1e3 * prof.backward_s:.3g}, optimizer {1e3 * prof.optimizer_s:.3g})."
+        f"plan.json is tuned for **{result.option}**: predicted {_ms(b['step_s'])} per step "
+        f"({words} {_ms(d['step_s'])}), gradient error {b['error']:.3g}, "
+        f"{_pct(100 * (b['g'] - 1))} extra steps, time to target {human_time(b['tta_s'])} "
+        f"({short} {human_time(d['tta_s'])}).",
+        f"Compute per step {_ms(prof.compute_s)} (forward {_ms(prof.forward_s)}, backward "
+        f"{_ms(prof.backward_s)}, optimizer {_ms(prof.optimizer_s)})."
         + (f" Link: {prof.link.describe()}." if prof.link else " Link: from the catalog."),
         f"Convergence: g(e) = 1 + {conv.k:.3g} e^{conv.gamma:.2g}; plans with error above "
         f"{conv.e_max:.3g} lost more than {s.max_accuracy_loss:g} accuracy in calibration and are "
-        f"excluded. Steps to target, uncompressed: {b['steps'] / b['g']:.4g} (--target-steps).",
+        f"excluded. Training length: {_steps_words(result)}.",
     ]
     sh = result.sharding
     if sh.sharded:
         from fastml_strategy.autotune.costmodel import fsdp_units
 
-        o = next(x for x in result.options if x.name == result.option)
+        o = _option(result, result.option)
         n_units = len(fsdp_units(prof))
         limit = ("no limit" if s.max_residual_bytes is None else
                  f"limit {s.max_residual_bytes / 2 ** 30:.4g} GiB per rank (--max-residual-gb)")
@@ -408,6 +579,49 @@ def _summary(result: "AutotuneResult", s: "Settings") -> list[str]:
     return lines
 
 
+def _options_table(result: "AutotuneResult") -> pd.DataFrame:
+    """One row per hardware option in human units, narrow enough for a page (options.csv has the
+    numbers)."""
+    bp, _ = _base(result)
+    short = "DDP" if bp == "ddp" else bp.upper()
+    rows = []
+    for o in result.options:
+        b, d = result.best[o.name], result.baseline[o.name]
+        use = "tuned plan" if b.get("use_hook", True) else (
+            "plain DDP" if not result.sharding.sharded else f"{short} alone")
+        priced = o.price_per_hour > 0
+        rows.append({
+            "option": o.name + (" (plan.json)" if o.name == result.option else ""),
+            "use": use,
+            "cluster": f"{o.nodes} x {o.accelerators_per_node} ranks; {o.link.describe()}",
+            "price per node-hour": human_money(o.price_per_hour) if priced else "none (yours)",
+            f"step: tuned / {short}": f"{_ms(b['step_s'])} / {_ms(d['step_s'])}",
+            f"time to target: tuned / {short}": f"{human_time(b['tta_s'])} / {human_time(d['tta_s'])}",
+            f"cost: tuned / {short}": (f"{human_money(b['cost_usd'])} / {human_money(d['cost_usd'])}"
+                                       if priced else "-"),
+            "speedup": f"{d['tta_s'] / b['tta_s']:.2f}x" if b["tta_s"] > 0 else "n/a",
+        })
+    return pd.DataFrame(rows)
+
+
+def _front_table(t: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
+    tr = t["trials"]
+    front = tr[tr["pareto"]].sort_values("tta_s") if len(tr) else tr
+    return pd.DataFrame([{"option": r["option"],
+                          "plan": f"trial {int(r['trial'])}" if r.get("kind") == "fastml" else "uncompressed",
+                          "time to target": human_time(r["tta_s"]), "cost": human_money(r["cost_usd"]),
+                          "gradient error": f"{r['error']:.3g}", "step": _ms(r["step_s"])}
+                         for _, r in front.iterrows()])
+
+
+def _step_table(t: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
+    st = t["step_times"]
+    return pd.DataFrame([{"plan": r["plan"], "predicted": _ms(r["predicted_s"]), "measured": _ms(r["measured_s"]),
+                          "error": f"{r['error_pct']:+.1f}%",
+                          "used in a fit": "yes" if r.get("used_in_fit") else "no"}
+                         for _, r in st.iterrows()])
+
+
 def _whatif_pivot(t: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
     """The what-if grid as one row per (option, nodes), a column per ranks-per-node count: 'tuned ms
     (speedup)'."""
@@ -422,29 +636,31 @@ def _whatif_pivot(t: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
 
 
 def markdown(result: "AutotuneResult", s: "Settings", t: Mapping[str, pd.DataFrame]) -> str:
-    bp, _ = _base(result)
     out = ["# fastml-autotune report", ""]
+    out += [f"- {line}" for line in headline(result)]
+    out += ["", "## Details", ""]
     out += [f"- {line}" for line in _summary(result, s)]
     out += ["", "## Hardware options (predicted)", "",
-            _fmt(t["options"], ["option", "use", "nodes", "price_per_node_hour", "tuned_step_ms",
-                                f"{bp}_step_ms", "tuned_hours", f"{bp}_hours", "tuned_cost_usd",
-                                f"{bp}_cost_usd", f"speedup_vs_{bp}"]).to_markdown(index=False),
+            _options_table(result).to_markdown(index=False),
             *(_sharded_markdown(result, t) if result.sharding.sharded else []),
             "", "## Step time: predicted vs measured", "",
-            _fmt(t["step_times"]).to_markdown(index=False) if len(t["step_times"]) else "(not measured)",
+            (f"Where: {t['step_times']['where'].iloc[0]}.\n\n" + _step_table(t).to_markdown(index=False))
+            if len(t["step_times"]) else "(not measured)",
             "", "## Per-layer plan", "",
             _fmt(t["layers"], ["name", "numel", "codec", "bits_per_element", "sparsity",
                                "rel_error"]).to_markdown(index=False),
             "", "## Pareto front (time vs cost)", ""]
-    tr = t["trials"]
-    front = tr[tr["pareto"]].sort_values("tta_s") if len(tr) else tr
+    front = _front_table(t)
     if len(front):
-        f = front.assign(hours=front["tta_s"] / 3600)
-        out.append(_fmt(f, ["option", "trial", "hours", "cost_usd", "error", "step_s"]).to_markdown(index=False))
+        out.append(front.to_markdown(index=False))
+    if result.link_warning:
+        out += ["", "## Predictions for larger clusters", "",
+                f"The 'local' rows of scaling.csv extrapolate a link that is not a network: "
+                f"{result.link_warning}"]
     files = [n for n in OUTPUT_FILES if n.endswith(".csv")]
     files += list(SHARDED_FILES) if result.sharding.sharded else []
     out += ["", "Files: plan.json, plans/*.json (one per option), report.html, and the CSV tables "
-            + ", ".join(files) + ".", ""]
+            + ", ".join(files) + " (times in seconds or hours, costs in USD).", ""]
     return "\n".join(out)
 
 
@@ -462,6 +678,15 @@ def _sharded_markdown(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) -
             _fmt(_whatif_pivot(t)).to_markdown(index=False)]
 
 
+def _html_text(line: str) -> str:
+    """Escaped text with the markdown bold and code of the headline as HTML."""
+    import re
+
+    out = html.escape(line)
+    out = re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", out)
+    return re.sub(r"`(.+?)`", r"<code>\1</code>", out)
+
+
 def html_report(result: "AutotuneResult", s: "Settings", t: Mapping[str, pd.DataFrame],
                 figs: Mapping[str, str]) -> str:
     def img(key: str, alt: str) -> str:
@@ -474,9 +699,12 @@ def html_report(result: "AutotuneResult", s: "Settings", t: Mapping[str, pd.Data
         return '<div class="wide">' + shown.to_html(index=False, border=0, classes="t",
                                                     escape=True) + "</div>"
 
-    summary = "".join(f"<li>{html.escape(line).replace('**', '')}</li>" for line in _summary(result, s))
-    tr = t["trials"]
-    front = tr[tr["pareto"]].sort_values("tta_s") if len(tr) else tr
+    head = headline(result)
+    verdict = f'<div class="verdict"><p>{_html_text(head[0])}</p>' + "".join(
+        f"<p{' class=warn' if line.startswith('**Warning') else ''}>{_html_text(line)}</p>"
+        for line in head[1:]) + "</div>"
+    summary = "".join(f"<li>{_html_text(line)}</li>" for line in _summary(result, s))
+    front = _front_table(t)
     _, words = _base(result)
     sharded: list[str] = []
     if result.sharding.sharded:
@@ -492,26 +720,36 @@ def html_report(result: "AutotuneResult", s: "Settings", t: Mapping[str, pd.Data
             f"collectives; whatif.csv adds bytes and memory per rank.</p>",
             img("whatif", "what-if speedups"), table(_whatif_pivot(t)),
         ]
+    st = t["step_times"]
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>fastml-autotune report</title>",
-        "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222}"
+        "<style>body{font-family:sans-serif;max-width:1240px;margin:2em auto;padding:0 1em;color:#222}"
         "table.t{border-collapse:collapse;font-size:12px}table.t td,table.t th{padding:2px 8px;"
         "border-bottom:1px solid #ddd;text-align:right}table.t th{vertical-align:bottom}"
-        "img{max-width:100%}h2{margin-top:1.6em}.wide{overflow-x:auto}</style>",
-        "</head><body><h1>fastml-autotune report</h1>", f"<ul>{summary}</ul>",
+        "table.t td:first-child,table.t th:first-child{text-align:left}"
+        "img{max-width:100%}h2{margin-top:1.6em}.wide{overflow-x:auto}"
+        ".verdict{font-size:1.12em;background:#f1f6fb;border-left:5px solid #3b75af;padding:.4em 1em}"
+        ".verdict p{margin:.5em 0}p.warn{color:#8a2b06}</style>",
+        "</head><body><h1>fastml-autotune report</h1>", verdict,
+        "<h2>Details</h2>", f"<ul>{summary}</ul>",
         f"<h2>Time and cost per hardware option vs {html.escape(words)}</h2>", img("options", "options"),
-        table(t["options"]),
+        table(_options_table(result)),
         *sharded,
         "<h2>Pareto front: time to accuracy vs cost</h2>", img("pareto", "pareto front"),
-        table(front.assign(hours=front["tta_s"] / 3600)[["option", "trial", "hours", "cost_usd", "error",
-                                                          "step_s"]]) if len(front) else "",
+        table(front) if len(front) else "",
         "<h2>Per-layer bits and sparsity</h2>", img("layers", "per-layer bits"),
         table(t["layers"][["name", "numel", "group", "codec", "bits_per_element", "sparsity", "rel_error",
                            "grad_ready_ms"]]),
-        "<h2>Predicted vs measured step time</h2>", img("step_times", "predicted vs measured"),
-        table(t["step_times"]) if len(t["step_times"]) else "<p>not measured</p>",
-        "<h2>Predicted step time for larger clusters</h2>", img("scaling", "scaling"),
-        "<h2>Convergence calibration</h2>", img("calibration", "calibration"), table(t["calibration"]),
+        "<h2>Predicted vs measured step time</h2>",
+        f"<p>Where: {html.escape(str(st['where'].iloc[0]))}.</p>" if len(st) else "",
+        img("step_times", "predicted vs measured"),
+        table(_step_table(t)) if len(st) else "<p>not measured</p>",
+        "<h2>Predicted step time for larger clusters</h2>",
+        f"<p class=warn>{html.escape(result.link_warning)}</p>" if result.link_warning else "",
+        img("scaling", "scaling"),
+        "<h2>Convergence calibration</h2>", img("calibration", "calibration"),
+        table(t["calibration"].drop(columns=["choice"], errors="ignore")),
+        "<p>calibration.csv adds each run's per-group codec choice.</p>",
         "</body></html>",
     ]
     return "\n".join(parts)
@@ -519,7 +757,9 @@ def html_report(result: "AutotuneResult", s: "Settings", t: Mapping[str, pd.Data
 
 def write_outputs(result: "AutotuneResult", s: "Settings", plan_dict: Mapping[str, Any],
                   per_option: Mapping[str, Mapping[str, Any]]) -> None:
-    """Write every output into ``s.out``, each file atomically."""
+    """Write every output into ``s.out``, each file atomically; outputs of an earlier run that this
+    one does not produce (``--overwrite``: the sharded tables of a sharded run, the plan of an option
+    no longer in the catalog) are removed, so the folder holds one run."""
     t = tables(result)
     figs = figures(result, t)
     out = s.out
@@ -534,6 +774,10 @@ def write_outputs(result: "AutotuneResult", s: "Settings", plan_dict: Mapping[st
     atomic_write_text(out / "report.html", html_report(result, s, t, figs))
     # plan.json last: its presence means the run finished.
     atomic_write_text(out / "plan.json", json.dumps(plan_dict, indent=2, default=_json_default) + "\n")
+    stale = [out / n for n in SHARDED_FILES if not result.sharding.sharded]
+    stale += [p for p in (out / "plans").glob("*.json") if p.stem not in per_option]
+    for p in stale:
+        p.unlink(missing_ok=True)
 
 
 def _json_default(v: Any) -> Any:

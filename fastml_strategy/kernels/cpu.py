@@ -4,7 +4,9 @@ Why compiled: on one thread, pure eager torch makes a dozen passes over memory (
 subtract, scale, round, clamp, pack, decode, subtract...), each a full read and write of the tensor,
 and tops out near 0.5 GB/s for int4 with error feedback, where the memory limit is about 2.7 GB/s.
 The C++ kernel does the whole encode in one pass over memory (each block of 512 is processed in L1),
-so it runs at a large fraction of the memory bandwidth (see ``benchmarks/RESULTS.md``).
+with explicit SIMD for AVX2 (AVX-512 machines too), SSE2 (any x86-64) and NEON (aarch64) and a
+scalar fallback, so it runs at a large fraction of the memory bandwidth on every build (see
+``benchmarks/RESULTS.md``).
 
 How it is built: plain C ABI (no torch headers, no ninja, no Python.h), compiled with the system's
 C++ compiler (``$CXX``, else ``g++``, else ``c++``) as
@@ -14,6 +16,13 @@ keyed by a hash of the source, the flags, the compiler's version and the CPU's m
 ``-march=native`` build of one machine never runs on another), and loaded with ctypes, which releases
 the GIL during a call. Compiling takes about 2 s, once per machine. Several processes compiling at
 once are safe (each writes a private file, then renames it into place).
+
+Builds: ``FASTML_CPU_MARCH`` (default ``native``) chooses ``-march``: ``x86-64-v3`` is what an
+AVX2-only machine runs, ``x86-64`` the SSE2 baseline, and ``generic`` the scalar kernels (no explicit
+SIMD, the compiler's default target). A build this CPU cannot run (``x86-64-v3`` without AVX2, say)
+is refused rather than loaded. :func:`use_build` switches the builds in one process (the tests and
+``benchmarks/bench_codecs.py`` run native and AVX2-only side by side); :func:`build_info` says which
+instruction set a build uses.
 
 Bit-exact with the reference: the same IEEE fp32 operations in the same order, and
 ``-ffp-contract=off`` so no multiply-add is fused.
@@ -26,6 +35,7 @@ at most one per 256 Ki elements).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -36,35 +46,110 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from fastml_strategy.kernels.reference import HASH_GOLDEN, num_blocks, packed_nbytes
 
-__all__ = ["available", "quantize", "dequantize", "dequantize_scatter_add", "build_info"]
+__all__ = [
+    # the codec
+    "quantize",
+    "dequantize",
+    "dequantize_scatter_add",
+    # the build
+    "available",
+    "build_info",
+    # tests and benchmarks: one process runs several builds (e.g. native and AVX2-only)
+    "use_build",
+    "local_builds",
+]
 
 _SRC = Path(__file__).with_name("quantize_cpu.cpp")
 # -ffp-contract=off: no fused multiply-add (bit-exactness). -fno-trapping-math changes no value, only
-# whether FP exception flags may be raised: without it gcc does not vectorise the clamp-and-convert.
+# whether FP exception flags may be raised: without it gcc does not vectorise the scalar build's clamp.
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math", "-std=c++17",
           "-shared", "-fPIC", "-pthread")
 
 
-def _flags() -> tuple:
-    """The compiler flags; ``FASTML_CPU_MARCH`` replaces ``native`` (e.g. ``x86-64-v3`` builds for any
-    AVX2 machine, so an AVX-512 machine can measure what AVX2-only users get)."""
-    march = os.environ.get("FASTML_CPU_MARCH", "native").strip() or "native"
-    if not all(c.isalnum() or c in "-_." for c in march):
-        raise RuntimeError(f"FASTML_CPU_MARCH={march!r} is not a -march value (e.g. native, x86-64-v3)")
+# The scalar kernels: no -march (the compiler's default target) and no explicit SIMD.
+_GENERIC = "generic"
+# What each x86-64 micro-architecture level needs from /proc/cpuinfo (so a build this CPU cannot run is
+# refused instead of dying on an illegal instruction). Other -march values are taken on trust.
+_LEVEL_FLAGS = {
+    "x86-64": (),
+    "x86-64-v2": ("cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"),
+    "x86-64-v3": ("cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3", "avx", "avx2", "bmi1", "bmi2",
+                  "f16c", "fma", "abm", "movbe", "xsave"),
+    "x86-64-v4": ("cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3", "avx", "avx2", "bmi1", "bmi2",
+                  "f16c", "fma", "abm", "movbe", "xsave", "avx512f", "avx512bw", "avx512cd", "avx512dq",
+                  "avx512vl"),
+}
+
+
+def _default_march() -> str:
+    return os.environ.get("FASTML_CPU_MARCH", "native").strip() or "native"
+
+
+def _check_march(march: str) -> str:
+    if not march or not all(c.isalnum() or c in "-_." for c in march):
+        raise RuntimeError(f"{march!r} (FASTML_CPU_MARCH or use_build) is not a -march value: use e.g. "
+                           f"native, x86-64-v3, or {_GENERIC!r} for the scalar kernels")
+    return march
+
+
+def _flags(march: str | None = None) -> tuple:
+    """The compiler flags for ``-march=march`` (default ``FASTML_CPU_MARCH``, else ``native``;
+    ``x86-64-v3`` builds for any AVX2 machine, so an AVX-512 machine can measure what AVX2-only users
+    get; ``generic``: the scalar kernels for the compiler's default target)."""
+    march = _check_march(_default_march() if march is None else march)
+    if march == _GENERIC:
+        return tuple(f for f in _FLAGS if f != "-march=native") + ("-DFASTML_CPU_SCALAR=1",)
     return tuple(f"-march={march}" if f == "-march=native" else f for f in _FLAGS)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _missing_features(march: str) -> list[str]:
+    """CPU features that ``-march=march`` needs and this machine lacks (empty when it can run it, or
+    when that cannot be told)."""
+    need = _LEVEL_FLAGS.get(march)
+    if not need or platform.machine().lower() not in ("x86_64", "amd64"):
+        return []
+    have = _cpu_flags()
+    return [f for f in need if f not in have] if have else []
+
+
+def local_builds() -> list[str]:
+    """The builds worth testing and benchmarking on this machine: ``native``, and on x86-64 also
+    ``x86-64-v3`` (AVX2-only, when this CPU can run it), ``x86-64`` (SSE2) and ``generic`` (scalar);
+    elsewhere ``native`` and ``generic``."""
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        builds = ["native", "x86-64-v3", "x86-64", _GENERIC]
+    else:
+        builds = ["native", _GENERIC]
+    return [b for b in builds if not _missing_features(b)]
+
+
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _MIN_ELEMS_PER_THREAD = 1 << 18
 
 _lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
+_lib: ctypes.CDLL | None = None  # the default build (FASTML_CPU_MARCH), or None if it failed
 _tried = False
 _info: dict = {}
+_other: dict[str, tuple[ctypes.CDLL, dict]] = {}  # builds loaded by use_build, by -march value
+_override: ctypes.CDLL | None = None  # set inside use_build
 
 
 def _enabled() -> bool:
@@ -103,29 +188,39 @@ def _cpu_id() -> str:
     return "\n".join(parts)
 
 
-def _build() -> ctypes.CDLL:
+def _build(march: str | None = None, info: dict | None = None, source: Path | None = None) -> ctypes.CDLL:
+    """Compile (or take from the cache) and load the build for ``march`` of ``source`` (default: this
+    package's ``quantize_cpu.cpp``); fills ``info``."""
+    info = _info if info is None else info
+    source = _SRC if source is None else Path(source)
+    march = _check_march(_default_march() if march is None else march)
+    missing = _missing_features(march)
+    if missing:
+        raise RuntimeError(f"-march={march} needs CPU features this machine lacks ({', '.join(missing)}), so "
+                           "its code would die on an illegal instruction; unset FASTML_CPU_MARCH (native)")
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (tried $CXX, g++, c++, clang++)")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
-    src = _SRC.read_bytes()
-    flags = _flags()
+    src = source.read_bytes()
+    flags = _flags(march)
     key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), version.encode(),
                                      _cpu_id().encode()])).hexdigest()[:20]
     out_dir = _cache_dir()
     lib_path = out_dir / f"quantize_cpu-{key}.so"
-    _info.update(compiler=cxx, path=str(lib_path), cached=lib_path.exists(), compile_s=0.0)
+    info.update(compiler=cxx, march=march, flags=" ".join(flags), source=str(source), path=str(lib_path),
+                cached=lib_path.exists(), compile_s=0.0)
     if not lib_path.exists():
         out_dir.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out_dir)
         os.close(fd)
         try:
             t0 = time.perf_counter()
-            proc = subprocess.run([cxx, *flags, "-o", tmp, str(_SRC)], capture_output=True, text=True,
+            proc = subprocess.run([cxx, *flags, "-o", tmp, str(source)], capture_output=True, text=True,
                                   timeout=300)
             if proc.returncode != 0:
                 raise RuntimeError(f"{cxx} failed (exit {proc.returncode}): {proc.stderr.strip()[-800:]}")
-            _info["compile_s"] = time.perf_counter() - t0
+            info["compile_s"] = time.perf_counter() - t0
             os.replace(tmp, lib_path)  # atomic: concurrent builders (DDP ranks) are safe
         finally:
             if os.path.exists(tmp):
@@ -139,6 +234,11 @@ def _build() -> ctypes.CDLL:
     lib.fastml_cpu_abi_version.restype = i32
     if lib.fastml_cpu_abi_version() != 1:
         raise RuntimeError("stale library in the cache (ABI version mismatch)")
+    if hasattr(lib, "fastml_cpu_isa"):  # (sources before 2026-12 lack it)
+        lib.fastml_cpu_isa.restype = ctypes.c_char_p
+        info["isa"] = lib.fastml_cpu_isa().decode()
+    else:
+        info["isa"] = "?"
     return lib
 
 
@@ -164,15 +264,50 @@ def _load() -> ctypes.CDLL | None:
         return _lib
 
 
+def _active() -> ctypes.CDLL | None:
+    """The build this call uses: the one :func:`use_build` selected, else the default."""
+    return _override if _override is not None else _load()
+
+
 def available() -> bool:
     """Whether the compiled CPU path can be used (builds it on the first call unless disabled)."""
-    return _enabled() and _load() is not None
+    return _enabled() and (_override is not None or _load() is not None)
 
 
-def build_info() -> dict:
-    """Compiler, library path, whether it came from the cache, compile seconds, or the error."""
+def build_info(march: str | None = None) -> dict:
+    """Compiler, ``march``, ``flags``, ``isa`` (the kernels' instruction set: avx2, sse2, neon or
+    scalar), ``source``, library path, whether it came from the cache, compile seconds, or the error.
+    ``march``: a build loaded by :func:`use_build` (default: the default build)."""
+    if march is not None and march in _other:
+        return dict(_other[march][1])
     _load()
     return dict(_info)
+
+
+@contextlib.contextmanager
+def use_build(march: str, source: str | os.PathLike | None = None) -> Iterator[dict]:
+    """Within the block, this module (so ``backend="cpu"``) uses the build for ``-march=march``
+    (``"native"``, ``"x86-64-v3"``, ``"x86-64"``, ``"generic"`` for the scalar kernels, ...), compiled
+    on first use into its own cache entry; yields its :func:`build_info`. ``source``: another version
+    of ``quantize_cpu.cpp`` with the same C ABI (e.g. the previous commit's, to measure a change).
+
+    For tests and benchmarks: the switch is process-wide (every thread), and blocks must not overlap
+    across threads. Raises ``RuntimeError`` if the build cannot be compiled or this CPU cannot run it.
+    """
+    global _override
+    march = _check_march(march)
+    key = march if source is None else f"{march}@{Path(source).resolve()}"
+    with _lock:
+        if key not in _other:
+            info: dict = {}
+            lib = _build(march, info, None if source is None else Path(source))
+            _other[key] = (lib, info)
+        lib, info = _other[key]
+    saved, _override = _override, lib
+    try:
+        yield dict(info)
+    finally:
+        _override = saved
 
 
 def _threads(n: int) -> int:
@@ -199,7 +334,7 @@ def quantize(
     meta_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Compiled twin of :func:`~fastml_strategy.kernels.reference.quantize_reference`."""
-    lib = _load()
+    lib = _active()
     if lib is None:
         raise RuntimeError(f"the compiled CPU codec is unavailable: {_info.get('error')}")
     if x.dtype not in _DTYPE_CODE:
@@ -260,7 +395,7 @@ def dequantize_scatter_add(out: torch.Tensor, indices: torch.Tensor, packed: tor
 
 
 def _decode(packed, meta, numel, bits, block_size, out, mode, idx):
-    lib = _load()
+    lib = _active()
     if lib is None:
         raise RuntimeError(f"the compiled CPU codec is unavailable: {_info.get('error')}")
     if numel == 0:

@@ -4,20 +4,39 @@
 // which releases the GIL for the call). Built by fastml_strategy/kernels/cpu.py with
 //   g++ -O3 -march=native -ffp-contract=off -fno-fast-math -fno-trapping-math -shared -fPIC
 // -ffp-contract=off matters: the format is IEEE fp32 with one rounding per operation, and a fused
-// multiply-add in (v - mn) * inv + u or mn + q * scale would change bytes.
+// multiply-add in (v - mn) * inv + u or mn + q * scale would change bytes. (The intrinsics below are
+// separate multiplies and adds; none is an FMA.)
 //
-// Encoder, per block of `bs` elements (the block lives in L1):
-//   pass 1: v = float(x) + r into a block buffer, with 16-lane min / max / (v * 0) accumulators
-//           (GCC vector extensions, so vectorisation does not hang on the optimiser's mood; a NaN
-//           or inf makes v * 0 a NaN: the block's non-finite flag);
+// Encoder, per block of `bs` elements (the block lives in L1), in chunks of 32 elements:
+//   pass 1: v = float(x) + r into a block buffer, with running min / max / sum of v * 0 (a NaN or
+//           inf makes v * 0 a NaN: the block's non-finite flag);
 //   per block: scale, inverse, exactly as the reference;
-//   pass 2: codes q = trunc(clamp((v - mn) * inv + u, 0, L)) (= the reference's clamp(floor(.)) for
-//           these non-negative values; NaN -> 0) into a byte buffer, and the new residual
-//           v - (mn + q * scale);
-//   pack:   8 one-byte codes (a uint64) -> 8*BITS bits by three shift/mask/or stages, stored as BITS
-//           bytes.
-// Decoder: the reverse stages expand BITS bytes into 8 one-byte codes, then a vectorised
-// y = mn + q * scale, stored or added to `out` (or scatter-added at `idx`, for top-k values).
+//   pass 2: codes q = trunc(min(max(t, 0), L)) for t = (v - mn) * inv + u (= the reference's
+//           clamp(floor(t), 0, L); NaN -> 0), narrowed int32 -> uint8 into a byte buffer (8-bit
+//           codes: straight into the payload), and the new residual v - (mn + q * scale);
+//   pack:   8 one-byte codes (a uint64) -> 8*BITS bits by three shift/mask/or stages, on the 2 or 4
+//           uint64 lanes of a SIMD register at once, stored as BITS bytes per group.
+// Decoder: the reverse stages expand BITS bytes into 8 one-byte codes (8-bit codes are read in
+// place), then y = mn + q * scale, stored or added to `out` (or scatter-added at `idx`, for top-k
+// values).
+//
+// Explicit SIMD, one instruction set per build (`fastml_cpu_isa()` names it):
+//   avx2    (__AVX2__, so AVX-512 machines too)  8 lanes; 32 codes narrowed by two packs, one
+//           packus and one permute;
+//   sse2    (any x86-64)                         4 lanes; the same narrowing in 128 bits;
+//   neon    (aarch64)                            4 lanes; vmovn twice;
+//   scalar  (anything else, or -DFASTML_CPU_SCALAR=1: the build cpu.py calls "generic").
+// No 512-bit kernels: on a Zen 4 EPYC (family 25; benchmarks/RESULTS.md) a 16-lane AVX-512 version was
+// bit-exact and as fast in L2, but slower from memory (100 MB, one thread: int4 encode 11.1 against
+// 14.8 GB/s for these 8-lane kernels in the same -march=native build, and 1.4-1.7x slower still
+// with 512-bit stores), so an AVX-512 machine runs the AVX2 kernels (GCC's own default vector width
+// for most -march targets is 256 bits too); the native build still gets that CPU's encodings and
+// tuning. One kernel for every x86 machine with AVX2 is also one kernel to measure and test.
+// Why not GCC's generic 16-lane vectors (vector_size(64)), as before: without AVX-512, GCC expands
+// most operations on them piecewise, lane by lane (see -Wvector-operation-performance): the
+// `v < acc ? v : acc` min/max and the nested `?:` clamp, the int32 -> uint8 and uint16 -> uint32
+// __builtin_convertvector, the hash. The AVX2-only build (-march=x86-64-v3) ran scalar code with
+// vpextrd/vpinsrb and stack spills: int4 encode at 0.76 GB/s against 14.7 with AVX-512.
 //
 // Blocks are independent and byte-aligned in the payload, so `nthreads` threads take contiguous
 // ranges of blocks.
@@ -33,126 +52,336 @@
 #error "the packing code assumes a little-endian host"
 #endif
 
+#if !defined(FASTML_CPU_SCALAR) || !FASTML_CPU_SCALAR
+#if defined(__AVX2__)
+#define FASTML_ISA_AVX2 1
+#elif defined(__SSE2__)
+#define FASTML_ISA_SSE2 1
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+#define FASTML_ISA_NEON 1
+#endif
+#endif
+
+#if defined(FASTML_ISA_AVX2) || defined(FASTML_ISA_SSE2)
+#include <immintrin.h>
+#elif defined(FASTML_ISA_NEON)
+#include <arm_neon.h>
+#endif
+
 namespace {
 
 constexpr uint32_t kHashM1 = 0x7FEB352Du;
 constexpr uint32_t kHashM2 = 0x846CA68Bu;
-constexpr int kLanes = 16;
+// Elements per SIMD step: every ISA narrows / widens 32 codes at a time (a 32-byte store).
+constexpr int kChunk = 32;
 
-// ---- 16-lane vectors (GCC/Clang vector extensions: AVX-512, AVX2, SSE or NEON as available) ------
+// ---- scalar conversions and the hash (exact; the tails and the scalar ISA use them) -------------
 
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef uint32_t vu __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
-typedef uint8_t vb __attribute__((vector_size(16)));
-static_assert(sizeof(vf) / sizeof(float) == kLanes, "16 lanes");
+inline float bf16_to_float(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
+inline float f16_to_float(uint16_t h) {
+#if defined(__F16C__) && defined(__FLT16_MAX__)
+  _Float16 v;
+  std::memcpy(&v, &h, 2);
+  return static_cast<float>(v);
+#else
+  // Exact IEEE half -> single, subnormals included.
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1Fu;
+  uint32_t man = h & 0x3FFu;
+  uint32_t u;
+  if (exp == 0x1Fu) {
+    u = sign | 0x7F800000u | (man << 13);
+  } else if (exp != 0) {
+    u = sign | ((exp + 112u) << 23) | (man << 13);
+  } else if (man == 0) {
+    u = sign;
+  } else {
+    float f = static_cast<float>(man) * 5.9604644775390625e-08f;  // man * 2**-24, exact
+    std::memcpy(&u, &f, 4);
+    u |= sign;
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
 
-// ---- input conversion (exact) ----------------------------------------------------------------
+inline uint32_t hash32(uint32_t h) {
+  h ^= h >> 16;
+  h *= kHashM1;
+  h ^= h >> 15;
+  h *= kHashM2;
+  h ^= h >> 16;
+  return h;
+}
+
+inline float uniform(uint32_t seed_s, uint64_t idx) {
+  return static_cast<float>(hash32(static_cast<uint32_t>(idx) + seed_s) >> 8) * (1.0f / 16777216.0f);
+}
+
+// ---- one SIMD layer per instruction set ----------------------------------------------------------
+//
+// Each `Isa` has W float lanes and:
+//   F / I                      float and int32 vectors
+//   set1, zero, load, store    (float)
+//   load_bf16, load_f16        W inputs -> fp32 (exact)
+//   add, sub, mul              one IEEE rounding each
+//   vmin(v, acc), vmax(v, acc) v < acc ? v : acc (and >): pass 1's running min / max (a NaN may be
+//                              dropped or kept: the v * 0 flag marks the block non-finite anyway)
+//   clamp(t, L)                min(max(t, 0), L) with NaN -> 0
+//   cvtt, cvtf                 float -> int32 by truncation, int32 -> float (exact for codes)
+//   uniform(seed_s, i0)        uniform(seed_s, i0 + lane), as the scalar one
+//   codes32(q, v)              kChunk / W int32 vectors of codes (0..255) -> kChunk bytes at q
+//   widen32(q, f)              kChunk bytes at q -> kChunk / W float vectors
+//   lanes(v, out)              the W floats of v
+
+#if defined(FASTML_ISA_AVX2)
+
+struct Isa {
+  static constexpr const char* kName = "avx2";
+  static constexpr int W = 8;
+  using F = __m256;
+  using I = __m256i;
+  static F set1(float a) { return _mm256_set1_ps(a); }
+  static F zero() { return _mm256_setzero_ps(); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static F load_bf16(const uint16_t* p) {
+    I u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+  }
+  static F load_f16(const uint16_t* p) {
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+    float f[W];
+    for (int j = 0; j < W; ++j) f[j] = f16_to_float(p[j]);
+    return _mm256_loadu_ps(f);
+#endif
+  }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F vmin(F v, F acc) { return _mm256_min_ps(v, acc); }
+  static F vmax(F v, F acc) { return _mm256_max_ps(v, acc); }
+  static F clamp(F t, F L) { return _mm256_min_ps(_mm256_max_ps(t, zero()), L); }
+  static I cvtt(F v) { return _mm256_cvttps_epi32(v); }
+  static F cvtf(I v) { return _mm256_cvtepi32_ps(v); }
+  static F uniform(uint32_t seed_s, uint64_t i0) {
+    I h = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                           _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(i0) + seed_s)));
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+    h = _mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(kHashM1)));
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
+    h = _mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(kHashM2)));
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+    return mul(cvtf(_mm256_srli_epi32(h, 8)), set1(1.0f / 16777216.0f));
+  }
+  static void codes32(uint8_t* q, const I* v) {
+    // Codes are 0..255, so the saturating packs are exact. Within each 128-bit half the packs
+    // interleave the four vectors by 4 codes (a0-3 b0-3 c0-3 d0-3 | a4-7 b4-7 c4-7 d4-7); one
+    // dword permute restores the order.
+    I ab = _mm256_packs_epi32(v[0], v[1]);
+    I cd = _mm256_packs_epi32(v[2], v[3]);
+    I b = _mm256_packus_epi16(ab, cd);
+    b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), b);
+  }
+  static void widen32(const uint8_t* q, F* f) {
+    for (int j = 0; j < 4; ++j)
+      f[j] = cvtf(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * j))));
+  }
+  static void lanes(F v, float* out) { _mm256_storeu_ps(out, v); }
+};
+
+#elif defined(FASTML_ISA_SSE2)
+
+struct Isa {
+  static constexpr const char* kName = "sse2";
+  static constexpr int W = 4;
+  using F = __m128;
+  using I = __m128i;
+  static F set1(float a) { return _mm_set1_ps(a); }
+  static F zero() { return _mm_setzero_ps(); }
+  static F load(const float* p) { return _mm_loadu_ps(p); }
+  static void store(float* p, F v) { _mm_storeu_ps(p, v); }
+  static F load_bf16(const uint16_t* p) {
+    I h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return _mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), h));  // h << 16 per lane
+  }
+  static F load_f16(const uint16_t* p) {
+#if defined(__F16C__)
+    return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#else
+    float f[W];
+    for (int j = 0; j < W; ++j) f[j] = f16_to_float(p[j]);
+    return _mm_loadu_ps(f);
+#endif
+  }
+  static F add(F a, F b) { return _mm_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm_mul_ps(a, b); }
+  static F vmin(F v, F acc) { return _mm_min_ps(v, acc); }
+  static F vmax(F v, F acc) { return _mm_max_ps(v, acc); }
+  static F clamp(F t, F L) { return _mm_min_ps(_mm_max_ps(t, zero()), L); }
+  static I cvtt(F v) { return _mm_cvttps_epi32(v); }
+  static F cvtf(I v) { return _mm_cvtepi32_ps(v); }
+  static I mullo(I a, I b) {
+#if defined(__SSE4_1__)
+    return _mm_mullo_epi32(a, b);
+#else
+    I even = _mm_mul_epu32(a, b);
+    I odd = _mm_mul_epu32(_mm_srli_epi64(a, 32), _mm_srli_epi64(b, 32));
+    return _mm_unpacklo_epi32(_mm_shuffle_epi32(even, _MM_SHUFFLE(0, 0, 2, 0)),
+                              _mm_shuffle_epi32(odd, _MM_SHUFFLE(0, 0, 2, 0)));
+#endif
+  }
+  static F uniform(uint32_t seed_s, uint64_t i0) {
+    I h = _mm_add_epi32(_mm_setr_epi32(0, 1, 2, 3),
+                        _mm_set1_epi32(static_cast<int>(static_cast<uint32_t>(i0) + seed_s)));
+    h = _mm_xor_si128(h, _mm_srli_epi32(h, 16));
+    h = mullo(h, _mm_set1_epi32(static_cast<int>(kHashM1)));
+    h = _mm_xor_si128(h, _mm_srli_epi32(h, 15));
+    h = mullo(h, _mm_set1_epi32(static_cast<int>(kHashM2)));
+    h = _mm_xor_si128(h, _mm_srli_epi32(h, 16));
+    return mul(cvtf(_mm_srli_epi32(h, 8)), set1(1.0f / 16777216.0f));
+  }
+  static void codes32(uint8_t* q, const I* v) {
+    for (int j = 0; j < 2; ++j) {
+      I ab = _mm_packs_epi32(v[4 * j], v[4 * j + 1]);
+      I cd = _mm_packs_epi32(v[4 * j + 2], v[4 * j + 3]);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * j), _mm_packus_epi16(ab, cd));
+    }
+  }
+  static void widen32(const uint8_t* q, F* f) {
+    const I z = _mm_setzero_si128();
+    for (int j = 0; j < 2; ++j) {
+      I b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * j));
+      I lo = _mm_unpacklo_epi8(b, z), hi = _mm_unpackhi_epi8(b, z);
+      f[4 * j + 0] = cvtf(_mm_unpacklo_epi16(lo, z));
+      f[4 * j + 1] = cvtf(_mm_unpackhi_epi16(lo, z));
+      f[4 * j + 2] = cvtf(_mm_unpacklo_epi16(hi, z));
+      f[4 * j + 3] = cvtf(_mm_unpackhi_epi16(hi, z));
+    }
+  }
+  static void lanes(F v, float* out) { _mm_storeu_ps(out, v); }
+};
+
+#elif defined(FASTML_ISA_NEON)
+
+struct Isa {
+  static constexpr const char* kName = "neon";
+  static constexpr int W = 4;
+  using F = float32x4_t;
+  using I = int32x4_t;
+  static F set1(float a) { return vdupq_n_f32(a); }
+  static F zero() { return vdupq_n_f32(0.0f); }
+  static F load(const float* p) { return vld1q_f32(p); }
+  static void store(float* p, F v) { vst1q_f32(p, v); }
+  static F load_bf16(const uint16_t* p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
+  static F load_f16(const uint16_t* p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
+  static F add(F a, F b) { return vaddq_f32(a, b); }
+  static F sub(F a, F b) { return vsubq_f32(a, b); }
+  static F mul(F a, F b) { return vmulq_f32(a, b); }
+  static F vmin(F v, F acc) { return vminq_f32(v, acc); }
+  static F vmax(F v, F acc) { return vmaxq_f32(v, acc); }
+  // vmaxnm returns the number when one operand is NaN: max(NaN, 0) = 0.
+  static F clamp(F t, F L) { return vminq_f32(vmaxnmq_f32(t, zero()), L); }
+  static I cvtt(F v) { return vcvtq_s32_f32(v); }
+  static F cvtf(I v) { return vcvtq_f32_s32(v); }
+  static F uniform(uint32_t seed_s, uint64_t i0) {
+    static const uint32_t iota[4] = {0, 1, 2, 3};
+    uint32x4_t h = vaddq_u32(vld1q_u32(iota), vdupq_n_u32(static_cast<uint32_t>(i0) + seed_s));
+    h = veorq_u32(h, vshrq_n_u32(h, 16));
+    h = vmulq_u32(h, vdupq_n_u32(kHashM1));
+    h = veorq_u32(h, vshrq_n_u32(h, 15));
+    h = vmulq_u32(h, vdupq_n_u32(kHashM2));
+    h = veorq_u32(h, vshrq_n_u32(h, 16));
+    return mul(vcvtq_f32_u32(vshrq_n_u32(h, 8)), set1(1.0f / 16777216.0f));
+  }
+  static void codes32(uint8_t* q, const I* v) {
+    for (int j = 0; j < 2; ++j) {
+      uint16x8_t lo = vcombine_u16(vmovn_u32(vreinterpretq_u32_s32(v[4 * j])),
+                                   vmovn_u32(vreinterpretq_u32_s32(v[4 * j + 1])));
+      uint16x8_t hi = vcombine_u16(vmovn_u32(vreinterpretq_u32_s32(v[4 * j + 2])),
+                                   vmovn_u32(vreinterpretq_u32_s32(v[4 * j + 3])));
+      vst1q_u8(q + 16 * j, vcombine_u8(vmovn_u16(lo), vmovn_u16(hi)));
+    }
+  }
+  static void widen32(const uint8_t* q, F* f) {
+    for (int j = 0; j < 2; ++j) {
+      uint8x16_t b = vld1q_u8(q + 16 * j);
+      uint16x8_t lo = vmovl_u8(vget_low_u8(b)), hi = vmovl_high_u8(b);
+      f[4 * j + 0] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(lo)));
+      f[4 * j + 1] = vcvtq_f32_u32(vmovl_high_u16(lo));
+      f[4 * j + 2] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(hi)));
+      f[4 * j + 3] = vcvtq_f32_u32(vmovl_high_u16(hi));
+    }
+  }
+  static void lanes(F v, float* out) { vst1q_f32(out, v); }
+};
+
+#else  // scalar: one lane; the compiler may still vectorise the fixed-size loops
+
+struct Isa {
+  static constexpr const char* kName = "scalar";
+  static constexpr int W = 1;
+  using F = float;
+  using I = int32_t;
+  static F set1(float a) { return a; }
+  static F zero() { return 0.0f; }
+  static F load(const float* p) { return *p; }
+  static void store(float* p, F v) { *p = v; }
+  static F load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
+  static F load_f16(const uint16_t* p) { return f16_to_float(*p); }
+  static F add(F a, F b) { return a + b; }
+  static F sub(F a, F b) { return a - b; }
+  static F mul(F a, F b) { return a * b; }
+  static F vmin(F v, F acc) { return v < acc ? v : acc; }
+  static F vmax(F v, F acc) { return v > acc ? v : acc; }
+  static F clamp(F t, F L) { return t > 0.0f ? (t < L ? t : L) : 0.0f; }
+  static I cvtt(F v) { return static_cast<int32_t>(v); }
+  static F cvtf(I v) { return static_cast<float>(v); }
+  static F uniform(uint32_t seed_s, uint64_t i0) { return ::uniform(seed_s, i0); }
+  static void codes32(uint8_t* q, const I* v) {
+    for (int j = 0; j < kChunk; ++j) q[j] = static_cast<uint8_t>(v[j]);
+  }
+  static void widen32(const uint8_t* q, F* f) {
+    for (int j = 0; j < kChunk; ++j) f[j] = static_cast<float>(q[j]);
+  }
+  static void lanes(F v, float* out) { *out = v; }
+};
+
+#endif
+
+constexpr int kVecs = kChunk / Isa::W;  // vectors per chunk
+static_assert(kChunk % Isa::W == 0, "a chunk is whole vectors");
+
+// ---- input types --------------------------------------------------------------------------------
 
 struct F32 {
   using T = float;
-  static inline float cvt(float v) { return v; }
-  static inline vf vload(const float* p);
+  static float cvt(float v) { return v; }
+  static Isa::F vload(const float* p) { return Isa::load(p); }
 };
 
 struct BF16 {
   using T = uint16_t;
-  static inline vf vload(const uint16_t* p);
-  static inline float cvt(uint16_t h) {
-    uint32_t u = static_cast<uint32_t>(h) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-  }
+  static float cvt(uint16_t h) { return bf16_to_float(h); }
+  static Isa::F vload(const uint16_t* p) { return Isa::load_bf16(p); }
 };
 
 struct F16 {
   using T = uint16_t;
-  static inline vf vload(const uint16_t* p);
-  static inline float cvt(uint16_t h) {
-#if defined(__F16C__) && defined(__FLT16_MAX__)
-    _Float16 v;
-    std::memcpy(&v, &h, 2);
-    return static_cast<float>(v);
-#else
-    // Exact IEEE half -> single, subnormals included.
-    uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1Fu;
-    uint32_t man = h & 0x3FFu;
-    uint32_t u;
-    if (exp == 0x1Fu) {
-      u = sign | 0x7F800000u | (man << 13);
-    } else if (exp != 0) {
-      u = sign | ((exp + 112u) << 23) | (man << 13);
-    } else if (man == 0) {
-      u = sign;
-    } else {
-      float f = static_cast<float>(man) * 5.9604644775390625e-08f;  // man * 2**-24, exact
-      std::memcpy(&u, &f, 4);
-      u |= sign;
-    }
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-#endif
-  }
+  static float cvt(uint16_t h) { return f16_to_float(h); }
+  static Isa::F vload(const uint16_t* p) { return Isa::load_f16(p); }
 };
-
-inline float uniform(uint32_t seed_s, uint64_t idx) {
-  uint32_t h = static_cast<uint32_t>(idx) + seed_s;
-  h ^= h >> 16;
-  h *= kHashM1;
-  h ^= h >> 15;
-  h *= kHashM2;
-  h ^= h >> 16;
-  return static_cast<float>(h >> 8) * (1.0f / 16777216.0f);
-}
-
-inline vf loadf(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void storef(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
-
-inline vf load16(const float* p) { return loadf(p); }
-inline vf load16_bf16(const uint16_t* p) {
-  vh h;
-  std::memcpy(&h, p, sizeof(h));
-  vu u = __builtin_convertvector(h, vu) << 16;
-  vf f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-inline vf load16_f16(const uint16_t* p) {
-#if defined(__FLT16_MAX__)
-  typedef _Float16 vhf __attribute__((vector_size(32)));
-  vhf h;
-  std::memcpy(&h, p, sizeof(h));
-  return __builtin_convertvector(h, vf);
-#else
-  vf f;
-  for (int j = 0; j < kLanes; ++j) f[j] = F16::cvt(p[j]);
-  return f;
-#endif
-}
-
-inline vf F32::vload(const float* p) { return load16(p); }
-inline vf BF16::vload(const uint16_t* p) { return load16_bf16(p); }
-inline vf F16::vload(const uint16_t* p) { return load16_f16(p); }
-
-inline vf uniform16(uint32_t seed_s, uint64_t idx0) {
-  const vu iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  vu h = iota + (static_cast<uint32_t>(idx0) + seed_s);
-  h ^= h >> 16;
-  h *= kHashM1;
-  h ^= h >> 15;
-  h *= kHashM2;
-  h ^= h >> 16;
-  return __builtin_convertvector(__builtin_convertvector(h >> 8, vi), vf) * (1.0f / 16777216.0f);
-}
 
 // ---- bit packing: 8 one-byte codes <-> 8*BITS bits ---------------------------------------------
 
@@ -164,8 +393,10 @@ constexpr uint64_t rep_mask(int width, int lane) {
 }
 
 // 8 one-byte codes (each < 2**BITS) -> their 8*BITS-bit little-endian stream, in three stages.
-template <int BITS>
-inline uint64_t compress8(uint64_t x) {
+// (Shifts and masks, not BMI2's pext/pdep: those are microcoded and slow on AMD before Zen 3.)
+// U: uint64_t, or a vector of them (GCC vector extension: the same stages on every lane).
+template <int BITS, class U>
+inline U compress8(U x) {
   if (BITS == 8) return x;
   constexpr uint64_t m8 = rep_mask(BITS, 16), m16 = rep_mask(2 * BITS, 32), m32 = rep_mask(4 * BITS, 64);
   x = (x & m8) | (((x >> 8) & m8) << BITS);
@@ -175,8 +406,8 @@ inline uint64_t compress8(uint64_t x) {
 }
 
 // The inverse of compress8 (bits above 8*BITS must be 0).
-template <int BITS>
-inline uint64_t expand8(uint64_t x) {
+template <int BITS, class U>
+inline U expand8(U x) {
   if (BITS == 8) return x;
   constexpr uint64_t m8 = rep_mask(BITS, 16), m16 = rep_mask(2 * BITS, 32), m32 = rep_mask(4 * BITS, 64);
   x = (x & m32) | (((x >> (4 * BITS)) & m32) << 32);
@@ -185,11 +416,33 @@ inline uint64_t expand8(uint64_t x) {
   return x;
 }
 
+// Groups of 8 codes that one SIMD register packs at once (1: scalar only).
+#if defined(FASTML_ISA_AVX2)
+constexpr int kPackGroups = 4;
+#elif defined(FASTML_ISA_SSE2) || defined(FASTML_ISA_NEON)
+constexpr int kPackGroups = 2;
+#else
+constexpr int kPackGroups = 1;
+#endif
+typedef uint64_t u64v __attribute__((vector_size(8 * kPackGroups)));
+
 // Pack `ngroups` groups of 8 codes from q into dst (BITS bytes per group). `room` = bytes writable
 // at dst (the block's payload); 8-byte stores overlap the next group while they fit in it.
 template <int BITS>
 void pack(const uint8_t* q, int64_t ngroups, uint8_t* dst, int64_t room) {
   int64_t g = 0;
+  if (kPackGroups > 1 && BITS < 8) {
+    // kPackGroups groups per register: the three stages on every 64-bit lane at once.
+    for (; g + kPackGroups <= ngroups && (g + kPackGroups - 1) * BITS + 8 <= room; g += kPackGroups) {
+      u64v w;
+      std::memcpy(&w, q + 8 * g, sizeof(w));
+      w = compress8<BITS>(w);
+      for (int l = 0; l < kPackGroups; ++l) {
+        uint64_t e = w[l];
+        std::memcpy(dst + (g + l) * BITS, &e, 8);
+      }
+    }
+  }
   for (; g < ngroups && g * BITS + 8 <= room; ++g) {
     uint64_t w;
     std::memcpy(&w, q + 8 * g, 8);
@@ -209,6 +462,19 @@ void pack(const uint8_t* q, int64_t ngroups, uint8_t* dst, int64_t room) {
 template <int BITS>
 void unpack(const uint8_t* src, int64_t ngroups, uint8_t* q, int64_t avail) {
   int64_t g = 0;
+  if (kPackGroups > 1 && BITS < 8) {
+    constexpr uint64_t keep = BITS < 8 ? (1ull << (8 * BITS)) - 1 : ~0ull;
+    for (; g + kPackGroups <= ngroups && (g + kPackGroups - 1) * BITS + 8 <= avail; g += kPackGroups) {
+      u64v w;
+      for (int l = 0; l < kPackGroups; ++l) {
+        uint64_t e;
+        std::memcpy(&e, src + (g + l) * BITS, 8);
+        w[l] = e;
+      }
+      w = expand8<BITS>(w & keep);
+      std::memcpy(q + 8 * g, &w, sizeof(w));
+    }
+  }
   for (; g < ngroups && g * BITS + 8 <= avail; ++g) {
     uint64_t w;
     std::memcpy(&w, src + g * BITS, 8);
@@ -234,7 +500,8 @@ PackFn pack_fn(int bits) {
   return fns[bits];
 }
 UnpackFn unpack_fn(int bits) {
-  static const UnpackFn fns[9] = {nullptr, unpack<1>, unpack<2>, unpack<3>, unpack<4>, unpack<5>, unpack<6>, unpack<7>, unpack<8>};
+  static const UnpackFn fns[9] = {nullptr,   unpack<1>, unpack<2>, unpack<3>, unpack<4>,
+                                  unpack<5>, unpack<6>, unpack<7>, unpack<8>};
   return fns[bits];
 }
 
@@ -255,35 +522,48 @@ struct EncodeArgs {
 template <class In, bool HAS_RES, bool STOCH>
 void encode_blocks(const EncodeArgs& a, int64_t b0, int64_t b1) {
   using T = typename In::T;
+  using F = Isa::F;
+  using I = Isa::I;
+  constexpr int W = Isa::W;
   const T* x = static_cast<const T*>(a.x);
   const int64_t bs = a.bs;
   const int bits = a.bits;
   const float L = static_cast<float>((1 << bits) - 1);
   const PackFn packf = pack_fn(bits);
-  std::vector<float> vbuf_(bs + kLanes);
-  std::vector<uint8_t> qbuf_(bs + 8);
+  std::vector<float> vbuf_(bs + kChunk);
+  std::vector<uint8_t> qbuf_(bs + kChunk);
   float* vbuf = vbuf_.data();
   uint8_t* qbuf = qbuf_.data();
 
   for (int64_t blk = b0; blk < b1; ++blk) {
     const int64_t start = blk * bs;
     const int64_t len = a.n - start < bs ? a.n - start : bs;
+    const int64_t main_len = len - len % kChunk;
     const T* xb = x + start;
     const float* rb = HAS_RES ? a.r + start : nullptr;
 
-    // pass 1: v, min, max, non-finite
-    vf vmn = vf{} + INFINITY, vmx = vf{} - INFINITY, vz = vf{};
-    int64_t i = 0;
-    for (; i + kLanes <= len; i += kLanes) {
-      vf v = In::vload(xb + i);
-      if (HAS_RES) v = v + loadf(rb + i);
-      storef(vbuf + i, v);
-      vmn = v < vmn ? v : vmn;
-      vmx = v > vmx ? v : vmx;
-      vz = vz + v * 0.0f;  // NaN for a NaN or an inf
+    // pass 1: v, min, max, non-finite. Each chunk is reduced by a tree, then into one accumulator
+    // (accumulator arrays were spilled to the stack on every step).
+    F vmn = Isa::set1(INFINITY), vmx = Isa::set1(-INFINITY), vz = Isa::zero();
+    for (int64_t i = 0; i < main_len; i += kChunk) {
+      F v[kVecs];
+      for (int j = 0; j < kVecs; ++j) {
+        v[j] = In::vload(xb + i + j * W);
+        if (HAS_RES) v[j] = Isa::add(v[j], Isa::load(rb + i + j * W));
+        Isa::store(vbuf + i + j * W, v[j]);
+      }
+      F cmn = v[0], cmx = v[0], cz = Isa::mul(v[0], Isa::zero());  // v * 0: NaN for a NaN or an inf
+      for (int j = 1; j < kVecs; ++j) {
+        cmn = Isa::vmin(v[j], cmn);
+        cmx = Isa::vmax(v[j], cmx);
+        cz = Isa::add(cz, Isa::mul(v[j], Isa::zero()));
+      }
+      vmn = Isa::vmin(cmn, vmn);
+      vmx = Isa::vmax(cmx, vmx);
+      vz = Isa::add(vz, cz);
     }
     float mn = INFINITY, mx = -INFINITY, z = 0.0f;
-    for (; i < len; ++i) {
+    for (int64_t i = main_len; i < len; ++i) {
       float v = In::cvt(xb[i]);
       if (HAS_RES) v = v + rb[i];
       vbuf[i] = v;
@@ -291,10 +571,16 @@ void encode_blocks(const EncodeArgs& a, int64_t b0, int64_t b1) {
       mx = v > mx ? v : mx;
       z = z + v * 0.0f;
     }
-    for (int j = 0; j < kLanes; ++j) {
-      mn = vmn[j] < mn ? vmn[j] : mn;
-      mx = vmx[j] > mx ? vmx[j] : mx;
-      z = z + vz[j];
+    {
+      float l0[W], l1[W], l2[W];
+      Isa::lanes(vmn, l0);
+      Isa::lanes(vmx, l1);
+      Isa::lanes(vz, l2);
+      for (int k = 0; k < W; ++k) {
+        mn = l0[k] < mn ? l0[k] : mn;
+        mx = l1[k] > mx ? l1[k] : mx;
+        z = z + l2[k];
+      }
     }
     // v * 0 is NaN for a NaN or an inf. The block must also be representable (format step 2): a
     // finite range, and a top code that decodes to a finite number.
@@ -317,7 +603,7 @@ void encode_blocks(const EncodeArgs& a, int64_t b0, int64_t b1) {
     if (!finite) {
       mb[0] = NAN;
       mb[1] = NAN;
-      std::memset(pb, 0, static_cast<size_t>((len * bits + 7) / 8));
+      std::memset(pb, 0, static_cast<size_t>(room));
       if (HAS_RES && a.rout != a.r) std::memcpy(a.rout + start, rb, sizeof(float) * len);
       continue;
     }
@@ -326,35 +612,41 @@ void encode_blocks(const EncodeArgs& a, int64_t b0, int64_t b1) {
     mb[1] = scale;
 
     // pass 2: codes and the new residual. For t >= 0, clamp(floor(t), 0, L) = trunc(min(t, L)), so
-    // the clamp comes first and a truncating conversion does the floor; NaN fails both tests -> 0.
+    // the clamp comes first and a truncating conversion does the floor; NaN -> 0.
     float* ro = HAS_RES ? a.rout + start : nullptr;
-    int64_t k = 0;
-    for (; k + kLanes <= len; k += kLanes) {
-      vf v = loadf(vbuf + k);
-      vf t = (v - mn) * inv;
-      t = t + (STOCH ? uniform16(a.seed_s, static_cast<uint64_t>(start + k)) : vf{} + 0.5f);
-      t = t >= 0.0f ? (t <= L ? t : vf{} + L) : vf{};
-      vi qi = __builtin_convertvector(t, vi);
-      vb q8 = __builtin_convertvector(qi, vb);
-      std::memcpy(qbuf + k, &q8, sizeof(q8));
-      if (HAS_RES) {
-        vf y = mn + __builtin_convertvector(qi, vf) * scale;
-        storef(ro + k, v - y);
+    uint8_t* qd = bits == 8 ? pb : qbuf;  // 8-bit codes are the payload: no packing
+    const F vmn_b = Isa::set1(mn), vinv = Isa::set1(inv), vsc = Isa::set1(scale), vL = Isa::set1(L);
+    const F half = Isa::set1(0.5f);
+    for (int64_t k = 0; k < main_len; k += kChunk) {
+      I qi[kVecs];
+      for (int j = 0; j < kVecs; ++j) {
+        const int64_t o = k + j * W;
+        F v = Isa::load(vbuf + o);
+        F t = Isa::mul(Isa::sub(v, vmn_b), vinv);
+        t = Isa::add(t, STOCH ? Isa::uniform(a.seed_s, static_cast<uint64_t>(start + o)) : half);
+        qi[j] = Isa::cvtt(Isa::clamp(t, vL));
+        if (HAS_RES) {
+          F y = Isa::add(vmn_b, Isa::mul(Isa::cvtf(qi[j]), vsc));
+          Isa::store(ro + o, Isa::sub(v, y));
+        }
       }
+      Isa::codes32(qd + k, qi);
     }
-    for (; k < len; ++k) {
+    for (int64_t k = main_len; k < len; ++k) {
       float t = (vbuf[k] - mn) * inv;
       t = t + (STOCH ? uniform(a.seed_s, static_cast<uint64_t>(start + k)) : 0.5f);
-      t = t >= 0.0f ? (t <= L ? t : L) : 0.0f;
+      t = t > 0.0f ? (t < L ? t : L) : 0.0f;
       int32_t qi = static_cast<int32_t>(t);
-      qbuf[k] = static_cast<uint8_t>(qi);
+      qd[k] = static_cast<uint8_t>(qi);
       if (HAS_RES) {
         float y = mn + static_cast<float>(qi) * scale;
         ro[k] = vbuf[k] - y;
       }
     }
-    for (int64_t k = len; k < groups * 8; ++k) qbuf[k] = 0;
-    packf(qbuf, groups, pb, room);
+    if (bits < 8) {
+      for (int64_t k = len; k < groups * 8; ++k) qbuf[k] = 0;
+      packf(qbuf, groups, pb, room);
+    }
   }
 }
 
@@ -381,25 +673,43 @@ struct DecodeArgs {
 
 template <int MODE>  // 0: store, 1: add, 2: scatter-add at idx
 void decode_blocks(const DecodeArgs& a, int64_t b0, int64_t b1) {
+  using F = Isa::F;
+  constexpr int W = Isa::W;
   const int64_t bs = a.bs;
   const int bits = a.bits;
   const UnpackFn unpackf = unpack_fn(bits);
-  std::vector<uint8_t> qbuf_(bs + 8);
+  std::vector<uint8_t> qbuf_(bs + kChunk);
   uint8_t* qbuf = qbuf_.data();
   for (int64_t blk = b0; blk < b1; ++blk) {
     const int64_t start = blk * bs;
     const int64_t len = a.n - start < bs ? a.n - start : bs;
     const int64_t off = start * bits / 8;
-    unpackf(a.packed + off, (len + 7) / 8, qbuf, a.avail - off);
+    const uint8_t* qs = qbuf;
+    if (bits == 8) {
+      qs = a.packed + off;  // 8-bit codes are the payload (n bytes, all readable)
+    } else {
+      unpackf(a.packed + off, (len + 7) / 8, qbuf, a.avail - off);
+    }
     const float mn = a.meta[2 * blk], sc = a.meta[2 * blk + 1];
     if (MODE == 2) {
       const int64_t* ib = a.idx + start;
-      for (int64_t k = 0; k < len; ++k) a.out[ib[k]] = a.out[ib[k]] + (mn + static_cast<float>(qbuf[k]) * sc);
+      for (int64_t k = 0; k < len; ++k) a.out[ib[k]] = a.out[ib[k]] + (mn + static_cast<float>(qs[k]) * sc);
       continue;
     }
     float* ob = a.out + start;
-    for (int64_t k = 0; k < len; ++k) {
-      float y = mn + static_cast<float>(qbuf[k]) * sc;
+    const F vmn = Isa::set1(mn), vsc = Isa::set1(sc);
+    const int64_t main_len = len - len % kChunk;
+    for (int64_t k = 0; k < main_len; k += kChunk) {
+      F q[kVecs];
+      Isa::widen32(qs + k, q);
+      for (int j = 0; j < kVecs; ++j) {
+        F y = Isa::add(vmn, Isa::mul(q[j], vsc));
+        if (MODE == 1) y = Isa::add(Isa::load(ob + k + j * W), y);
+        Isa::store(ob + k + j * W, y);
+      }
+    }
+    for (int64_t k = main_len; k < len; ++k) {
+      float y = mn + static_cast<float>(qs[k]) * sc;
       ob[k] = MODE == 1 ? ob[k] + y : y;
     }
   }
@@ -428,6 +738,9 @@ void run_parallel(int64_t nblocks, int nthreads, Fn fn) {
 extern "C" {
 
 int fastml_cpu_abi_version() { return 1; }
+
+// The instruction set this build's kernels use: "avx2", "sse2", "neon" or "scalar".
+const char* fastml_cpu_isa() { return Isa::kName; }
 
 // dtype: 0 float32, 1 float16, 2 bfloat16. r == nullptr: no error feedback. Returns 0, or a
 // negative value for invalid arguments.

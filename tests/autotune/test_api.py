@@ -26,6 +26,42 @@ def test_autotune_api_with_a_workload_object(tmp_path):
     local = res.best["local"]
     assert local["tta_s"] == pytest.approx(local["steps"] * local["step_s"])
     assert res.profile.link.bandwidth_Bps == pytest.approx(10e9 / 8)
+    assert res.target_steps == 10_000 and res.target_steps_source == "assumed"  # nothing given
+    _check_figures_do_not_overlap(res)
+
+
+def _check_figures_do_not_overlap(res):
+    """Every figure of the report, as drawn: no legend over an axes frame or a title, and the
+    predicted-vs-measured plot names its plans on an axis (no labels beside points to collide)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from fastml_strategy.autotune import report
+
+    drawn = []
+    orig = report._png
+    report._png = lambda fig: drawn.append(fig) or orig(fig)
+    try:
+        names = list(report.figures(res, report.tables(res)))
+    finally:
+        report._png = orig
+    assert len(drawn) == len(names) >= 6
+    for name, fig in zip(names, drawn):
+        canvas = FigureCanvasAgg(fig)
+        canvas.draw()
+        r = canvas.get_renderer()
+        legends = [a.get_legend() for a in fig.axes if a.get_legend() is not None] + list(fig.legends)
+        titles = [a.title for a in fig.axes if a.get_title()] + ([fig._suptitle] if fig._suptitle else [])
+        for leg in legends:
+            box = leg.get_window_extent(r)
+            for ax in fig.axes:
+                assert not box.overlaps(ax.get_window_extent(r)), f"{name}: a legend covers a plot"
+            for t in titles:
+                assert not box.overlaps(t.get_window_extent(r)), f"{name}: a legend covers {t.get_text()!r}"
+        if name == "step_times":
+            ax = fig.axes[0]
+            assert sorted(t.get_text() for t in ax.get_yticklabels()) == \
+                sorted(row["plan"] for row in res.step_times)
+            assert not ax.texts, "labels beside points"
 
 
 @pytest.mark.timeout(200)

@@ -2,8 +2,10 @@
 the input errors (exit status 2, one line, nothing written)."""
 
 import base64
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +21,7 @@ HERE = Path(__file__).parent
 TARGET = f"{HERE / 'tiny_workload.py'}:workload"
 FAST = ["--trials", "12", "--calibration-trials", "3", "--calibration-steps", "30",
         "--profile-steps", "2", "--measure-steps", "4", "--verify-rounds", "1", "--quiet"]
+LOUD = [a for a in FAST if a != "--quiet"]  # the same, with progress bars (on stderr)
 CATALOG = ("name,nodes,accelerators_per_node,price_per_hour,bandwidth_gbps,latency_us,compute_speed\n"
            "cheap-eth,8,1,1.2,10,50,1.0\n"
            "fast-ib,2,8,32.8,400,5,3.0\n")
@@ -40,16 +43,16 @@ def tuned(tmp_path_factory):
     cat = d / "catalog.csv"
     cat.write_text(CATALOG)
     out = d / "out"
-    args = [TARGET, "--world-size", "2", "--link", "1gbit", "--hardware", str(cat), "--out", str(out), *FAST]
-    r = _run(args)
+    args = [TARGET, "--world-size", "2", "--link", "1gbit", "--hardware", str(cat), "--out", str(out)]
+    r = _run([*args, *LOUD])
     assert r.returncode == 0, r.stderr[-3000:]
-    return out, args, r
+    return out, args, r  # args: without the speed flags
 
 
 @pytest.mark.timeout(200)
 def test_every_output_is_written(tuned):
     out, _, r = tuned
-    assert "plan for local" in r.stdout
+    assert "(tuned for local)" in r.stdout
     for name in ("plan.json", "report.html", "report.md", "trials.csv", "layers.csv", "calibration.csv",
                  "step_times.csv", "scaling.csv", "options.csv", "autotune.db"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
@@ -137,7 +140,76 @@ def test_reports_are_self_contained(tuned):
 
 
 @pytest.mark.timeout(200)
-def test_rerun_resumes_from_the_storage(tuned):
+def test_report_opens_with_the_answer_in_words(tuned):
+    out, _, r = tuned
+    md = (out / "report.md").read_text().splitlines()
+    first = md[2]  # after the title and a blank line
+    assert first.startswith("- **Use the tuned plan (plan.json) on your cluster") or \
+        first.startswith("- **Use plain DDP on your cluster"), first
+    verdict = [line for line in md[2:8] if line.startswith("- ")]
+    text = " ".join(verdict)
+    # human units, no scientific notation, and the saving in words
+    assert re.search(r"\d[\d.,]* (ms|s|min|h|days) instead of \d[\d.,]* (ms|s|min|h|days)", text) or \
+        "no compression pays" in text, text
+    assert not re.search(r"\de[-+]\d", text), text
+    assert "Cheapest to rent: **" in text and re.search(r"\$\d|under \$0\.001", text)
+    # the training length was not given: said to be assumed, never attributed to --target-steps
+    assert "10,000 steps of uncompressed training (assumed; pass --target-steps N" in text
+    assert "(--target-steps)" not in "\n".join(md)
+    meta = json.loads((out / "plan.json").read_text())["meta"]
+    assert meta["target_steps"] == 10_000 and meta["target_steps_source"] == "assumed"
+    assert "not a network" not in text  # --link describes a real cluster: no warning
+    # the HTML says it first too, before any section; the command prints the same answer
+    html = (out / "report.html").read_text()
+    assert html.index('class="verdict"') < html.index("<h2>")
+    assert r.stdout.startswith("fastml-autotune: Use "), r.stdout[:300]
+
+
+@pytest.mark.timeout(200)
+def test_progress_bars_are_honest(tuned):
+    """One bar per phase, each with a fixed total that it reaches and never passes."""
+    _, _, r = tuned
+    states = re.findall(r"([A-Za-z][^:\r\n|]*?):\s+\d+%\|[^|]*\|\s*(\d+)/(\d+)", r.stderr)
+    assert states, r.stderr[-2000:]
+    phases: dict[str, list[tuple[int, int]]] = {}
+    for desc, n, total in states:
+        key = "searching" if desc.startswith("searching") else desc
+        phases.setdefault(key, []).append((int(n), int(total)))
+    assert {"profiling", "calibrating", "searching", "timing plans (compute + codecs)",
+            "writing the report"} <= set(phases), list(phases)
+    for name, seen in phases.items():
+        totals = {t for _, t in seen}
+        assert len(totals) <= 2, (name, totals)  # one total per phase (searching: one per round)
+        assert all(n <= t for n, t in seen), (name, seen)
+        assert seen[-1][0] == seen[-1][1], (name, seen[-1])  # each phase ends complete
+    assert phases["profiling"][-1] == (2, 2) and phases["calibrating"][-1] == (4, 4)  # reference + 3
+    assert phases["searching"][-1][1] == 3 * 12  # 3 options x 12 trials
+
+
+@pytest.mark.timeout(60)
+def test_a_second_run_into_the_same_out_is_refused(tuned, capsys):
+    out, args, _ = tuned
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.is_file()}
+    assert main([*args, *FAST]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fastml-autotune: error: ") and len(err.splitlines()) == 1, err
+    assert "already holds the outputs of an earlier run" in err and "--overwrite" in err and "plan.json" in err
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.is_file()} == before  # untouched
+
+
+def test_only_this_commands_outputs_count_as_an_earlier_run(tmp_path):
+    from fastml_strategy.autotune._run import _refuse_finished_out
+
+    (tmp_path / "report.md").write_text("# my notes\n")  # a user's own file of the same name
+    (tmp_path / "plan.json").write_text('{"default": {}}')
+    _refuse_finished_out(tmp_path)  # not refused
+    (tmp_path / "plan.json").write_text('{"meta": {"tuned_by": "fastml-autotune"}}')
+    with pytest.raises(ValueError, match=r"already holds .*\(plan\.json; written .*--overwrite"):
+        _refuse_finished_out(tmp_path)
+
+
+@pytest.mark.timeout(200)
+def test_overwrite_reruns_from_the_storage_for_a_given_length(tuned):
     import optuna
 
     out, args, _ = tuned
@@ -149,10 +221,58 @@ def test_rerun_resumes_from_the_storage(tuned):
 
     before = calibration_trials()
     plan_before = (out / "plan.json").read_text()
-    r = _run(args)
+    ddp_before = pd.read_csv(out / "options.csv").set_index("option")["ddp_hours"]
+    r = _run([*args, *FAST, "--overwrite", "--target-steps", "20k"])
     assert r.returncode == 0, r.stderr[-2000:]
     assert calibration_trials() == before  # nothing retrained
+    # the search ranks plans by time and cost, which the training length scales alike
     assert json.loads((out / "plan.json").read_text())["layers"] == json.loads(plan_before)["layers"]
+    ddp_after = pd.read_csv(out / "options.csv").set_index("option")["ddp_hours"]
+    assert (ddp_after / ddp_before).to_numpy() == pytest.approx(2.0, rel=1e-9)  # 20,000 steps, not 10,000
+    md = (out / "report.md").read_text()
+    assert "20,000 steps of uncompressed training (--target-steps)" in md and "assumed" not in md
+    assert json.loads((out / "plan.json").read_text())["meta"]["target_steps_source"] == "given"
+
+
+def test_human_units():
+    from fastml_strategy.autotune.report import _pct, human_money, human_time
+
+    assert [_pct(x) for x in (4.1e-10, 0.0123, 4.2, 77.4, 1234.0)] == ["0%", "0.012%", "4.2%", "77%", "1,234%"]
+
+    assert [human_time(x) for x in (0.00085, 0.85, 42.0, 600.0, 2.5 * 3600, 100 * 3600, 4e6)] == \
+        ["0.85 ms", "850 ms", "42 s", "10 min", "2.5 h", "4.17 days", "46.3 days"]
+    assert human_time(float("nan")) == "n/a"
+    assert [human_money(x) for x in (0.0, 0.0006, 0.00541, 0.0412, 12.345, 32.8, 1234.5)] == \
+        ["$0", "under $0.001", "$0.00541", "$0.0412", "$12.35", "$32.80", "$1,234"]
+
+
+def test_training_length_is_asked_at_a_terminal(monkeypatch, capsys):
+    import fastml_strategy.autotune._run as run_mod
+    from fastml_strategy.autotune import cli
+
+    seen = {}
+
+    def fake_prepare(target, **kw):
+        seen.update(kw)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(run_mod, "prepare", fake_prepare)
+    monkeypatch.setattr(cli, "_interactive", lambda: True)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("twenty\n20k\n"))
+    assert main([TARGET, "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "how many optimizer steps does your training take" in err and "Enter: assume 10,000" in err
+    assert "'twenty' is not a number of steps" in err
+    assert seen["target_steps"] == 20_000 and seen["target_steps_source"] == "entered"
+    # Enter keeps the assumed length, labelled as assumed; --target-steps asks nothing
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n"))
+    main([TARGET, "--quiet"])
+    assert seen["target_steps"] is None and seen["target_steps_source"] is None
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    main([TARGET, "--quiet", "--target-steps", "5e4"])
+    assert seen["target_steps"] == 50_000 and seen["target_steps_source"] == "given"
+    assert "how many" not in capsys.readouterr().err
 
 
 def _hook_worker(rank, world, plan_path):
@@ -189,6 +309,23 @@ def test_help_explains_every_option():
     for opt in ("--world-size", "--link", "--hardware", "--trials", "--storage", "--out"):
         assert opt in text
     assert "file.py:factory" in text and "sqlite" in text
+
+
+def test_docs_explain_every_option_and_its_default():
+    """docs/autotune.md's options table names every option of the command, with its default."""
+    doc = (HERE.parents[1] / "docs" / "autotune.md").read_text()
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(--[a-z-]+)[^`]*`[^|]*\| (.*) \|$", doc, re.M)}
+    for action in build_parser()._actions:
+        long = [o for o in action.option_strings if o.startswith("--") and o != "--help"]
+        if not long:
+            continue
+        documented = [o for o in long if o in rows or f"`{o}" in doc]
+        assert documented, f"{long[0]} is not in docs/autotune.md"
+        if action.default not in (None, False, True) and long[0] in rows:
+            d = action.default
+            shown = {f"{d:g}" if isinstance(d, float) else str(d)} | ({f"{d:,}"} if isinstance(d, int) else set())
+            assert any(x.lower() in rows[long[0]].lower() for x in shown), \
+                f"{long[0]}: docs/autotune.md does not give its default {d!r}"
 
 
 # -- errors: exit 2, one line, nothing written -----------------------------------------------------------
@@ -255,9 +392,14 @@ def test_distributed_launch_measures_link_and_step_times(tmp_path):
          "--out", str(out), *FAST],
         env=_env(), capture_output=True, text=True, timeout=220)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("plan for local") == 1  # rank 0 reports, once
+    assert r.stdout.count("(tuned for local)") == 1  # rank 0 reports, once
     steps = pd.read_csv(out / "step_times.csv")
     assert (steps["where"] == "2 ranks, measured link").all()
     assert not steps.set_index("plan").loc["tuned (local)", "used_in_fit"]
-    assert "(measured)" in (out / "report.md").read_text()
+    md = (out / "report.md").read_text()
+    assert "(measured)" in md
+    # both ranks on this one machine: the "link" is loopback, and every document says so
+    assert r.stdout.count("the measured link is not a network") == 1
+    assert "All 2 ranks ran on one machine" in md and "not a network" in md.split("## Details")[0]
+    assert "not a network" in (out / "report.html").read_text()
     Plan.load(out / "plan.json")

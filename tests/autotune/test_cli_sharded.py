@@ -76,7 +76,7 @@ def _residual_of(plan, params, shard=1):
 @pytest.mark.timeout(200)
 def test_fsdp_run_writes_the_sharded_report(fsdp_run):
     out, r = fsdp_run
-    assert "plan for local" in r.stdout and "fsdp; FastML residuals" in r.stdout
+    assert "(tuned for local)" in r.stdout and "fsdp; FastML residuals" in r.stdout
     for name in ("plan.json", "report.html", "report.md", "trials.csv", "options.csv", "sharded.csv",
                  "whatif.csv"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name

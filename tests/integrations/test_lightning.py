@@ -169,18 +169,45 @@ print("OK")
 @pytest.mark.timeout(120)
 def test_wrong_fastml_plan_fails_on_every_rank_before_the_first_step(tmp_path):
     # Two ranks started as torchrun would start them, but with no agent to kill one when the other
-    # fails: each must stop at Trainer(...) on its own, naming the variable and the choices.
+    # fails: each must stop at Trainer(...) on its own, with status 2; rank 0 prints the one line that
+    # names the variable and the choices, rank 1 nothing.
     cmd = [sys.executable, str(RECIPES / "train_lightning.py"), "--accelerator", "cpu", "--devices", "2",
            "--max-steps", "5", "--out", str(tmp_path), "--summary", str(tmp_path / "s")]
-    for rank, res in enumerate(run_ranks(cmd, 2, timeout=90, FASTML_PLAN="int5")):
-        assert res.returncode != 0, f"rank {rank} did not fail:\n{res.tail()}"
-        assert "ValueError: FASTML_PLAN='int5' is not a usable plan" in res.output, res.tail()
-        assert "int4" in res.output  # the message lists the recipes to choose from
-        assert "Initializing distributed" not in res.output  # before any process group, so before any step
+    r0, r1 = run_ranks(cmd, 2, timeout=90, FASTML_PLAN="int5")
+    assert r0.returncode == r1.returncode == 2, (r0.tail(), r1.tail())
+    lines = r0.output.strip().splitlines()
+    assert len(lines) == 1, r0.output
+    assert lines[0].startswith("train_lightning.py: error: FASTML_PLAN='int5' is not a usable plan"), lines
+    assert "int4" in lines[0]  # the message lists the recipes to choose from
+    assert r1.output.strip() == "", r1.output
     assert not list(tmp_path.glob("s.rank*.json")) and not (tmp_path / "checkpoints").exists()
 
-    # Lightning's own launcher: the first process fails before it starts the other rank.
+    # Lightning's own launcher: the first process fails before it starts the other rank: one line.
     res = run([sys.executable, str(RECIPES / "train_lightning.py"), "--accelerator", "cpu", "--devices", "2",
                "--max-steps", "5", "--out", str(tmp_path)], timeout=60, FASTML_PLAN="/no/such/plan.json")
-    assert res.returncode != 0 and "FASTML_PLAN='/no/such/plan.json' is not a usable plan" in res.output
+    assert res.returncode == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert "FASTML_PLAN='/no/such/plan.json' is not a usable plan" in res.output
     assert "does not exist" in res.output and "Initializing distributed" not in res.output
+
+
+@pytest.mark.timeout(200)
+def test_recipe_resume_last_continues_mid_epoch_exactly(tmp_path):
+    """recipes/train_lightning.py: 30 steps straight against 12 steps (mid-epoch: 23 per epoch here),
+    then --resume last to 30. Bit-identical, without Lightning's "not resumable" warning, and without
+    the warnings and tips the recipe cannot act on."""
+    recipe = [sys.executable, str(RECIPES / "train_lightning.py"), "--accelerator", "cpu", "--devices", "2",
+              "--max-steps", "30", "--ckpt-every", "12", "--out", str(tmp_path / "run")]
+    straight = run(recipe + ["--summary", str(tmp_path / "straight")], timeout=120).check()
+    # the checkpoint of step 12 becomes "last", as if the run had stopped there
+    ckpts = tmp_path / "run" / "checkpoints"
+    (ckpts / "last.ckpt").unlink()
+    (ckpts / "last.ckpt").write_bytes((ckpts / "epoch=0-step=12.ckpt").read_bytes())
+    resumed = run(recipe + ["--resume", "last", "--summary", str(tmp_path / "resumed")], timeout=120).check()
+    s0, s1 = rank_files(tmp_path / "straight")
+    r0, r1 = rank_files(tmp_path / "resumed")
+    assert s0["step"] == r0["step"] == 30 and r0["fastml_step"] == 30
+    assert r0["params_sha256"] == r1["params_sha256"] == s0["params_sha256"] == s1["params_sha256"]
+    assert "Restored all states" in resumed.output and "not resumable" not in resumed.output
+    for res in (straight, resumed):
+        for noise in ("LeafSpec", "\U0001f4a1 Tip", "exists and is not empty", "Traceback"):
+            assert noise not in res.output, (noise, res.tail())

@@ -142,6 +142,19 @@ def test_nonfinite_blocks_propagate(backend, device, bits):
     assert not torch.equal(r_new[:bs], r[:bs])
 
 
+@pytest.mark.parametrize("pos", [5, 64 + 10, 64 + 35])
+@pytest.mark.parametrize("value", [float("nan"), float("-inf")])
+def test_nonfinite_in_simd_chunk_and_tail(backend, device, pos, value):
+    """Blocks of 64 and 40 (one 32-element SIMD chunk + an 8-element scalar tail): a NaN or inf in a
+    chunk or in the tail makes just its block non-finite."""
+    x = torch.randn(64 + 40)
+    x[pos] = value
+    r = torch.randn(x.numel()) * 0.01
+    ref, got = encode_both(x, 4, backend, device, block_size=64, residual=r)
+    for a, b in zip(got, ref):
+        assert_same(a, b)
+
+
 def test_padding_bits_are_zero(backend, device):
     """Bits after the last element are 0 whatever the padding value would quantize to."""
     x = torch.arange(13, dtype=torch.float32).flip(0)  # the last block starts with its maximum
@@ -282,12 +295,9 @@ def test_misaligned_packed_out(backend, device, offset):
     assert_same(y, dequantize_reference(*quantize_reference(x.cpu(), bits, 64), n, bits, 64))
 
 
-def test_cpu_threads_bit_exact(monkeypatch):
+def test_cpu_threads_bit_exact(monkeypatch, cpu_build):
     """The compiled path split over threads (contiguous block ranges) gives the same bytes."""
-    from fastml_strategy.kernels import cpu
-
-    if not cpu.available():
-        pytest.skip("compiled CPU path unavailable")
+    cpu = cpu_build
     monkeypatch.setenv("FASTML_CPU_THREADS", "3")
     n = 3 * cpu._MIN_ELEMS_PER_THREAD + 1234
     x = make_input(n, torch.bfloat16, seed=9)
