@@ -2,7 +2,7 @@
 
 Public API, grouped by purpose:
 
-- plans: :class:`Plan`, :class:`CodecConfig`, :class:`Codec`, ``RECIPES``
+- plans: :class:`Plan`, :class:`CodecConfig`, :class:`Codec`, ``RECIPES``, :class:`LocalSteps`
 - DDP: :func:`register_hook`, :class:`FastMLState`
 - local steps with compressed outer synchronisation (DiLoCo, below 1 Gbit/s): :class:`LocalSGD`
 - errors: :class:`CompressionError` (a rank failed or died during the compressed all-reduce),
@@ -19,7 +19,7 @@ launchers' keyword arguments beyond those documented in ``fastml_strategy.kernel
 Importing this package never initialises CUDA and does not import optuna, accelerate or triton.
 """
 
-from fastml_strategy.config import RECIPES, Codec, CodecConfig, Plan
+from fastml_strategy.config import RECIPES, Codec, CodecConfig, LocalSteps, Plan
 from fastml_strategy.hook import CompressionError, FastMLState, ReplicaDriftError, register_hook
 from fastml_strategy.localsgd import LocalSGD
 
@@ -31,6 +31,7 @@ __all__ = [
     "CodecConfig",
     "Codec",
     "RECIPES",
+    "LocalSteps",
     # DDP
     "register_hook",
     "FastMLState",

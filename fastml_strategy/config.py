@@ -8,6 +8,13 @@ batched into one message per bucket, because their metadata would cost more than
 Plans round-trip through JSON with a format version, are written atomically, and carry a digest that
 the hook compares across ranks at registration (ranks holding different plans would otherwise issue
 collectives of different sizes and hang).
+
+A plan may also say *when* to communicate: ``Plan.local_steps`` (a :class:`LocalSteps`, set by
+``fastml-autotune`` when local steps win) asks for :class:`~fastml_strategy.LocalSGD` with H inner
+steps between synchronisations, F fragments and its outer optimizer, the codecs then compressing the
+pseudo-gradients; ``LocalSGD.from_plan(model, inner, plan)`` uses it. Without it (every plan written
+before it existed) the plan compresses every step's gradients. It is written only when set, so the
+files and digests of per-step plans are what they were.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from typing import Any, Iterable, Mapping
 
 from fastml_strategy._io import atomic_write_text
 
-__all__ = ["Codec", "CodecConfig", "Plan", "RECIPES", "PLAN_FORMAT_VERSION", "resolve_plan"]
+__all__ = ["Codec", "CodecConfig", "LocalSteps", "Plan", "RECIPES", "PLAN_FORMAT_VERSION", "resolve_plan"]
 
 PLAN_FORMAT_VERSION = 1
 
@@ -200,6 +207,67 @@ def _q(bits: int, **kw: Any) -> CodecConfig:
     return CodecConfig(codec=Codec.QUANTIZE, bits=bits, **kw)
 
 
+OUTER_OPTIMIZERS = ("nesterov", "sgd")
+
+
+@dataclass(frozen=True)
+class LocalSteps:
+    """Synchronise every ``every`` inner steps instead of every step (the arguments of
+    :class:`~fastml_strategy.LocalSGD` other than the model, the optimizer and the plan).
+
+    ``every``: H, inner steps between two synchronisations (the bytes per step drop by H; the steps
+    to the target grow by what the autotuner's calibration measured). ``fragments``: F, the model
+    synchronised in F staggered pieces (Streaming DiLoCo: the same bytes, 1/F of them at a time).
+    ``delay``: inner steps a fragment's all-reduce may run under compute before its outer update
+    (hides the wire time; that fragment's local progress of those steps is dropped). ``outer``,
+    ``outer_lr``, ``outer_momentum``: the outer optimizer (DiLoCo: Nesterov, 0.7, 0.9)."""
+
+    every: int = 50
+    fragments: int = 1
+    delay: int = 0
+    outer: str = "nesterov"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+
+    def __post_init__(self) -> None:
+        for name, lo in (("every", 1), ("fragments", 1), ("delay", 0)):
+            v = getattr(self, name)
+            if not _is_int(v) or v < lo:
+                raise ValueError(f"local_steps.{name} is {v!r}; use a whole number >= {lo}")
+        if self.delay and self.delay >= max(1, self.every // self.fragments):
+            raise ValueError(f"local_steps.delay is {self.delay}; it must be shorter than every // fragments "
+                             f"= {self.every // self.fragments} (the gap between two fragments' syncs)")
+        if self.outer not in OUTER_OPTIMIZERS:
+            raise ValueError(f"local_steps.outer is {self.outer!r}; use one of {list(OUTER_OPTIMIZERS)}")
+        for name in ("outer_lr", "outer_momentum"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or v == float("inf"):
+                raise ValueError(f"local_steps.{name} is {v!r}; use a finite number >= 0")
+
+    def kwargs(self) -> dict[str, Any]:
+        """``LocalSGD(model, inner, plan=plan, **plan.local_steps.kwargs())``."""
+        return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        return (f"H={self.every}" + (f", F={self.fragments}" if self.fragments > 1 else "")
+                + (f", delay {self.delay}" if self.delay else "")
+                + f", outer {self.outer} lr {self.outer_lr:g}"
+                + (f" momentum {self.outer_momentum:g}" if self.outer_momentum else ""))
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "local_steps") -> "LocalSteps":
+        if not isinstance(d, Mapping):
+            raise ValueError(f"{where}: expected an object with field 'every', got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {unknown}; known fields are {sorted(known)}")
+        try:
+            return cls(**d)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {str(e).removeprefix('local_steps.')}") from None
+
+
 # Named recipes (``Plan.from_recipe``). "none" is DDP's own fp32 all-reduce, exactly.
 RECIPES: dict[str, CodecConfig] = {
     "none": CodecConfig(codec=Codec.FP32),
@@ -228,6 +296,8 @@ class Plan:
     # Base seed of stochastic rounding; the hook mixes in the rank and the step.
     seed: int = 0
     name: str = "custom"
+    # Local steps (LocalSGD: synchronise every H steps) instead of every step; None: every step.
+    local_steps: LocalSteps | None = None
 
     def __post_init__(self) -> None:
         layers = self.layers
@@ -307,7 +377,7 @@ class Plan:
                 f"{PLAN_FORMAT_VERSION}); re-create the plan with this version's fastml-autotune or "
                 f"Plan.save, or upgrade FastML"
             )
-        known = {"format_version", "default", "layers", "min_numel", "seed", "name", "meta"}
+        known = {"format_version", "default", "layers", "min_numel", "seed", "name", "meta", "local_steps"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"{where}: unknown field(s) {unknown}; known fields are {sorted(known)}")
@@ -322,8 +392,11 @@ class Plan:
         min_numel = d.get("min_numel", DEFAULT_MIN_NUMEL)
         seed = d.get("seed", 0)
         name = d.get("name", "custom")
+        local = d.get("local_steps")
+        local = None if local is None else LocalSteps.from_dict(local, f"{where}.local_steps")
         try:
-            return cls(default=default, layers=layers, min_numel=min_numel, seed=seed, name=str(name))
+            return cls(default=default, layers=layers, min_numel=min_numel, seed=seed, name=str(name),
+                       local_steps=local)
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
 
@@ -354,7 +427,7 @@ class Plan:
 
     # -- serialisation -----------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "format_version": PLAN_FORMAT_VERSION,
             "name": self.name,
             "default": self.default.to_dict(),
@@ -362,6 +435,9 @@ class Plan:
             "min_numel": self.min_numel,
             "seed": self.seed,
         }
+        if self.local_steps is not None:  # only when set: per-step plans keep their files and digests
+            d["local_steps"] = self.local_steps.kwargs()
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
@@ -423,6 +499,9 @@ class Plan:
             raise ValueError(f"plan.seed is {self.seed!r}; use a whole number")
         if not isinstance(self.name, str):
             raise ValueError(f"plan.name is {self.name!r}; use a string (it names the plan in logs)")
+        if self.local_steps is not None and not isinstance(self.local_steps, LocalSteps):
+            raise ValueError(f"plan.local_steps is a {type(self.local_steps).__name__}; use "
+                             f"fastml_strategy.LocalSteps(every=H, ...) or None (synchronise every step)")
 
     def check_parameters(self, names: Iterable[str], aliases: Mapping[str, str] | None = None,
                          frozen: Iterable[str] = ()) -> None:

@@ -460,11 +460,13 @@ def plan_summary(plan: Plan, params: dict, world_size: int) -> str:
 
 
 def agreed_plan(plan: Any, names: list, group: Any, world_size: int, check: Any = None,
-                aliases: Optional[dict] = None, frozen: Any = ()) -> Plan:
+                aliases: Optional[dict] = None, frozen: Any = (), local_steps: bool = False) -> Plan:
     """Resolve ``plan`` and check it against the parameter ``names`` on every rank (``aliases`` and
     ``frozen``: see :meth:`Plan.resolve_names`), then agree: every rank raises the same ValueError if
     the plan (or ``check()``, any further validation) failed on any rank, or if ranks hold different
-    plans. A collective on ``group``. Returns the plan with aliases resolved; notes are warned."""
+    plans. A collective on ``group``. Returns the plan with aliases resolved; notes are warned, and so
+    is a plan tuned for local steps (``Plan.local_steps``) given to a per-step user (``local_steps``
+    False: the DDP hook, FSDP)."""
     # Validate locally, then agree: a rank whose plan is bad must not leave the others waiting.
     error, digest, plan_obj, failed_check, notes = None, None, None, None, []
     try:
@@ -497,6 +499,12 @@ def agreed_plan(plan: Any, names: list, group: Any, world_size: int, check: Any 
         )
     for note in notes:
         warnings.warn(f"FastML plan: {note}", stacklevel=3)
+    if plan_obj.local_steps is not None and not local_steps:
+        warnings.warn(f"FastML plan {plan_obj.name!r} was tuned for local steps "
+                      f"({plan_obj.local_steps.describe()}); used here it compresses every step's "
+                      f"gradients, which is not what was tuned. Train with "
+                      f"fastml_strategy.LocalSGD.from_plan(model, inner_optimizer, plan) instead, or "
+                      f"use the per-step plan of the autotuner's report.", stacklevel=3)
     return plan_obj
 
 

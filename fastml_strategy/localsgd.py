@@ -31,6 +31,11 @@ Usage::
         local.step()                                    # synchronises every 50 steps
     local.stats()   # inner_steps, outer_steps, bytes_sent, bytes_per_inner_step, compression ratios
 
+A plan written by ``fastml-autotune`` that chose local steps records H, F, the delay and the outer
+optimizer beside its codecs (``Plan.local_steps``)::
+
+    local = fastml_strategy.LocalSGD.from_plan(model, inner, "tune-out/plan.json")
+
 Checkpoints: ``local.state_dict()`` holds the shared (last-synchronised) parameters, the outer
 optimizer's state, the residuals, the counters and any fragment update still waiting for its delay;
 save it with the model's and the inner optimizer's state dicts, and ``load_state_dict`` resumes exactly.
@@ -153,7 +158,7 @@ class LocalSGD:
                                  f" keep one model replica on one device per rank")
 
         self.plan: Plan = agreed_plan(plan, trainable, process_group, self.world_size, check=check,
-                                      aliases=aliases, frozen=frozen)
+                                      aliases=aliases, frozen=frozen, local_steps=True)
         # Start identical: rank 0's parameters and buffers everywhere.
         src = dist.get_global_rank(process_group, 0) if process_group is not dist.group.WORLD else 0
         with torch.no_grad():
@@ -175,6 +180,28 @@ class LocalSGD:
         self.outer_steps = 0
         self.nonfinite_syncs = 0
         self._failure: Optional[BaseException] = None
+
+    @classmethod
+    def from_plan(cls, model: torch.nn.Module, inner_optimizer: Optional[torch.optim.Optimizer] = None,
+                  plan: Any = None, **overrides: Any) -> "LocalSGD":
+        """LocalSGD with the settings a plan records (``Plan.local_steps``: ``every``, ``fragments``,
+        ``delay``, the outer optimizer), the plan's codecs compressing the pseudo-gradients.
+        ``plan``: a Plan, a plan file (``fastml-autotune``'s plan.json), or None (``FASTML_PLAN``);
+        ``overrides``: any other LocalSGD argument, or one of the plan's to replace. A plan without
+        local steps is an error on every rank (it was tuned for per-step compression)."""
+        from fastml_strategy.config import resolve_plan
+
+        try:
+            p = resolve_plan(plan)
+            missing = p.local_steps is None
+        except ValueError:  # the constructor reports it, on every rank alike
+            p, missing = plan, False
+        if missing:
+            raise ValueError(f"LocalSGD.from_plan: plan {p.name!r} records no local steps (it compresses "
+                             f"every step: use it with fastml_strategy.register_hook); pass "
+                             f"LocalSGD(model, inner, plan=..., every=H) to choose H yourself")
+        kwargs = {**(p.local_steps.kwargs() if isinstance(p, Plan) else {}), **overrides}
+        return cls(model, inner_optimizer, plan=p, **kwargs)
 
     # -- fragments -------------------------------------------------------------------------------------------
     @staticmethod
