@@ -19,12 +19,13 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from fastml_strategy.autotune.catalog import HardwareOption, Link, load_catalog, parse_link
-from fastml_strategy.autotune.costmodel import (CANDIDATES, SHARDINGS, Convergence, Profile, Sharding,
+from fastml_strategy.autotune.costmodel import (CANDIDATES, DEFAULT_LOCAL_EVERY, DEFAULT_LOCAL_FRAGMENTS,
+                                                SHARDINGS, Convergence, LocalCalibration, Profile, Sharding,
                                                 default_options, evaluate, family, fit_alpha_beta,
                                                 fit_codec_scale, fit_collective_overhead,
                                                 fit_convergence, pareto_front, step_time)
 from fastml_strategy.autotune.workload import Workload, as_workload, load_target
-from fastml_strategy.config import DEFAULT_MIN_NUMEL, Plan
+from fastml_strategy.config import DEFAULT_MIN_NUMEL, LocalSteps, Plan
 
 __all__ = ["autotune", "AutotuneResult", "Settings", "prepare", "UNIFORM_RECIPES", "SCALING_NODES",
            "WHATIF_NODES", "WHATIF_RANKS_PER_NODE", "ASSUMED_TARGET_STEPS", "baseline_label"]
@@ -80,6 +81,10 @@ class Settings:
     sharding: Sharding = field(default_factory=Sharding)
     ranks_per_node: int = 1  # sharded: ranks of one node of the user's own cluster (HSDP: the shard)
     max_residual_bytes: float | None = None  # sharded: error-feedback memory limit per rank
+    # Local steps (LocalSGD) searched against per-step compression: DDP runs only (--no-local-steps)
+    local_steps: bool = False
+    local_every: tuple[int, ...] = DEFAULT_LOCAL_EVERY  # sync periods H calibrated and searched
+    local_fragments: tuple[int, ...] = DEFAULT_LOCAL_FRAGMENTS  # fragment counts F searched
     distributed: bool = False
     rank: int = 0
     storage: Any = None  # the opened optuna storage (rank 0)
@@ -110,6 +115,20 @@ class AutotuneResult:
     target_steps_source: str = "assumed"  # see TARGET_STEPS_SOURCES
     # Set when the measured link is not a network (every rank on one machine): the report flags it.
     link_warning: str | None = None
+    # Local steps: option -> best feasible LocalSGD row (None: none feasible), and the calibration.
+    local_best: dict[str, dict[str, Any] | None] = field(default_factory=dict)
+    local_calibration: LocalCalibration | None = None
+
+    def winner(self, option: str) -> dict[str, Any]:
+        """The row the option should use: its local-steps row when that beats per-step compression
+        (or plain DDP) on the objective, else ``best[option]``."""
+        b, lb = self.best[option], self.local_best.get(option)
+        return lb if lb is not None and lb["objective"] < b["objective"] else b
+
+
+def uses_local_steps(row: Mapping[str, Any]) -> bool:
+    """Whether a result row is a LocalSGD configuration (H > 1)."""
+    return int(row.get("every", 1)) > 1
 
 
 def _positive_int(name: str, v: Any, minimum: int = 1) -> int:
@@ -169,7 +188,8 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
             reduce_dtype: str | None = None, reshard_after_forward: bool = True,
             intra_node_link: str | Link | None = None,
             max_residual_gb: float | None = None, overwrite: bool = False,
-            target_steps_source: str | None = None) -> Settings:
+            target_steps_source: str | None = None, local_steps: bool | None = None,
+            local_every: Any = None, local_fragments: Any = None) -> Settings:
     """Validate every input and open the storage; raise ValueError (one line) on the first problem.
     Writes nothing unless everything else is valid (then: the output folder and the default SQLite).
 
@@ -185,7 +205,12 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
     Sharded training (``sharding="fsdp"`` or ``"hsdp"``): ``ranks_per_node`` (default: torchrun's
     LOCAL_WORLD_SIZE, else 1), ``param_dtype`` / ``reduce_dtype`` (fp32 or bf16, as in FSDP2's
     MixedPrecisionPolicy), ``reshard_after_forward``, ``intra_node_link`` (a RATE like ``--link``) and
-    ``max_residual_gb`` (error-feedback memory per rank) describe it; they are errors with DDP."""
+    ``max_residual_gb`` (error-feedback memory per rank) describe it; they are errors with DDP.
+
+    Local steps (DDP only; default on): ``local_steps=False`` searches per-step compression alone;
+    ``local_every`` (sync periods H >= 2, default :data:`DEFAULT_LOCAL_EVERY`) and
+    ``local_fragments`` (F >= 1, default :data:`DEFAULT_LOCAL_FRAGMENTS`) set what is calibrated and
+    searched."""
     import torch.distributed as dist
 
     distributed = dist.is_available() and dist.is_initialized()
@@ -216,6 +241,7 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
             raise ValueError(f"target_steps_source is {steps_source!r}; use one of {list(TARGET_STEPS_SOURCES)}")
     sharding_v = _check_sharding(sharding, ranks_per_node, param_dtype, reduce_dtype,
                                  reshard_after_forward, intra_node_link, max_residual_gb)
+    local_v, every_v, frags_v = _check_local(local_steps, local_every, local_fragments, sharding_v)
     opts = list(options or default_options(sharding_v))
     bad = [o for o in opts if o not in CANDIDATES]
     if bad:
@@ -284,7 +310,43 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
                     verify_rounds=verify_rounds, seed=seed,
                     progress=progress, sharding=sharding_v, ranks_per_node=rpn,
                     max_residual_bytes=None if max_residual_gb is None else float(max_residual_gb) * 2 ** 30,
+                    local_steps=local_v, local_every=every_v, local_fragments=frags_v,
                     distributed=distributed, rank=rank, storage=st, created_out=created)
+
+
+def _int_list(name: str, v: Any, minimum: int, words: str) -> tuple[int, ...]:
+    """``10,50`` or a sequence of whole numbers -> a sorted tuple without repeats."""
+    items = [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else list(v)
+    try:
+        out = [int(x) if isinstance(x, str) else x for x in items]
+    except ValueError:
+        out = []
+    if not out or any(isinstance(x, bool) or not isinstance(x, int) or x < minimum for x in out):
+        raise ValueError(f"{name} is {v!r}; give whole numbers >= {minimum} separated by commas, "
+                         f"e.g. {words}")
+    return tuple(sorted(set(out)))
+
+
+def _check_local(local_steps: Any, every: Any, fragments: Any,
+                 sharding: Sharding) -> tuple[bool, tuple[int, ...], tuple[int, ...]]:
+    """The local-steps options, validated: on by default for DDP; LocalSGD does not shard."""
+    if local_steps is not None and not isinstance(local_steps, bool):
+        raise ValueError(f"local_steps is {local_steps!r}; give True, False or None (on for DDP)")
+    if sharding.sharded:
+        if local_steps or every is not None or fragments is not None:
+            raise ValueError(f"--local-steps / --local-every / --local-fragments describe LocalSGD, which "
+                             f"replicates the model, but --sharding is {sharding.kind}; drop them or use "
+                             f"--sharding ddp")
+        return False, DEFAULT_LOCAL_EVERY, DEFAULT_LOCAL_FRAGMENTS
+    on = True if local_steps is None else local_steps
+    every_v = DEFAULT_LOCAL_EVERY if every is None else _int_list(
+        "--local-every", every, 2, "10,50 (H = 1, per-step compression, is always searched)")
+    frags_v = DEFAULT_LOCAL_FRAGMENTS if fragments is None else _int_list(
+        "--local-fragments", fragments, 1, "1,2,4,8")
+    if not on and (every is not None or fragments is not None):
+        raise ValueError("--local-every / --local-fragments choose what local steps search, but "
+                         "--no-local-steps turns them off; drop one or the other")
+    return on, every_v, frags_v
 
 
 def _check_sharding(sharding: Any, ranks_per_node: Any, param_dtype: Any, reduce_dtype: Any,
@@ -406,14 +468,37 @@ def _broadcast(obj: Any, distributed: bool) -> Any:
 
 
 def _plan_from_choice(profile: Profile, choice: Mapping[str, str], name: str,
-                      meta: Mapping[str, Any] | None = None) -> tuple[Plan, dict[str, Any]]:
+                      meta: Mapping[str, Any] | None = None,
+                      local_steps: LocalSteps | None = None) -> tuple[Plan, dict[str, Any]]:
     layers = {lp.name: CANDIDATES[choice.get(lp.name, "none") if lp.tunable else "none"]
               for lp in profile.layers}
-    plan = Plan(default=CANDIDATES["none"], layers=layers, min_numel=profile.min_numel, name=name)
+    plan = Plan(default=CANDIDATES["none"], layers=layers, min_numel=profile.min_numel, name=name,
+                local_steps=local_steps)
     d = plan.to_dict()
     if meta:
         d["meta"] = dict(meta)
     return plan, d
+
+
+def _local_steps_of(row: Mapping[str, Any], cal: LocalCalibration | None) -> LocalSteps | None:
+    """The LocalSGD settings of a local-steps row (None for a per-step row)."""
+    if not uses_local_steps(row) or cal is None:
+        return None
+    return LocalSteps(every=int(row["every"]), fragments=int(row["fragments"]), delay=int(row["delay"]),
+                      outer=cal.outer, outer_lr=cal.outer_lr, outer_momentum=cal.outer_momentum)
+
+
+def _option_plan(profile: Profile, groups: Mapping[str, list[str]], result: "AutotuneResult", s: Settings,
+                 option: str) -> tuple[Plan, dict[str, Any]]:
+    """The plan file of one option: its winning row's codecs, with local steps when they won."""
+    from fastml_strategy.autotune import search
+
+    w = result.winner(option)
+    return _plan_from_choice(
+        profile, search.expand(groups, w["choice"]), f"autotuned-{option}",
+        meta=_meta(s, option, result.best[option], result.baseline[option], result.convergence,
+                   local=result.local_best.get(option), winner=w),
+        local_steps=_local_steps_of(w, result.local_calibration))
 
 
 def autotune(target: str | Workload | Any, **kwargs: Any) -> AutotuneResult:
@@ -515,7 +600,8 @@ def run(s: Settings) -> AutotuneResult:
         result_core = _broadcast(result_core, s.distributed)
         if isinstance(result_core, _Failed):
             raise RuntimeError(f"rank 0 failed: {result_core.message}")
-        ref, points, conv, target_steps, rows, best, baseline, front, chosen = result_core
+        (ref, points, conv, target_steps, rows, best, baseline, front, chosen, local_best,
+         local_cal) = result_core
 
         # -- 4. measure step times: the tuned plan (never used in a fit) and the recipes -----------
         opt_by_name = {o.name: o for o in options}
@@ -565,22 +651,18 @@ def run(s: Settings) -> AutotuneResult:
                                     "codec_s": br.codec_s, "exposed_comm_s": br.exposed_s,
                                     "bytes_per_rank": br.bytes_per_rank})
         whatif = _whatif(profile, options, groups, best, sh, search) if sh.sharded else []
-        main_plan, main_dict = _plan_from_choice(
-            profile, tuned_choice, f"autotuned-{chosen}",
-            meta=_meta(s, chosen, best[chosen], baseline[chosen], conv))
-        result = AutotuneResult(out=s.out, plan=main_plan, option=chosen, options=options, best=best,
+        result = AutotuneResult(out=s.out, plan=Plan(), option=chosen, options=options, best=best,
                                 baseline=baseline, profile=profile, convergence=conv,
                                 calibration=points, trials=rows, step_times=step_rows,
                                 scaling=scaling, pareto=front, groups=dict(groups), sharding=sh,
                                 whatif=whatif, target_steps=target_steps,
-                                target_steps_source=s.target_steps_source, link_warning=link_warning)
+                                target_steps_source=s.target_steps_source, link_warning=link_warning,
+                                local_best=local_best, local_calibration=local_cal)
+        result.plan, main_dict = _option_plan(profile, groups, result, s, chosen)
         if lead:
             bar.phase("writing the report", 1, "file set")
-            per_option_plans = {
-                o.name: _plan_from_choice(profile, search.expand(groups, best[o.name]["choice"]),
-                                          f"autotuned-{o.name}",
-                                          meta=_meta(s, o.name, best[o.name], baseline[o.name], conv))[1]
-                for o in options}
+            per_option_plans = {o.name: _option_plan(profile, groups, result, s, o.name)[1]
+                                for o in options}
             report.write_outputs(result, s, main_dict, per_option_plans)
             bar.update(1)
         return result
@@ -598,6 +680,14 @@ def _calibrate_and_search(s: Settings, profile: Profile, groups: Mapping[str, li
     run replays finished rounds from the database instead of recomputing them.
     """
     target_steps = float(s.target_steps)
+    local_cal: LocalCalibration | None = None
+    if s.local_steps:
+        bar.phase("calibrating local steps", 1 + len(s.local_every), "run")
+        steps = calibrate.local_calibration_steps(s.calibration_steps, s.local_every)
+        local_cal = calibrate.run_local_calibration(
+            s.workload, profile, s.local_every, world_size=s.world_size, steps=steps, seed=s.seed,
+            max_accuracy_loss=s.max_accuracy_loss, storage=s.storage,
+            study_name=f"{cal_name}-local-{_hash([list(s.local_every), steps])}", progress=bar)
     plans = calibrate.calibration_candidates(profile, groups, s.calibration_trials, s.seed)
     trials_per_option = max(s.trials, len(s.options))
     none_choice = {n: "none" for names in groups.values() for n in names}
@@ -613,6 +703,7 @@ def _calibrate_and_search(s: Settings, profile: Profile, groups: Mapping[str, li
         rows: list[dict[str, Any]] = []
         best: dict[str, dict[str, Any]] = {}
         baseline: dict[str, dict[str, Any]] = {}
+        local_best: dict[str, dict[str, Any] | None] = {}
         sh = s.sharding
         bar.phase("searching", len(options) * trials_per_option, "trial")
         for opt in options:
@@ -622,23 +713,31 @@ def _calibrate_and_search(s: Settings, profile: Profile, groups: Mapping[str, li
             if sh.sharded:  # a DDP run's study names stay what they were (resumable)
                 what += [sh.to_dict(), s.max_residual_bytes, _option_key(opt, sharded=True),
                          profile.collective_overhead_s]
+            if local_cal is not None:  # runs without local steps keep their study names
+                what += [local_cal.to_dict(), list(s.local_fragments)]
             key = _hash(what)
             r = search.run_search(profile, groups, opt, conv, target_steps, storage=s.storage,
                                   study_name=f"fastml-{fp}-search-{opt.name}-{key}",
                                   trials=trials_per_option, seed=s.seed, progress=bar,
-                                  sharding=sh, max_residual_bytes=s.max_residual_bytes)
-            rows.extend(dict(x, kind="fastml") for x in r)
+                                  sharding=sh, max_residual_bytes=s.max_residual_bytes,
+                                  local=local_cal, fragments=s.local_fragments)
+            rows.extend(dict(x, kind="local-steps" if x["every"] > 1 else "fastml") for x in r)
             base = evaluate(profile, none_choice, opt, conv, target_steps, hook=False, sharding=sh)
             base.update(option=opt.name, choice={g: "none" for g in groups}, use_hook=False,
-                        objective=base["cost_usd"] if opt.price_per_hour > 0 else base["tta_s"])
+                        objective=base["cost_usd"] if opt.price_per_hour > 0 else base["tta_s"],
+                        every=1, fragments=1, delay=0)
             baseline[opt.name] = base
             rows.append(dict(base, trial=-1, kind="plain-ddp" if not sh.sharded else f"{sh.kind}-own"))
             # Plain DDP is a candidate too: where no compression pays (a fast link), say so.
             b = search.best_row(r)
             best[opt.name] = dict(b, use_hook=True) if b["objective"] < base["objective"] else dict(base)
+            try:
+                local_best[opt.name] = dict(search.best_row(r, local=True), use_hook=False)
+            except ValueError:  # local steps off, or no H within the accuracy limit
+                local_best[opt.name] = None
         tried = [p["choice"] for p in points]
         new = []
-        for b in best.values():
+        for b in best.values():  # the per-step plans (local steps' codecs compress pseudo-gradients)
             c = b["choice"]
             if c not in tried and c not in new and any(o != "none" for o in c.values()):
                 new.append(c)
@@ -652,9 +751,13 @@ def _calibrate_and_search(s: Settings, profile: Profile, groups: Mapping[str, li
     front = [feas[i] for i in pareto_front([(rows[i]["tta_s"], rows[i]["cost_usd"]) for i in feas])]
     for i, r in enumerate(rows):
         r["pareto"] = i in front
+    def winner(n: str) -> dict[str, Any]:
+        lb = local_best.get(n)
+        return lb if lb is not None and lb["objective"] < best[n]["objective"] else best[n]
+
     chosen = LOCAL if LOCAL in best else min(
-        (o.name for o in options), key=lambda n: (best[n]["cost_usd"], best[n]["tta_s"]))
-    return ref, points, conv, target_steps, rows, best, baseline, front, chosen
+        (o.name for o in options), key=lambda n: (winner(n)["cost_usd"], winner(n)["tta_s"]))
+    return ref, points, conv, target_steps, rows, best, baseline, front, chosen, local_best, local_cal
 
 
 def _option_key(opt: HardwareOption, sharded: bool = False) -> Any:
@@ -692,12 +795,17 @@ def _whatif(profile: Profile, options: list[HardwareOption], groups: Mapping[str
 
 
 def _meta(s: Settings, option: str, best: Mapping[str, Any], base: Mapping[str, Any],
-          conv: Convergence) -> dict[str, Any]:
+          conv: Convergence, local: Mapping[str, Any] | None = None,
+          winner: Mapping[str, Any] | None = None) -> dict[str, Any]:
     def f(v: Any) -> Any:
         return None if isinstance(v, float) and not math.isfinite(v) else v
 
     sh = s.sharding
-    if not sh.sharded:
+    keys = ("step_s", "tta_s", "cost_usd", "error", "g")
+    if winner is not None and uses_local_steps(winner):
+        advice = ("local steps: fastml_strategy.LocalSGD.from_plan(model, inner_optimizer, this file) "
+                  "on a model not wrapped in DDP; the codecs compress the pseudo-gradients")
+    elif not sh.sharded:
         advice = ("register the hook with this plan" if best.get("use_hook", True) else
                   "plain DDP: no compression pays on this option (this plan is fp32 throughout)")
     else:
@@ -715,10 +823,17 @@ def _meta(s: Settings, option: str, best: Mapping[str, Any], base: Mapping[str, 
         # entered, or assumed when the user gave none)
         "target_steps": s.target_steps,
         "target_steps_source": s.target_steps_source,
-        "predicted": {k: f(best[k]) for k in ("step_s", "tta_s", "cost_usd", "error", "g")},
+        "predicted": {k: f((winner or best)[k]) for k in keys},
         f"uncompressed_{sh.kind}": {k: f(base[k]) for k in ("step_s", "tta_s", "cost_usd")},
         "convergence": {"k": conv.k, "gamma": conv.gamma, "e_max": conv.e_max},
     }
+    if s.local_steps:  # both modes' predictions, whichever this file holds
+        meta["mode"] = "local-steps" if winner is not None and uses_local_steps(winner) else "per-step"
+        meta["per_step"] = {k: f(best[k]) for k in keys}
+        meta["local_steps"] = None if local is None else {
+            **{k: f(local[k]) for k in keys}, "every": int(local["every"]),
+            "fragments": int(local["fragments"]), "delay": int(local["delay"]),
+            "stretch": f(local["stretch"])}
     if sh.sharded:
         meta["sharding"] = {"kind": sh.kind, "ranks_per_node": s.ranks_per_node,
                             "param_dtype": sh.param_dtype, "reduce_dtype": sh.reduce,

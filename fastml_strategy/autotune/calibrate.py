@@ -28,10 +28,30 @@ The profile says what each plan's error is; this module measures what that error
 This is a single-rank simulation: each rank's gradient is compressed once, as the first half of the
 scatter-reduce-allgather does; the re-compression of the sum is not simulated (its error is of the same
 order and is partly averaged out across ranks).
+
+Local steps (:func:`run_local_calibration`): how much longer does :class:`~fastml_strategy.LocalSGD`
+with H inner steps between synchronisations take to reach the same loss?
+
+1. Reference: per-step synchronisation at the simulated world size W (``--world-size``): one model,
+   each step the mean gradient of W consecutive batches (what DDP computes).
+2. Local steps, for each H: W replicas in one process, replica i training on batch i of each W
+   consecutive batches (the same batches as the reference, in the same order), each with its own
+   inner optimizer; every H steps the pseudo-gradients (shared - local) are compressed with the
+   calibrated outer plan (uniform int4, error feedback per replica: the first half of the
+   scatter-reduce-allgather, as above), averaged, and LocalSGD's outer optimizer (Nesterov, lr 0.7,
+   momentum 0.9) steps the shared parameters, which every replica then takes. The last step
+   synchronises too, so the metric is the shared model's. The loss of a step is the replicas' mean.
+3. Stretch ``s(H)`` = :func:`steps_ratio` of the two loss curves (smoothed, at the reference's 40/60/80%
+   levels, the same rule as the plans), at least 1; accuracy loss as for the plans.
+
+Each run lasts ``max(--calibration-steps, 4 x the largest H)`` steps (the largest H syncs at least 4
+times) of W forward/backward passes: with the defaults (W = 2, H in 10 and 50) three runs of 200
+steps, 1200 passes. Results are kept in the storage (a resumed run reads them back).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 from typing import Any, Callable, Mapping, Sequence
@@ -39,21 +59,26 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from fastml_strategy.autotune.costmodel import CANDIDATES, Profile, plan_error
+from fastml_strategy.autotune.costmodel import (CANDIDATES, LOCAL_CALIBRATION_OPTION, LocalCalibration,
+                                                Profile, plan_error)
 from fastml_strategy.autotune.profile import SimulatedCompression
 from fastml_strategy.autotune.workload import Workload
 
 __all__ = ["train_curve", "smooth", "steps_ratio", "lag_ratio", "calibration_candidates",
-           "run_calibration"]
+           "run_calibration", "local_curve", "local_calibration_steps", "run_local_calibration"]
+
+
+def _seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % (2 ** 32))
 
 
 def train_curve(wl: Workload, choice: Mapping[str, str] | None, steps: int, seed: int,
                 report: Callable[[int, list[float]], None] | None = None,
                 report_every: int = 5) -> tuple[list[float], float | None]:
     """Train ``steps`` steps from the initial weights; return the loss curve and the eval metric."""
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed % (2 ** 32))
+    _seed_all(seed)
     model = wl.fresh_model()
     model.train()
     opt = wl.make_optimizer(model)
@@ -75,13 +100,132 @@ def train_curve(wl: Workload, choice: Mapping[str, str] | None, steps: int, seed
         losses.append(v if math.isfinite(v) else math.inf)
         if report is not None and (t + 1) % report_every == 0:
             report(t + 1, losses)
-    metric = None
-    if wl.eval_fn is not None:
-        model.eval()
+    return losses, _metric(wl, model)
+
+
+def _metric(wl: Workload, model: torch.nn.Module) -> float | None:
+    if wl.eval_fn is None:
+        return None
+    model.eval()
+    with torch.no_grad():
+        m = wl.eval_fn(model)
+    return None if m is None else float(m)
+
+
+def local_curve(wl: Workload, world_size: int, every: int, steps: int, seed: int,
+                min_numel: int = 0, option: str = LOCAL_CALIBRATION_OPTION, outer: str = "nesterov",
+                outer_lr: float = 0.7, outer_momentum: float = 0.9) -> tuple[list[float], float | None]:
+    """The loss curve (mean over replicas) and final metric of LocalSGD simulated in one process:
+    ``world_size`` replicas, a synchronisation every ``every`` steps and after the last one, the
+    pseudo-gradients compressed with ``option`` (tensors under ``min_numel`` exact). ``every=0`` is
+    the per-step reference: one model, the mean gradient of ``world_size`` batches per step."""
+    from fastml_strategy.codecs import roundtrip
+
+    _seed_all(seed)
+    stream = wl.batch_stream()
+    W = max(1, world_size)
+    losses: list[float] = []
+    if every == 0:
+        model = wl.fresh_model()
+        model.train()
+        opt = wl.make_optimizer(model)
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            total = 0.0
+            for _ in range(W):
+                loss = wl.loss_fn(model, next(stream))
+                (loss / W).backward()
+                total += float(loss.detach())
+            opt.step()
+            losses.append(total / W if math.isfinite(total) else math.inf)
+        return losses, _metric(wl, model)
+    base = wl.fresh_model()
+    replicas = [copy.deepcopy(base) for _ in range(W)]
+    for m in replicas:
+        m.train()
+    opts = [wl.make_optimizer(m) for m in replicas]
+    named = [[(n, p) for n, p in m.named_parameters() if p.requires_grad] for m in replicas]
+    shared = [p.detach().to(torch.float32, copy=True).requires_grad_(True) for _, p in named[0]]
+    outer_opt = torch.optim.SGD(shared, lr=outer_lr, momentum=outer_momentum,
+                                nesterov=outer == "nesterov")
+    cfg = CANDIDATES[option]
+    residuals: dict[tuple[int, int], torch.Tensor] = {}
+
+    def sync() -> None:
         with torch.no_grad():
-            m = wl.eval_fn(model)
-        metric = None if m is None else float(m)
-    return losses, metric
+            for j, a in enumerate(shared):
+                mean = torch.zeros_like(a)
+                for i in range(W):
+                    delta = a - named[i][j][1].detach().to(torch.float32)
+                    if cfg.lossy and delta.numel() >= min_numel:
+                        x = delta + residuals[(i, j)] if (i, j) in residuals else delta
+                        dec, _ = roundtrip(x, cfg)
+                        if cfg.uses_residual:
+                            residuals[(i, j)] = x - dec
+                        delta = dec
+                    mean += delta
+                a.grad = mean / W
+            outer_opt.step()
+            outer_opt.zero_grad(set_to_none=True)
+            for i in range(W):
+                for j, (_, p) in enumerate(named[i]):
+                    p.copy_(shared[j].to(p.dtype))
+
+    for t in range(steps):
+        total = 0.0
+        for m, opt in zip(replicas, opts):
+            opt.zero_grad(set_to_none=True)
+            loss = wl.loss_fn(m, next(stream))
+            loss.backward()
+            opt.step()
+            total += float(loss.detach())
+        losses.append(total / W if math.isfinite(total) else math.inf)
+        if (t + 1) % every == 0 or t + 1 == steps:
+            sync()
+    return losses, _metric(wl, replicas[0])
+
+
+def local_calibration_steps(calibration_steps: int, every: Sequence[int]) -> int:
+    """Length of each local-steps calibration run: the plans' length, or 4 syncs of the largest H."""
+    return max(calibration_steps, 4 * max(every, default=1))
+
+
+def run_local_calibration(wl: Workload, profile: Profile, every: Sequence[int], *, world_size: int,
+                          steps: int, seed: int, max_accuracy_loss: float, storage: Any = None,
+                          study_name: str | None = None, progress: Any = None) -> LocalCalibration:
+    """Run (or read back from the storage) the per-step reference and one LocalSGD run per H, and
+    return the measured stretch and accuracy loss of each H (module docstring)."""
+    study = None
+    if storage is not None and study_name is not None:
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        study = optuna.create_study(storage=storage, study_name=study_name, direction="minimize",
+                                    load_if_exists=True)
+
+    def run(key: str, h: int) -> dict[str, Any]:
+        got = study.user_attrs.get(key) if study is not None else None
+        if got is None:
+            losses, metric = local_curve(wl, world_size, h, steps, seed, min_numel=profile.min_numel)
+            got = {"losses": losses, "metric": metric}
+            if study is not None:
+                study.set_user_attr(key, got)
+        if progress is not None:
+            progress.update(1)
+        return got
+
+    ref = run("local-reference", 0)
+    stretch, acc, cens = {}, {}, {}
+    for h in sorted(set(every)):
+        r = run(f"local-H{h}", h)
+        ratio, censored = steps_ratio(ref["losses"], r["losses"])
+        stretch[h] = max(1.0, ratio)
+        acc[h] = _accuracy_loss(ref, r["losses"], r["metric"])
+        cens[h] = censored
+    e_cal = plan_error(profile, {lp.name: LOCAL_CALIBRATION_OPTION for lp in profile.layers
+                                 if lp.tunable and LOCAL_CALIBRATION_OPTION in lp.rel_error})
+    return LocalCalibration(stretch=stretch, accuracy_loss=acc, censored=cens, e_cal=e_cal,
+                            max_accuracy_loss=max_accuracy_loss, steps=steps, world_size=world_size)
 
 
 def smooth(losses: Sequence[float], span: int | None = None) -> np.ndarray:

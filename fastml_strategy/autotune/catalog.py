@@ -3,8 +3,9 @@
 A catalog is a YAML file (a list of options, or ``{options: [...]}``) or a CSV file with one option per
 row. Every option names all of :data:`FIELDS`; a missing or malformed field is an error that names the
 file, the option and the field, raised before any profiling starts. The built-in
-``default_catalog.yaml`` (next to this module) holds a cheap Ethernet cluster, a bigger Ethernet one
-and an expensive InfiniBand one at on-demand cloud prices.
+``default_catalog.yaml`` (next to this module) holds a cheap Ethernet cluster, a bigger Ethernet one,
+an expensive InfiniBand one at on-demand cloud prices, and spot instances in two regions joined by
+200 Mbit/s (where local steps, ``LocalSGD``, are meant to win).
 
 ``--link RATE`` describes the user's own cluster without a catalog entry: ``1gbit``, ``10gbit``,
 ``25gbps``, ``100mbit``, optionally with a latency, ``1gbit,50us``.

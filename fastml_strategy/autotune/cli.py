@@ -99,6 +99,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "times (0: trust the first calibration)")
     g.add_argument("--seed", type=int, default=0, help="seed of the samplers and the calibration runs")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
+    ls = p.add_argument_group(
+        "local steps",
+        "Besides compressing every step's gradients, the search considers fastml_strategy.LocalSGD: "
+        "synchronise every H steps (bytes per step / H), in F staggered fragments; calibration runs "
+        "measure how much H stretches the steps to the target. The report compares both per option")
+    ls.add_argument("--no-local-steps", dest="local_steps", action="store_false", default=None,
+                    help="search per-step compression only (no local-steps calibration runs)")
+    ls.add_argument("--local-every", default=None, metavar="H,H",
+                    help="sync periods H to calibrate and search, e.g. 10,50 (default); each costs one "
+                         "calibration run of max(--calibration-steps, 4 x the largest H) steps")
+    ls.add_argument("--local-fragments", default=None, metavar="F,F",
+                    help="fragment counts F searched (Streaming DiLoCo), e.g. 1,2,4,8 (default)")
     h = p.add_argument_group(
         "sharded training",
         "--sharding fsdp|hsdp tunes the plan for fastml_strategy.fsdp.register: the cost model then "
@@ -208,7 +220,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype,
             reshard_after_forward=args.reshard_after_forward, intra_node_link=args.intra_node_link,
             max_residual_gb=args.max_residual_gb, overwrite=args.overwrite,
-            target_steps_source=steps_source if args.target_steps is not None else None)
+            target_steps_source=steps_source if args.target_steps is not None else None,
+            local_steps=args.local_steps, local_every=args.local_every,
+            local_fragments=args.local_fragments)
     except ValueError as e:
         failure = str(e)
     if distributed:  # every rank learns whether any rank failed validation, so none hangs
@@ -247,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 finally:
                     dist.destroy_process_group()
     if settings.rank == 0:
-        from fastml_strategy.autotune.report import headline
+        from fastml_strategy.autotune.report import headline, winner_line
 
         # The report's answer, in words, then where the files are. Markdown bold is dropped here.
         lines = [line.replace("**", "") for line in headline(result)]
@@ -260,6 +274,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  {line}")
         print(f"  Wrote {settings.out}/plan.json (tuned for {result.option}), report.html, report.md and the "
               f"CSV tables.", flush=True)
+        if settings.local_steps:  # the last line: which mode wins
+            print(f"  {winner_line(result)}", flush=True)
     return 0
 
 

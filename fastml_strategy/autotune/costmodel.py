@@ -37,6 +37,30 @@ feedback on real gradients) and ``g(e) = 1 + k e^gamma`` is fitted by the calibr
 
 Time to accuracy ``TTA = S(p) * T(p, c)``; cost ``= TTA * N * price_per_node_hour / 3600``.
 
+Local steps (:func:`local_step_time`, :func:`evaluate_local`; :class:`~fastml_strategy.LocalSGD`):
+no per-step all-reduce; every H inner steps the pseudo-gradient of the whole model is all-reduced with
+the same compressed scatter-reduce-allgather, in F fragments synchronised at staggered steps, each
+fragment's outer update applied ``d`` inner steps after its all-reduce started (``delay``).
+
+- Per inner step, compute ``c`` is the profile's forward + backward + optimizer time, scaled as in 1.
+- One synchronisation of fragment f: ``wire_f = 3(N-1) a + bytes / (F B)`` (``bytes``: the plan's
+  ``codecs.wire_bytes`` over every layer, as one DDP step of that plan would send; rounds: the
+  all_to_all, the all_gather and the status exchange) and codec time ``T_codec / F``.
+- It runs on LocalSGD's communication thread while the next ``d`` inner steps compute; the step that
+  applies it waits for what is left: ``max(0, wire_f - d c)``. Fragments are ``H / F`` steps apart and
+  ``d < H / F``, so one fragment's wait never overlaps another's.
+- Over a period of H inner steps: ``H c + T_codec + F max(0, wire_f - d c)``; the step time is that
+  over H. Whole-model sync (``F = 1, d = 0``): ``c + (wire + T_codec) / H``; streaming with a
+  delay long enough to hide each fragment: ``c + T_codec / H`` (``max(H c, wire) / H`` when
+  ``d = H / F``, the brief's bound). Bytes per inner step: ``bytes / H``.
+- Steps to the target: ``S_ref x s(H) x g(e(p)) / g(e_cal) x H / (H - d)``. ``s(H)`` is the stretch
+  the calibration measured for H (local steps with the calibrated outer plan against per-step
+  synchronisation at the same world size, >= 1); ``g(e(p)) / g(e_cal)`` charges a plan lossier than
+  the calibrated one (uniform int4) as per-step compression would be charged; ``H / (H - d)``:
+  with ``mix=1`` a fragment's local progress during its delay is dropped (a model, not measured).
+  The delay is not searched: for each (plan, H, F) the ``d`` in ``[0, H // F)`` with the lowest
+  time to accuracy is taken.
+
 Sharded training (``Sharding(kind="fsdp" | "hsdp")``, :func:`sharded_step_time`) replaces steps 2-5
 with FSDP2's schedule over *units* (one ``fully_shard`` module each: see :func:`fsdp_units`):
 
@@ -106,7 +130,19 @@ __all__ = [
     "family",
     "fit_convergence",
     "pareto_front",
+    "LocalCalibration",
+    "local_step_time",
+    "evaluate_local",
+    "DEFAULT_LOCAL_EVERY",
+    "DEFAULT_LOCAL_FRAGMENTS",
 ]
+
+# Local steps: the sync periods H calibrated and searched by default (per-step compression is H = 1,
+# always searched), and the fragment counts F searched (Streaming DiLoCo uses a few to a few tens).
+DEFAULT_LOCAL_EVERY: tuple[int, ...] = (10, 50)
+DEFAULT_LOCAL_FRAGMENTS: tuple[int, ...] = (1, 2, 4, 8)
+# The outer plan of the local-steps calibration runs (LocalSGD's default).
+LOCAL_CALIBRATION_OPTION = "int4"
 
 # DDP's bucket sizes (torch.nn.parallel.DistributedDataParallel: bucket_cap_mb=25, and
 # dist._DEFAULT_FIRST_BUCKET_BYTES = 1 MiB for the first bucket, the last layers).
@@ -288,6 +324,47 @@ class Convergence:
         return 1.0 + self.k * (max(e, 0.0) ** self.gamma)
 
 
+@dataclass
+class LocalCalibration:
+    """What the local-steps calibration measured, per sync period H (see ``calibrate.run_local_calibration``).
+
+    ``stretch[H]``: steps local steps need to reach the per-step run's loss levels over the steps the
+    per-step run needs (>= 1: noise never makes local steps look faster than synchronising every
+    step); ``accuracy_loss[H]``: by the same rule as the plans' calibration; ``e_cal``: the plan
+    error of the outer plan the runs used (uniform int4)."""
+
+    stretch: dict[int, float]
+    accuracy_loss: dict[int, float]
+    censored: dict[int, bool]
+    e_cal: float
+    max_accuracy_loss: float
+    steps: int = 0  # length of each calibration run
+    world_size: int = 2  # replicas simulated
+    outer: str = "nesterov"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+
+    def feasible(self, every: int) -> bool:
+        return every in self.stretch and self.accuracy_loss[every] <= self.max_accuracy_loss + 1e-12
+
+    @property
+    def every(self) -> list[int]:
+        return sorted(self.stretch)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for k in ("stretch", "accuracy_loss", "censored"):
+            d[k] = {str(h): v for h, v in d[k].items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "LocalCalibration":
+        d = dict(d)
+        for k in ("stretch", "accuracy_loss", "censored"):
+            d[k] = {int(h): v for h, v in d[k].items()}
+        return cls(**d)
+
+
 @dataclass(frozen=True)
 class StepBreakdown:
     compute_s: float
@@ -346,6 +423,25 @@ def _codec_factor(cfg: CodecConfig, nodes: int) -> float:
     return (3.0 + 1.0 / nodes) / 2.0
 
 
+def _layer_cost(profile: Profile, lp: LayerProfile, choice: Mapping[str, str], nodes: int,
+                speed: float, hook: bool = True) -> tuple[int, float]:
+    """(bytes one rank sends, codec seconds) of one layer in one compressed all-reduce over
+    ``nodes`` (``hook=False``: DDP's fp32 all-reduce, no codec)."""
+    from fastml_strategy.codecs import effective_config, wire_bytes
+
+    if nodes <= 1:
+        return 0, 0.0
+    name, cfg = _cfg(choice, lp) if hook else ("none", CANDIDATES["none"])
+    nbytes = wire_bytes(lp.numel, cfg, nodes)
+    if not (hook and lp.tunable):
+        return nbytes, 0.0
+    eff = effective_config(cfg, lp.numel, nodes)
+    # a top-k layer past its fallback world size runs its dense fallback codec
+    t = lp.codec_s.get(name, 0.0) if eff == cfg else lp.codec_s.get(
+        _candidate_name(eff), lp.codec_s.get("int8", 0.0))
+    return nbytes, t * _codec_factor(eff, nodes) * profile.codec_scale.get(family(eff), 1.0) / speed
+
+
 def step_time(profile: Profile, choice: Mapping[str, str], option: HardwareOption,
               nodes: int | None = None, hook: bool = True,
               sharding: Sharding | None = None) -> StepBreakdown:
@@ -355,8 +451,6 @@ def step_time(profile: Profile, choice: Mapping[str, str], option: HardwareOptio
     ``sharding``: :func:`sharded_step_time` (``hook=False``: FSDP's own collectives)."""
     if sharding is not None and sharding.sharded:
         return sharded_step_time(profile, choice, option, sharding, nodes=nodes, hook=hook)
-    from fastml_strategy.codecs import effective_config, wire_bytes
-
     n = option.nodes if nodes is None else nodes
     ranks = n * option.accelerators_per_node
     scale = profile.world_size / (ranks * option.compute_speed)
@@ -370,16 +464,9 @@ def step_time(profile: Profile, choice: Mapping[str, str], option: HardwareOptio
         nbytes = 0
         codec_b = 0.0
         for lp in bucket:
-            name, cfg = _cfg(choice, lp) if hook else ("none", CANDIDATES["none"])
-            if n > 1:
-                nbytes += wire_bytes(lp.numel, cfg, n)
-                eff = effective_config(cfg, lp.numel, n)
-                if hook and lp.tunable:
-                    # a top-k layer past its fallback world size runs its dense fallback codec
-                    t = lp.codec_s.get(name, 0.0) if eff == cfg else lp.codec_s.get(
-                        _candidate_name(eff), lp.codec_s.get("int8", 0.0))
-                    codec_b += (t * _codec_factor(eff, n) * profile.codec_scale.get(family(eff), 1.0)
-                                / option.compute_speed)
+            b, c = _layer_cost(profile, lp, choice, n, option.compute_speed, hook)
+            nbytes += b
+            codec_b += c
         # the hook issues two collectives per bucket (all_to_all + all_gather), DDP one ring
         # all-reduce; both take 2(N-1) latency rounds
         rounds = 2 * (n - 1)
@@ -789,6 +876,76 @@ def evaluate(profile: Profile, choice: Mapping[str, str], option: HardwareOption
         "tta_s": tta,
         "cost_usd": cost,
         **extra,
+    }
+
+
+def local_step_time(profile: Profile, choice: Mapping[str, str], option: HardwareOption, every: int,
+                    fragments: int = 1, delay: int = 0, nodes: int | None = None) -> StepBreakdown:
+    """Predicted time per inner step of LocalSGD (``every`` = H, ``fragments`` = F, ``delay`` = d) with
+    the plan ``choice`` compressing the pseudo-gradients; the model is in the module docstring.
+    ``wire_s`` and ``codec_s`` are per inner step (a sync's over H); ``exposed_s`` is the wire time
+    not hidden under the delay, per inner step; ``bytes_per_rank`` per inner step."""
+    n = option.nodes if nodes is None else nodes
+    ranks = n * option.accelerators_per_node
+    f = option.compute_speed
+    c = profile.compute_s * profile.world_size / (ranks * f)
+    nbytes, codec = 0, 0.0
+    for lp in profile.layers:
+        b, t = _layer_cost(profile, lp, choice, n, f)
+        nbytes += b
+        codec += t
+    link = option.link
+    F = max(1, fragments)
+    wire_f = (3 * (n - 1) * link.latency_s + nbytes / (F * link.bandwidth_Bps)) if n > 1 else 0.0
+    waited = F * max(0.0, wire_f - delay * c)
+    period = every * c + codec + waited
+    return StepBreakdown(c, codec / every, F * wire_f / every, waited / every, period / every,
+                         int(round(nbytes / every)))
+
+
+def evaluate_local(profile: Profile, choice: Mapping[str, str], option: HardwareOption,
+                   conv: Convergence, local: LocalCalibration, target_steps: float, every: int,
+                   fragments: int = 1) -> dict[str, Any]:
+    """The numbers of one (plan, H, F, option) with local steps, as :func:`evaluate` gives them for
+    per-step compression, plus ``every``, ``fragments``, the chosen ``delay``, ``stretch`` and the
+    bytes of one whole-model synchronisation. The delay is the one in ``[0, H // F)`` with the lowest
+    time to accuracy (``H / (H - d)`` more steps against less waiting). Infeasible when the
+    calibration of H lost more accuracy than allowed, when H was not calibrated, or when the plan's
+    error is above both the per-step limit and the calibrated outer plan's."""
+    e = plan_error(profile, choice)
+    stretch = local.stretch.get(every, math.inf)
+    g_rel = conv.g(e) / conv.g(local.e_cal) if conv.g(local.e_cal) > 0 else 1.0
+    best: tuple[float, int, StepBreakdown] | None = None
+    for d in range(max(1, every // fragments) if fragments > 0 else 1):
+        br = local_step_time(profile, choice, option, every, fragments, d)
+        steps = target_steps * stretch * g_rel * every / (every - d)
+        tta = steps * br.step_s
+        if best is None or tta < best[0] - 1e-15:
+            best = (tta, d, br)
+        if br.exposed_s == 0.0:  # the wait is hidden: a longer delay only drops more progress
+            break
+    tta, d, br = best
+    steps = target_steps * stretch * g_rel * every / (every - d)
+    feasible = (local.feasible(every) and fragments <= len(profile.layers)
+                and e <= max(conv.e_max, local.e_cal) + 1e-12)
+    return {
+        "error": e,
+        "feasible": feasible,
+        "g": steps / target_steps if target_steps > 0 else math.nan,
+        "steps": steps,
+        "step_s": br.step_s,
+        "compute_s": br.compute_s,
+        "codec_s": br.codec_s,
+        "wire_s": br.wire_s,
+        "exposed_s": br.exposed_s,
+        "bytes_per_rank": br.bytes_per_rank,
+        "tta_s": tta,
+        "cost_usd": tta * option.nodes * option.price_per_hour / 3600.0,
+        "every": every,
+        "fragments": fragments,
+        "delay": d,
+        "stretch": stretch,
+        "sync_bytes": br.bytes_per_rank * every,
     }
 
 

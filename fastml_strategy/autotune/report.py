@@ -6,6 +6,11 @@ DDP when no compression pays, with the predicted saving in time and money for th
 user gave (or an assumed one, said so). Times and money read in human units (ms, s, min, h, days; $);
 the CSV tables keep plain numbers (seconds, hours, USD) for other tools.
 
+With local steps searched (the default for DDP), a table, a CSV (``local_steps.csv``) and a figure
+set per-step compression (the tuned plan, or plain DDP where no compression pays) against the best
+:class:`~fastml_strategy.LocalSGD` configuration per option, and say which wins and by how much in
+hours and dollars; the headline and the command's last line name the winner of plan.json's option.
+
 Plots use matplotlib's object-oriented API with the Agg canvas (no pyplot, so the user's backend and
 global figure state are untouched). Legends sit outside the axes and labels are on axes, not beside
 points, so nothing overlaps at any number of plans or options.
@@ -30,11 +35,13 @@ from fastml_strategy.config import Codec, CodecConfig
 if TYPE_CHECKING:
     from fastml_strategy.autotune._run import AutotuneResult, Settings
 
-__all__ = ["write_outputs", "bits_per_element", "headline", "human_time", "human_money", "OUTPUT_FILES"]
+__all__ = ["write_outputs", "bits_per_element", "headline", "winner_line", "human_time", "human_money",
+           "OUTPUT_FILES"]
 
 OUTPUT_FILES = ("plan.json", "report.html", "report.md", "trials.csv", "layers.csv", "calibration.csv",
                 "step_times.csv", "scaling.csv", "options.csv")
 SHARDED_FILES = ("sharded.csv", "whatif.csv")  # written by --sharding fsdp|hsdp runs only
+LOCAL_FILES = ("local_steps.csv",)  # written when local steps were searched
 
 
 def _base(result: "AutotuneResult") -> tuple[str, str]:
@@ -111,6 +118,50 @@ def _steps_words(result: "AutotuneResult") -> str:
             f"({TARGET_STEPS_SOURCES.get(result.target_steps_source, result.target_steps_source)})")
 
 
+def _local_words(row: Mapping[str, Any]) -> str:
+    """A LocalSGD configuration in words: H=50, F=4, delay 2."""
+    return (f"H={int(row['every'])}" + (f", F={int(row['fragments'])}" if int(row["fragments"]) > 1 else "")
+            + (f", delay {int(row['delay'])}" if int(row["delay"]) else ""))
+
+
+def _per_step_words(result: "AutotuneResult", name: str) -> str:
+    return "the tuned plan" if result.best[name].get("use_hook", True) else (
+        "plain DDP" if not result.sharding.sharded else _base(result)[1])
+
+
+def _saving(result: "AutotuneResult", name: str, win: Mapping[str, Any], lose: Mapping[str, Any]) -> str:
+    """'1.9 h and $7.30 less (2.4x faster)': what the winner saves against the loser."""
+    priced = _option(result, name).price_per_hour > 0
+    dt = lose["tta_s"] - win["tta_s"]
+    dm = lose["cost_usd"] - win["cost_usd"]
+    parts = [f"{human_time(abs(dt))} {'less' if dt >= 0 else 'more'} time"]
+    if priced:
+        parts.append(f"{human_money(abs(dm))} {'less' if dm >= 0 else 'more'}")
+    ratio = f" ({lose['tta_s'] / win['tta_s']:.2f}x as fast)" if win["tta_s"] > 0 else ""
+    return " and ".join(parts) + ratio
+
+
+def winner_line(result: "AutotuneResult") -> str:
+    """One line: per-step compression or local steps on plan.json's option, and by how much."""
+    from fastml_strategy.autotune._run import uses_local_steps
+
+    name = result.option
+    b, lb = result.best[name], result.local_best.get(name)
+    priced = _option(result, name).price_per_hour > 0
+
+    def cost(r: Mapping[str, Any]) -> str:
+        return f"{human_time(r['tta_s'])}" + (f" and {human_money(r['cost_usd'])}" if priced else "")
+
+    per_step = f"per-step compression ({_per_step_words(result, name)})"
+    if lb is None:
+        return (f"Winner on {name}: {per_step}, {cost(b)}; no local-steps period stayed within the "
+                f"accuracy limit in calibration.")
+    local = f"local steps ({_local_words(lb)})"
+    if uses_local_steps(result.winner(name)):
+        return f"Winner on {name}: {local}, {cost(lb)} against {cost(b)} with {per_step}: {_saving(result, name, lb, b)}."
+    return f"Winner on {name}: {per_step}, {cost(b)} against {cost(lb)} with {local}: {_saving(result, name, b, lb)}."
+
+
 def headline(result: "AutotuneResult") -> list[str]:
     """The answer, in words, first: what to do and what it saves. Markdown bold marks the verdict."""
     name = result.option
@@ -120,7 +171,18 @@ def headline(result: "AutotuneResult") -> list[str]:
     base = "plain DDP" if not result.sharding.sharded else words
     where = _where(result, name)
     lines = []
-    if b.get("use_hook", True):
+    w = result.winner(name)
+    if w is not b:  # local steps win
+        speed = d["tta_s"] / w["tta_s"] if w["tta_s"] > 0 else float("nan")
+        money = f", {human_money(w['cost_usd'])} instead of {human_money(d['cost_usd'])}" if priced else ""
+        lines.append(f"**Use local steps on {where}: LocalSGD with plan.json ({_local_words(w)})**: predicted "
+                     f"{speed:.2f}x faster than {base}, {human_time(w['tta_s'])} instead of "
+                     f"{human_time(d['tta_s'])}{money} ({_ms(w['step_s'])} per inner step, "
+                     f"{_pct(100 * (w['g'] - 1))} more steps than synchronising every step); "
+                     f"per-step compression ({_per_step_words(result, name)}) would take "
+                     f"{human_time(b['tta_s'])}; local steps: {_saving(result, name, w, b)}; "
+                     f"train with fastml_strategy.LocalSGD.from_plan(model, inner_optimizer, plan).")
+    elif b.get("use_hook", True):
         speed = d["tta_s"] / b["tta_s"] if b["tta_s"] > 0 else float("nan")
         how = ("register it with fastml_strategy.register_hook(model, plan=...) or FASTML_PLAN"
                if not result.sharding.sharded else "pass it to fastml_strategy.fsdp.register after fully_shard")
@@ -141,20 +203,21 @@ def headline(result: "AutotuneResult") -> list[str]:
                      f"throughout; do not register FastML.")
     rentable = [o for o in result.options if o.price_per_hour > 0]
     if rentable:
-        cheap = min(rentable, key=lambda o: (result.best[o.name]["cost_usd"], result.best[o.name]["tta_s"]))
-        fast = min(rentable, key=lambda o: (result.best[o.name]["tta_s"], result.best[o.name]["cost_usd"]))
-        cb, cd = result.best[cheap.name], result.baseline[cheap.name]
+        cheap = min(rentable, key=lambda o: (result.winner(o.name)["cost_usd"], result.winner(o.name)["tta_s"]))
+        fast = min(rentable, key=lambda o: (result.winner(o.name)["tta_s"], result.winner(o.name)["cost_usd"]))
+        cb, cd = result.winner(cheap.name), result.baseline[cheap.name]
         parts = []
         if cheap.name != name:  # plan.json's option is the cheapest already: said above
-            plan = (f"its tuned plan (plans/{cheap.name}.json)" if cb.get("use_hook", True) else base)
+            plan = (f"local steps, {_local_words(cb)} (plans/{cheap.name}.json)" if cb is not result.best[cheap.name]
+                    else f"its tuned plan (plans/{cheap.name}.json)" if cb.get("use_hook", True) else base)
             line = (f"Cheapest to rent: **{cheap.name}** ({cheap.nodes} x {cheap.accelerators_per_node}, "
                     f"{human_money(cheap.price_per_hour)} per node-hour): {human_money(cb['cost_usd'])} and "
                     f"{human_time(cb['tta_s'])} with {plan}")
-            if cb.get("use_hook", True):
+            if cb.get("use_hook", True) or cb is not result.best[cheap.name]:
                 line += f", against {human_money(cd['cost_usd'])} with {base}"
             parts.append(line)
         if fast.name not in (cheap.name, name):
-            fb = result.best[fast.name]
+            fb = result.winner(fast.name)
             parts.append(f"Fastest to rent: {fast.name}, {human_time(fb['tta_s'])} for {human_money(fb['cost_usd'])}")
         if parts:
             lines.append(". ".join(parts) + ".")
@@ -249,10 +312,83 @@ def tables(result: "AutotuneResult") -> dict[str, pd.DataFrame]:
             })
     out = {"layers": layers, "trials": trials, "calibration": calib, "step_times": steps,
            "scaling": scaling, "options": pd.DataFrame(opt_rows)}
+    if result.local_calibration is not None:
+        out["local_steps"] = _local_rows(result)
     if sh.sharded:
         out["sharded"] = pd.DataFrame(sharded_rows)
         out["whatif"] = pd.DataFrame(result.whatif)
     return out
+
+
+def _local_rows(result: "AutotuneResult") -> pd.DataFrame:
+    """local_steps.csv: per option, per-step compression against the best local-steps configuration
+    (plain numbers: hours, USD; ``saves_*``: what the winner saves against the other mode)."""
+    from fastml_strategy.autotune._run import uses_local_steps
+
+    rows = []
+    for o in result.options:
+        b, lb = result.best[o.name], result.local_best.get(o.name)
+        nan = float("nan")
+        row: dict[str, Any] = {
+            "option": o.name, "link_gbps": o.link.bandwidth_Bps * 8 / 1e9,
+            "per_step_plan": "tuned" if b.get("use_hook", True) else "plain-ddp",
+            "per_step_step_ms": 1e3 * b["step_s"], "per_step_hours": b["tta_s"] / 3600,
+            "per_step_cost_usd": b["cost_usd"], "per_step_MB_per_step": b["bytes_per_rank"] / 1e6,
+            "local_every": nan, "local_fragments": nan, "local_delay": nan, "local_stretch": nan,
+            "local_step_ms": nan, "local_hours": nan, "local_cost_usd": nan, "local_MB_per_step": nan,
+            "winner": "per-step", "saves_hours": nan, "saves_usd": nan,
+        }
+        if lb is not None:
+            row.update(local_every=int(lb["every"]), local_fragments=int(lb["fragments"]),
+                       local_delay=int(lb["delay"]), local_stretch=lb["stretch"],
+                       local_step_ms=1e3 * lb["step_s"], local_hours=lb["tta_s"] / 3600,
+                       local_cost_usd=lb["cost_usd"], local_MB_per_step=lb["bytes_per_rank"] / 1e6)
+            win = uses_local_steps(result.winner(o.name))
+            w, other = (lb, b) if win else (b, lb)
+            row.update(winner="local-steps" if win else "per-step",
+                       saves_hours=(other["tta_s"] - w["tta_s"]) / 3600,
+                       saves_usd=other["cost_usd"] - w["cost_usd"])
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _local_table(result: "AutotuneResult") -> pd.DataFrame:
+    """The comparison in human units, one row per option."""
+    from fastml_strategy.autotune._run import uses_local_steps
+
+    rows = []
+    for o in result.options:
+        b, lb = result.best[o.name], result.local_best.get(o.name)
+        priced = o.price_per_hour > 0
+
+        def tc(r: Mapping[str, Any]) -> str:
+            return human_time(r["tta_s"]) + (f", {human_money(r['cost_usd'])}" if priced else "")
+
+        row = {"option": o.name + (" (plan.json)" if o.name == result.option else ""),
+               "link": f"{o.link.bandwidth_Bps * 8 / 1e9:.3g} Gbit/s",
+               "per-step compression": f"{_per_step_words(result, o.name)}: {tc(b)}",
+               "local steps": "none within the accuracy limit", "winner": "per-step compression",
+               "by": "-"}
+        if lb is not None:
+            win = uses_local_steps(result.winner(o.name))
+            row["local steps"] = (f"{_local_words(lb)}: {tc(lb)} ({_ms(lb['step_s'])}/step, "
+                                  f"{lb['stretch']:.2f}x steps)")
+            row["winner"] = "local steps" if win else "per-step compression"
+            row["by"] = _saving(result, o.name, lb, b) if win else _saving(result, o.name, b, lb)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _local_text(result: "AutotuneResult") -> str:
+    cal = result.local_calibration
+    per = "; ".join(f"H={h}: {cal.stretch[h]:.2f}x steps, accuracy loss {cal.accuracy_loss[h]:.3g}"
+                    + (" (over the limit)" if not cal.feasible(h) else "") for h in cal.every)
+    return (f"Local steps (LocalSGD: no per-step all-reduce; the pseudo-gradient is all-reduced every H "
+            f"inner steps, compressed by the plan, in F staggered fragments) against compressing every "
+            f"step, per option, predicted. Calibration ({cal.world_size} simulated replicas, "
+            f"{cal.steps} steps per run, int4 outer plan, outer {cal.outer} lr {cal.outer_lr:g} momentum "
+            f"{cal.outer_momentum:g}): {per}. Step time per inner step = compute + (codec + the part of "
+            f"each fragment's wire time its delay does not hide) / H.")
 
 
 # -- figures -------------------------------------------------------------------------------------------
@@ -290,6 +426,41 @@ def _time_unit(seconds: Any) -> tuple[float, str]:
         if top < limit:
             return div, unit
     return 86400.0, "days"
+
+
+def _pair_bars(result: "AutotuneResult", names: list[str], left: tuple[str, str], right: tuple[str, str],
+               left_hours: Any, right_hours: Any, left_cost: Any, right_cost: Any, title: str) -> str:
+    """Two bars per option (left: ``(label, colour)``, right likewise): time to target on the left
+    panel, cost on the right; options without a price get a note instead of a cost bar."""
+    left_hours, right_hours = list(left_hours), list(right_hours)
+    left_cost, right_cost = list(left_cost), list(right_cost)
+    fig = _fig(8.5, 3.8)
+    ax1, ax2 = fig.add_subplot(121), fig.add_subplot(122)
+    x = list(range(len(names)))
+    w = 0.38
+    div, unit = _time_unit([h * 3600 for h in left_hours + right_hours])
+    ax1.bar([i - w / 2 for i in x], [h * 3600 / div for h in left_hours], w, label=left[0], color=left[1])
+    ax1.bar([i + w / 2 for i in x], [h * 3600 / div for h in right_hours], w, label=right[0], color=right[1])
+    ax1.set_ylabel(f"time to target ({unit})")
+    ax2.bar([i - w / 2 for i in x], left_cost, w, color=left[1])
+    ax2.bar([i + w / 2 for i in x], right_cost, w, color=right[1])
+    ax2.set_ylabel("cost to target (USD)")
+    top = max([v for v in left_cost + right_cost if v > 0] or [1.0])
+    ax2.set_ylim(0, top * 1.08)
+    for i, o in enumerate(result.options):
+        if o.price_per_hour == 0:  # your own cluster: no bar, say why
+            ax2.text(i, top * 0.03, "no price", rotation=90, ha="center", va="bottom", fontsize=7,
+                     color="#666666")
+    hours = [h for h in left_hours + right_hours if h > 0]
+    if hours and max(hours) / min(hours) > 50:  # options orders of magnitude apart
+        ax1.set_yscale("log")
+    for a in (ax1, ax2):
+        a.set_xticks(x, names, rotation=30, ha="right", fontsize=7)
+    fig.subplots_adjust(wspace=0.45, top=0.80)  # the right panel's tick labels clear of the left panel
+    fig.suptitle(title, fontsize=10, y=0.99)
+    fig.legend(*ax1.get_legend_handles_labels(), loc="upper center", bbox_to_anchor=(0.5, 0.93), ncol=2,
+               fontsize=8, frameon=False)
+    return _png(fig)
 
 
 def figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) -> dict[str, str]:
@@ -379,33 +550,16 @@ def figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) -> dict[str
 
     # 4. time and cost per option vs the uncompressed baseline
     op = t["options"]
-    fig = _fig(8.5, 3.8)
-    ax1, ax2 = fig.add_subplot(121), fig.add_subplot(122)
-    x = list(range(len(op)))
-    w = 0.38
-    div, unit = _time_unit(list(op[f"{bp}_hours"] * 3600) + list(op["tuned_hours"] * 3600))
-    ax1.bar([i - w / 2 for i in x], op[f"{bp}_hours"] * 3600 / div, w, label=words, color="#999999")
-    ax1.bar([i + w / 2 for i in x], op["tuned_hours"] * 3600 / div, w, label="tuned plan", color="#3b75af")
-    ax1.set_ylabel(f"time to target ({unit})")
-    ax2.bar([i - w / 2 for i in x], op[f"{bp}_cost_usd"], w, color="#999999")
-    ax2.bar([i + w / 2 for i in x], op["tuned_cost_usd"], w, color="#3b75af")
-    ax2.set_ylabel("cost to target (USD)")
-    top = max([v for v in list(op[f"{bp}_cost_usd"]) + list(op["tuned_cost_usd"]) if v > 0] or [1.0])
-    ax2.set_ylim(0, top * 1.08)
-    for i, o in enumerate(result.options):
-        if o.price_per_hour == 0:  # your own cluster: no bar, say why
-            ax2.text(i, top * 0.03, "no price", rotation=90, ha="center", va="bottom", fontsize=7,
-                     color="#666666")
-    hours = [h for h in list(op[f"{bp}_hours"]) + list(op["tuned_hours"]) if h > 0]
-    if hours and max(hours) / min(hours) > 50:  # options orders of magnitude apart
-        ax1.set_yscale("log")
-    for a in (ax1, ax2):
-        a.set_xticks(x, op["option"], rotation=30, ha="right", fontsize=7)
-    fig.subplots_adjust(wspace=0.45, top=0.80)  # the right panel's tick labels clear of the left panel
-    fig.suptitle("Time and cost per hardware option", fontsize=10, y=0.99)
-    fig.legend(*ax1.get_legend_handles_labels(), loc="upper center", bbox_to_anchor=(0.5, 0.93), ncol=2,
-               fontsize=8, frameon=False)
-    figs["options"] = _png(fig)
+    figs["options"] = _pair_bars(result, list(op["option"]), (words, "#999999"), ("tuned plan", "#3b75af"),
+                                 op[f"{bp}_hours"], op["tuned_hours"], op[f"{bp}_cost_usd"],
+                                 op["tuned_cost_usd"], "Time and cost per hardware option")
+    if "local_steps" in t:  # per-step compression against local steps, in the same style
+        ls = t["local_steps"]
+        figs["local_steps"] = _pair_bars(
+            result, list(ls["option"]), ("per-step compression", "#3b75af"),
+            ("local steps (LocalSGD)", "#e67e22"), ls["per_step_hours"], ls["local_hours"].fillna(0.0),
+            ls["per_step_cost_usd"], ls["local_cost_usd"].fillna(0.0),
+            "Per-step compression vs local steps, per hardware option (no bar: none feasible)")
 
     # 5. scaling predictions
     sc = t["scaling"]
@@ -643,6 +797,8 @@ def markdown(result: "AutotuneResult", s: "Settings", t: Mapping[str, pd.DataFra
     out += ["", "## Hardware options (predicted)", "",
             _options_table(result).to_markdown(index=False),
             *(_sharded_markdown(result, t) if result.sharding.sharded else []),
+            *(["", "## Per-step compression vs local steps (predicted)", "", _local_text(result), "",
+               _local_table(result).to_markdown(index=False)] if "local_steps" in t else []),
             "", "## Step time: predicted vs measured", "",
             (f"Where: {t['step_times']['where'].iloc[0]}.\n\n" + _step_table(t).to_markdown(index=False))
             if len(t["step_times"]) else "(not measured)",
@@ -659,6 +815,7 @@ def markdown(result: "AutotuneResult", s: "Settings", t: Mapping[str, pd.DataFra
                 f"{result.link_warning}"]
     files = [n for n in OUTPUT_FILES if n.endswith(".csv")]
     files += list(SHARDED_FILES) if result.sharding.sharded else []
+    files += list(LOCAL_FILES) if "local_steps" in t else []
     out += ["", "Files: plan.json, plans/*.json (one per option), report.html, and the CSV tables "
             + ", ".join(files) + " (times in seconds or hours, costs in USD).", ""]
     return "\n".join(out)
@@ -734,6 +891,9 @@ def html_report(result: "AutotuneResult", s: "Settings", t: Mapping[str, pd.Data
         "<h2>Details</h2>", f"<ul>{summary}</ul>",
         f"<h2>Time and cost per hardware option vs {html.escape(words)}</h2>", img("options", "options"),
         table(_options_table(result)),
+        *(["<h2>Per-step compression vs local steps</h2>", f"<p>{html.escape(_local_text(result))}</p>",
+           img("local_steps", "per-step compression vs local steps"), table(_local_table(result))]
+          if "local_steps" in t else []),
         *sharded,
         "<h2>Pareto front: time to accuracy vs cost</h2>", img("pareto", "pareto front"),
         table(front) if len(front) else "",
@@ -765,6 +925,7 @@ def write_outputs(result: "AutotuneResult", s: "Settings", plan_dict: Mapping[st
     out = s.out
     names = ["trials", "layers", "calibration", "step_times", "scaling", "options"]
     names += [n[:-4] for n in SHARDED_FILES] if result.sharding.sharded else []
+    names += [n[:-4] for n in LOCAL_FILES] if "local_steps" in t else []
     for name in names:
         with atomic_open(out / f"{name}.csv", "w") as f:
             t[name].to_csv(f, index=False)
@@ -775,6 +936,7 @@ def write_outputs(result: "AutotuneResult", s: "Settings", plan_dict: Mapping[st
     # plan.json last: its presence means the run finished.
     atomic_write_text(out / "plan.json", json.dumps(plan_dict, indent=2, default=_json_default) + "\n")
     stale = [out / n for n in SHARDED_FILES if not result.sharding.sharded]
+    stale += [out / n for n in LOCAL_FILES if "local_steps" not in t]
     stale += [p for p in (out / "plans").glob("*.json") if p.stem not in per_option]
     for p in stale:
         p.unlink(missing_ok=True)

@@ -20,6 +20,13 @@ plan's squared error), which for additive costs traces the best time-error trade
 refines with the full model (overlap, latency rounds, g(e)). The tuned plan is therefore never
 predicted worse than the best uniform recipe.
 
+Local steps (``local``, a :class:`~fastml_strategy.autotune.costmodel.LocalCalibration`): two more
+dimensions, the sync period ``every`` (H: 1 is per-step compression through the DDP hook, the others
+the calibrated periods of :class:`~fastml_strategy.LocalSGD`) and ``fragments`` (F, ignored at H = 1),
+evaluated with ``costmodel.evaluate_local``; the codecs then compress the pseudo-gradients. An H whose
+calibration lost more accuracy than allowed is infeasible (the same constraint). Seeds add the
+calibrated outer plan (uniform int4) at every (H, F) and every uniform plan at each H with F = 1.
+
 The Pareto front of (time to accuracy, cost) over all feasible trials of all options is computed after
 the studies (a multi-objective study would lose the per-option constraint handling and pruning).
 """
@@ -34,9 +41,10 @@ from typing import Any, Mapping
 import numpy as np
 
 from fastml_strategy.autotune.catalog import HardwareOption
-from fastml_strategy.autotune.costmodel import Convergence, Profile, Sharding, evaluate
+from fastml_strategy.autotune.costmodel import (DEFAULT_LOCAL_FRAGMENTS, LOCAL_CALIBRATION_OPTION, Convergence,
+                                                LocalCalibration, Profile, Sharding, evaluate, evaluate_local)
 
-__all__ = ["group_layers", "lagrangian_plans", "run_search", "expand"]
+__all__ = ["group_layers", "lagrangian_plans", "run_search", "expand", "best_row", "local_fragments"]
 
 
 def group_layers(profile: Profile, max_groups: int = 24) -> "OrderedDict[str, list[str]]":
@@ -103,8 +111,12 @@ def _objective_value(r: Mapping[str, Any], option: HardwareOption) -> float:
 def run_search(profile: Profile, groups: Mapping[str, list[str]], option: HardwareOption,
                conv: Convergence, target_steps: float, *, storage: Any, study_name: str, trials: int,
                seed: int, progress: Any = None, sharding: Sharding | None = None,
-               max_residual_bytes: float | None = None) -> list[dict[str, Any]]:
+               max_residual_bytes: float | None = None, local: LocalCalibration | None = None,
+               fragments: tuple[int, ...] = DEFAULT_LOCAL_FRAGMENTS) -> list[dict[str, Any]]:
     """Search one option; return every finished trial as a row.
+
+    Local steps (``local``, DDP only): ``every`` and ``fragments`` are searched too (module
+    docstring); every row has ``every`` (1: per-step compression), ``fragments`` and ``delay``.
 
     Sharded (``sharding``): the cost model is FSDP's or HSDP's, and with ``max_residual_bytes`` a
     second constraint keeps the error-feedback memory per rank under the limit.
@@ -131,19 +143,37 @@ def run_search(profile: Profile, groups: Mapping[str, list[str]], option: Hardwa
             return _rows(done, option, names, keys)
     sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(10, max(1, trials // 5)))
     study = optuna.create_study(direction="minimize", sampler=sampler)
-    seeds = [{g: o for g in names} for o in profile.options]
-    seeds += lagrangian_plans(profile, groups, option, sharding=sharding)
-    for gc in seeds[:trials]:
-        study.enqueue_trial({keys[g]: o for g, o in gc.items()}, skip_if_exists=True)
+    every = [1] + (local.every if local is not None else [])
+    frags = local_fragments(profile, fragments) if local is not None else [1]
+    seeds = [({g: o for g in names}, 1, 1) for o in profile.options]
+    seeds += [(p, 1, 1) for p in lagrangian_plans(profile, groups, option, sharding=sharding)]
+    if local is not None:
+        cal = LOCAL_CALIBRATION_OPTION if LOCAL_CALIBRATION_OPTION in profile.options else profile.options[-1]
+        seeds += [({g: cal for g in names}, h, f) for h in local.every for f in frags]
+        seeds += [({g: o for g in names}, h, 1) for h in local.every for o in profile.options if o != cal]
+    for gc, h, f in seeds[:trials]:
+        params: dict[str, Any] = {keys[g]: o for g, o in gc.items()}
+        if local is not None:
+            params.update(every=h, fragments=f)
+        study.enqueue_trial(params, skip_if_exists=True)
 
     def objective(trial: optuna.Trial) -> float:
         gchoice = {g: trial.suggest_categorical(keys[g], profile.options) for g in names}
-        r = evaluate(profile, expand(groups, gchoice), option, conv, target_steps, sharding=sharding,
-                     max_residual_bytes=max_residual_bytes)
+        h = trial.suggest_categorical("every", every) if local is not None else 1
+        f = trial.suggest_categorical("fragments", frags) if local is not None else 1
+        choice = expand(groups, gchoice)
+        if h == 1:
+            r = evaluate(profile, choice, option, conv, target_steps, sharding=sharding,
+                         max_residual_bytes=max_residual_bytes)
+            r.update(every=1, fragments=1, delay=0)
+            limit = conv.e_max
+        else:
+            r = evaluate_local(profile, choice, option, conv, local, target_steps, h, f)
+            limit = max(conv.e_max, local.e_cal) if local.feasible(h) else -math.inf
         for k, v in r.items():
             trial.set_user_attr(k, bool(v) if k in ("feasible", "memory_ok") else float(v))
         # <= 0 is feasible; TPE reads it (Trial.set_constraint replaces v4's constraints_func)
-        trial.set_constraint("error_over_limit", r["error"] - conv.e_max)
+        trial.set_constraint("error_over_limit", min(r["error"] - limit, 1e9))
         if max_residual_bytes is not None:
             trial.set_constraint("residual_over_limit", r["residual_bytes"] / max_residual_bytes - 1.0)
         return _objective_value(r, option)
@@ -167,13 +197,23 @@ def _rows(trials: list[Any], option: HardwareOption, names: list[str],
         row: dict[str, Any] = {"option": option.name, "trial": t.number, "objective": t.value}
         row.update(t.user_attrs)
         row["choice"] = {g: t.params[keys[g]] for g in names if keys[g] in t.params}
+        for k in ("every", "fragments", "delay"):
+            row[k] = int(row.get(k, 1 if k != "delay" else 0))
         rows.append(row)
     return rows
 
 
-def best_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The feasible trial with the lowest objective (ties: lower error)."""
-    feas = [r for r in rows if r["feasible"] and math.isfinite(r["objective"])]
+def local_fragments(profile: Profile, fragments: tuple[int, ...] = DEFAULT_LOCAL_FRAGMENTS) -> list[int]:
+    """The fragment counts searched: those LocalSGD accepts for this model (at most one fragment per
+    trainable parameter), 1 always."""
+    return sorted({1, *(f for f in fragments if 1 <= f <= len(profile.layers))})
+
+
+def best_row(rows: list[dict[str, Any]], local: bool | None = False) -> dict[str, Any]:
+    """The feasible trial with the lowest objective (ties: lower error): among per-step rows
+    (``local`` False, the default), local-steps rows (True), or all (None)."""
+    feas = [r for r in rows if r["feasible"] and math.isfinite(r["objective"])
+            and (local is None or (r.get("every", 1) > 1) == local)]
     if not feas:
         raise ValueError("no feasible plan was found (not even uncompressed); raise --trials")
     return min(feas, key=lambda r: (r["objective"], r["error"]))
