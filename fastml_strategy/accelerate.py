@@ -56,6 +56,36 @@ variable                        meaning                                         
 Gradient accumulation with ``accelerator.accumulate(model)`` needs nothing more: the micro-batches
 inside ``no_sync`` call no hook. With ``mixed_precision="fp16"`` the hook propagates a non-finite
 value to every rank, so the GradScaler skips the step everywhere.
+
+Local steps (below 1 Gbit/s): :func:`prepare_local_sgd`
+------------------------------------------------------
+:func:`prepare_local_sgd` prepares the model WITHOUT the DDP wrapper (``accelerator.prepare_model(model,
+evaluation_mode=True)``: device placement and mixed precision only) and the other objects as usual,
+then builds :class:`~fastml_strategy.LocalSGD` on the model: the ranks do not communicate in the inner
+steps; every ``every`` steps they average the compressed pseudo-gradients and apply an outer step::
+
+    model, optimizer, loader = fastml_strategy.accelerate.prepare_local_sgd(
+        accelerator, model, optimizer, loader, every=50)          # or FASTML_LOCALSGD_EVERY=50
+    local = accelerator.fastml_localsgd
+    for x, y in loader:
+        accelerator.backward(loss_fn(model(x), y))
+        optimizer.step(); optimizer.zero_grad()
+        local.step()                # with accelerator.accumulate: only when accelerator.sync_gradients
+
+:func:`local_sgd` does the second half for a model you prepared that way yourself. Settings come from
+the arguments, else ``FASTML_LOCALSGD_EVERY`` / ``_OUTER`` / ``_OUTER_LR`` / ``_OUTER_MOMENTUM`` /
+``_FRAGMENTS`` / ``_DELAY``, else the plan's ``local_steps``, else LocalSGD's defaults. Between two
+synchronisations each rank's model and optimizer hold their own progress, so the object registered for
+checkpointing gathers every rank's model, optimizer and LocalSGD state into what ``save_state`` writes,
+and ``load_state`` gives each rank its own back (after Accelerate has loaded rank 0's): the run
+continues on the same trajectory.
+
+Accelerate's own ``accelerate.local_sgd.LocalSGD`` context manager averages the parameters every
+``local_sgd_steps`` steps with a plain fp32 all-reduce (the DDP-wrapped model's ``no_sync`` hides the
+per-step all-reduce). FastML's sends compressed pseudo-gradients with error feedback (int4: about 8x
+fewer bytes per synchronisation), applies an outer optimizer (DiLoCo's Nesterov by default; ``outer="sgd",
+outer_lr=1, outer_momentum=0`` is Accelerate's averaging), can stream the model in fragments whose
+communication overlaps the inner steps, and checkpoints every rank's state for an exact resume.
 """
 
 from __future__ import annotations
@@ -67,12 +97,14 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from fastml_strategy.config import Plan, resolve_plan
-from fastml_strategy.hook import FastMLState, register_hook
+from fastml_strategy.hook import FastMLState, own_rank_state, register_hook
+from fastml_strategy.localsgd import STATE_FORMAT_VERSION as LOCALSGD_FORMAT_VERSION
+from fastml_strategy.localsgd import LocalSGD, gather_to_rank_zero, resolve_settings
 
 if TYPE_CHECKING:
     from fastml_strategy.fsdp import FSDPState
 
-__all__ = ["setup", "prepare", "CheckpointState"]
+__all__ = ["setup", "prepare", "CheckpointState", "local_sgd", "prepare_local_sgd", "LocalSGDCheckpoint"]
 
 
 def _env_int(name: str, value: int | None, default: int) -> int:
@@ -129,12 +161,16 @@ def _find_fsdp2(model: Any) -> torch.nn.Module | None:
     return next((m for m in _unwrap(model) if isinstance(m, FSDPModule)), None)
 
 
-def _reject_fsdp1(model: Any) -> None:
+def _is_fsdp1(model: Any) -> bool:
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:  # torch built without distributed
-        return
-    if isinstance(model, torch.nn.Module) and any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        return False
+    return isinstance(model, torch.nn.Module) and any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+
+
+def _reject_fsdp1(model: Any) -> None:
+    if _is_fsdp1(model):
         raise TypeError(
             "fastml_strategy.accelerate.setup: the model is wrapped in FSDP1 (FullyShardedDataParallel: "
             "Accelerate's FSDP plugin with fsdp_version: 1, its default), which FastML does not compress. "
@@ -230,3 +266,117 @@ def prepare(
     accelerator.fastml_state = setup(accelerator, models[0], plan, check_replicas_every=check_replicas_every,
                                      layer_stats_every=layer_stats_every, checkpoint=checkpoint)
     return prepared
+
+
+# -- local steps -----------------------------------------------------------------------------------------
+class LocalSGDCheckpoint:
+    """What :func:`local_sgd` registers for checkpointing: every rank's model, optimizers and LocalSGD
+    state (between two synchronisations they differ from rank to rank).
+
+    ``state_dict()`` is a collective (the main process receives every rank's part, which it writes);
+    ``load_state_dict()`` gives each rank its own part back, over the rank 0 model and optimizer state
+    that ``load_state`` loaded before it.
+    """
+
+    def __init__(self, local: LocalSGD, model: torch.nn.Module, optimizers: list) -> None:
+        self.local = local
+        self.model = model
+        self.optimizers = optimizers
+
+    def state_dict(self) -> dict:
+        own = {"rank": self.local.rank, "model": self.model.state_dict(),
+               "optimizers": [o.state_dict() for o in self.optimizers], "localsgd": self.local.state_dict()}
+        return gather_to_rank_zero(own) or {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        own = own_rank_state(state_dict, self.local.rank, self.local.world_size, LOCALSGD_FORMAT_VERSION,
+                             "fastml_strategy.accelerate.LocalSGDCheckpoint")
+        if len(own["optimizers"]) != len(self.optimizers):
+            raise ValueError(f"the checkpoint holds {len(own['optimizers'])} optimizer states, local_sgd() was "
+                             f"given {len(self.optimizers)}; pass the same optimizers as when it was saved")
+        self.model.load_state_dict(own["model"])
+        for opt, sd in zip(self.optimizers, own["optimizers"]):
+            opt.load_state_dict(sd)
+        self.local.load_state_dict(own["localsgd"])
+
+
+def local_sgd(
+    accelerator: Any,
+    model: Any,
+    optimizer: Any = None,
+    plan: Plan | str | os.PathLike | dict | None = None,
+    *,
+    every: int | None = None,
+    outer: str | None = None,
+    outer_lr: float | None = None,
+    outer_momentum: float | None = None,
+    fragments: int | None = None,
+    delay: int | None = None,
+    mix: float = 1.0,
+    layer_stats_every: int | None = None,
+    checkpoint: bool = True,
+) -> LocalSGD | None:
+    """Build :class:`~fastml_strategy.LocalSGD` on a model that Accelerate did NOT wrap in DDP
+    (``accelerator.prepare_model(model, evaluation_mode=True)``); call it on every process.
+
+    Call ``local.step()`` after each optimizer step (under ``accelerator.accumulate``: only when
+    ``accelerator.sync_gradients``). ``optimizer``: the prepared optimizer, or a list of them, whose
+    per-rank state the checkpoint keeps. ``checkpoint=False`` skips ``register_for_checkpointing``.
+    Settings: see the module docstring. Returns None in a single process (after checking the plan
+    against the model). Raises TypeError, on every process, for a model wrapped in DDP or FSDP.
+    """
+    resolved, settings = resolve_settings(plan, every=every, outer=outer, outer_lr=outer_lr,
+                                          outer_momentum=outer_momentum, fragments=fragments, delay=delay)
+    layer_every = _env_int("FASTML_LAYER_STATS_EVERY", layer_stats_every, 1)
+    if _find_ddp(model) is not None or _find_fsdp2(model) is not None or _is_fsdp1(model):
+        raise TypeError(
+            f"fastml_strategy.accelerate.local_sgd: the model is a {type(model).__name__} (accelerator.prepare "
+            f"wrapped it), which communicates every step; LocalSGD needs the plain model. Use "
+            f"fastml_strategy.accelerate.prepare_local_sgd(accelerator, model, optimizer, ...), or prepare the "
+            f"model with accelerator.prepare_model(model, evaluation_mode=True)")
+    inner = accelerator.unwrap_model(model) if hasattr(accelerator, "unwrap_model") else model
+    if getattr(accelerator, "num_processes", 1) <= 1:
+        resolved.check_parameters([n for n, p in inner.named_parameters() if p.requires_grad])
+        return None
+    optimizers = [] if optimizer is None else list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    local = LocalSGD(inner, optimizers[0] if len(optimizers) == 1 else None, plan=resolved, mix=mix,
+                     layer_stats_every=layer_every, **settings)
+    if checkpoint:
+        accelerator.register_for_checkpointing(LocalSGDCheckpoint(local, inner, optimizers))
+    return local
+
+
+def prepare_local_sgd(
+    accelerator: Any,
+    model: torch.nn.Module,
+    *objects: Any,
+    plan: Plan | str | os.PathLike | dict | None = None,
+    every: int | None = None,
+    outer: str | None = None,
+    outer_lr: float | None = None,
+    outer_momentum: float | None = None,
+    fragments: int | None = None,
+    delay: int | None = None,
+    mix: float = 1.0,
+    layer_stats_every: int | None = None,
+    checkpoint: bool = True,
+    **prepare_kwargs: Any,
+) -> Any:
+    """``accelerator.prepare_model(model, evaluation_mode=True)`` (no DDP), ``accelerator.prepare(*objects)``,
+    then :func:`local_sgd` with the prepared optimizers among ``objects``.
+
+    Returns ``(model, *prepared objects)``; the :class:`~fastml_strategy.LocalSGD` is kept as
+    ``accelerator.fastml_localsgd`` (None in a single process).
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"fastml_strategy.accelerate.prepare_local_sgd: the first object must be the model (an "
+                        f"nn.Module), got {type(model).__name__}")
+    model = accelerator.prepare_model(model, evaluation_mode=True)
+    prepared = accelerator.prepare(*objects, **prepare_kwargs) if objects else ()
+    items = prepared if isinstance(prepared, tuple) else (prepared,)
+    optimizers = [o for o in items if isinstance(o, torch.optim.Optimizer)]
+    accelerator.fastml_localsgd = local_sgd(accelerator, model, optimizers, plan, every=every, outer=outer,
+                                            outer_lr=outer_lr, outer_momentum=outer_momentum, fragments=fragments,
+                                            delay=delay, mix=mix, layer_stats_every=layer_stats_every,
+                                            checkpoint=checkpoint)
+    return (model, *items)

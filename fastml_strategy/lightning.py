@@ -111,21 +111,27 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 
 from fastml_strategy.config import Plan, resolve_plan
-from fastml_strategy.hook import register_hook
+from fastml_strategy.hook import own_rank_state, register_hook
+from fastml_strategy.localsgd import STATE_FORMAT_VERSION as LOCALSGD_FORMAT_VERSION
+from fastml_strategy.localsgd import LocalSGD, gather_to_rank_zero, resolve_settings
 
 if TYPE_CHECKING:  # the real classes are built lazily, see strategy_class()
     from lightning.fabric.strategies import DDPStrategy as FastMLFabricStrategy  # noqa: F401
     from lightning.fabric.strategies import ModelParallelStrategy as FastMLFSDPFabricStrategy  # noqa: F401
     from lightning.pytorch.strategies import DDPStrategy as FastMLStrategy  # noqa: F401
     from lightning.pytorch.strategies import ModelParallelStrategy as FastMLFSDPStrategy  # noqa: F401
+    from lightning.fabric.strategies import DDPStrategy as FastMLLocalSGDFabricStrategy  # noqa: F401
+    from lightning.pytorch.strategies import DDPStrategy as FastMLLocalSGDStrategy  # noqa: F401
 
 __all__ = ["FastMLStrategy", "FastMLFabricStrategy", "FastMLFSDPStrategy", "FastMLFSDPFabricStrategy",
-           "strategy_class", "CHECKPOINT_KEY", "STRATEGY_NAME", "FSDP_STRATEGY_NAME", "DEFAULT_MIN_WRAP_NUMEL"]
+           "FastMLLocalSGDStrategy", "FastMLLocalSGDFabricStrategy", "strategy_class", "CHECKPOINT_KEY",
+           "STRATEGY_NAME", "FSDP_STRATEGY_NAME", "LOCALSGD_STRATEGY_NAME", "DEFAULT_MIN_WRAP_NUMEL"]
 
 log = logging.getLogger(__name__)
 
 STRATEGY_NAME = "fastml"
 FSDP_STRATEGY_NAME = "fastml_fsdp"
+LOCALSGD_STRATEGY_NAME = "fastml_localsgd"
 # Key of the FastML state inside a Lightning checkpoint or a Fabric checkpoint dict, and the name of the
 # subfolder of a distributed (DCP) checkpoint that holds every rank's FastML state.
 CHECKPOINT_KEY = "fastml_strategy"
@@ -152,6 +158,9 @@ _STRATEGIES: dict[str, tuple[str, str]] = {
                     "DDP with FastML's compressed gradient all-reduce (plan from FASTML_PLAN, default int4)"),
     FSDP_STRATEGY_NAME: ("ModelParallelStrategy",
                          "FSDP2/HSDP with FastML's compressed reduce-scatter (plan from FASTML_PLAN, default int4)"),
+    LOCALSGD_STRATEGY_NAME: ("DDPStrategy",
+                             "local steps (LocalSGD, DiLoCo) with FastML's compressed outer synchronisation, "
+                             "no per-step all-reduce (H from FASTML_LOCALSGD_EVERY, default 50)"),
 }
 # (package, strategy name) -> public name of our class there
 _CLASS_NAMES: dict[tuple[str, str], str] = {
@@ -163,6 +172,10 @@ _CLASS_NAMES: dict[tuple[str, str], str] = {
     ("pytorch_lightning", FSDP_STRATEGY_NAME): "_PLFastMLFSDPStrategy",
     ("lightning.fabric", FSDP_STRATEGY_NAME): "FastMLFSDPFabricStrategy",
     ("lightning_fabric", FSDP_STRATEGY_NAME): "_LFFastMLFSDPFabricStrategy",
+    ("lightning.pytorch", LOCALSGD_STRATEGY_NAME): "FastMLLocalSGDStrategy",
+    ("pytorch_lightning", LOCALSGD_STRATEGY_NAME): "_PLFastMLLocalSGDStrategy",
+    ("lightning.fabric", LOCALSGD_STRATEGY_NAME): "FastMLLocalSGDFabricStrategy",
+    ("lightning_fabric", LOCALSGD_STRATEGY_NAME): "_LFFastMLLocalSGDFabricStrategy",
 }
 _classes: dict[tuple[str, str], type] = {}
 _lock = threading.RLock()
@@ -274,8 +287,13 @@ class _FastMLStateHolder:
         if self._fastml_pending is not None:
             pending, self._fastml_pending = self._fastml_pending, None
             self._fastml_load(pending)
-        self._fastml_mark = (state.step, int(state.stats().get("bytes_sent", 0)))
+        self._fastml_mark = (self._fastml_steps(state), int(state.stats().get("bytes_sent", 0)))
         return state
+
+    @staticmethod
+    def _fastml_steps(state: Any) -> int:
+        """The state's step counter (synchronised backward passes; LocalSGD: inner steps)."""
+        return state.step
 
     def _fastml_load(self, saved: dict, drop: str = f"checkpoint[{CHECKPOINT_KEY!r}]") -> None:
         if self._fastml_state is None:  # loaded before the model was prepared: applied by _fastml_adopt
@@ -328,12 +346,20 @@ class _FastMLStateHolder:
             out[f"{prefix}bytes_sent_per_step"] = (int(stats["bytes_sent"]) - sent0) / steps
         if "residual_bytes" in stats:
             out[f"{prefix}residual_bytes"] = float(stats["residual_bytes"])
-        if layers:  # layers sent as fp32 are exact, and NaN means not measured yet: neither is logged
-            for name, layer in stats.get("layers", {}).items():
-                err = float(layer.get("rel_error", float("nan")))
-                if layer.get("codec") != "fp32" and math.isfinite(err):
-                    out[f"{prefix}rel_error/{name}"] = err
+        if layers:
+            out.update(_layer_errors(stats, prefix))
         return out
+
+
+def _layer_errors(stats: dict, prefix: str) -> dict[str, float]:
+    """Each layer's relative compression error; layers sent as fp32 are exact, and NaN means not measured
+    yet: neither is logged."""
+    out = {}
+    for name, layer in stats.get("layers", {}).items():
+        err = float(layer.get("rel_error", float("nan")))
+        if layer.get("codec") != "fp32" and math.isfinite(err):
+            out[f"{prefix}rel_error/{name}"] = err
+    return out
 
 
 # -- Lightning Trainer: logging shared by both Trainer strategies ----------------------------------------
@@ -367,7 +393,7 @@ class _TrainerLogging:
         trainer = self._fastml_trainer()
         if state is None or trainer is None or not self.is_global_zero or not trainer.loggers:
             return
-        step = state.step
+        step = self._fastml_steps(state)
         if step == self._fastml_logged_step:  # manual optimization: several optimizers per step
             return
         # Lightning counts this step only after optimizer_step returns: global_step is the x-axis value
@@ -954,12 +980,304 @@ class _FabricFSDPStrategy(_FSDPMixin, _FastMLStateHolder):
         return remainder
 
 
+# -- LocalSGD: what the Trainer and Fabric strategies share ---------------------------------------------------
+class _LocalSGDMixin:
+    """Settings, building :class:`~fastml_strategy.LocalSGD` on the unwrapped model, one inner step per
+    optimizer step, and per-rank checkpoints; for both LocalSGD strategies.
+
+    Between two synchronisations every rank's model and inner optimizer hold their own local progress, so
+    a checkpoint that rank 0 alone writes would lose the other ranks'. Saving (a collective: Lightning
+    and Fabric save on every rank) gathers each rank's model, inner optimizer and LocalSGD state under
+    ``checkpoint["fastml_strategy"]["per_rank"]``; rank 0 writes them with its own (the checkpoint's
+    usual entries are rank 0's). Loading gives each rank its own part back, so the run continues on the
+    same trajectory bit for bit. Saving does not synchronise: forcing an outer step there would make the
+    trajectory depend on when checkpoints are written.
+    """
+
+    _fastml_when = "LocalSGD is built when fit() (or fabric.setup) prepares the model"
+
+    def _fastml_localsgd_init(self, plan: Any, settings: dict[str, Any], kwargs: dict[str, Any]) -> None:
+        _reject_kwargs(type(self).__name__, kwargs, _HOOK_KWARGS,
+                       "synchronises the model with LocalSGD every few steps, not through DDP")
+        resolved, self._fastml_settings = resolve_settings(plan, **settings)  # fails here, on every process
+        self._fastml_init(resolved)
+
+    def _fastml_reject_ddp_kwargs(self) -> None:
+        # DDPStrategy keeps what it does not know for DistributedDataParallel, which this strategy never builds.
+        given = sorted(getattr(self, "_ddp_kwargs", None) or {})
+        if given:
+            raise ValueError(f"{type(self).__name__} does not wrap the model in DistributedDataParallel, so "
+                             f"DDP's arguments {given} do not apply; remove them")
+
+    @property
+    def localsgd(self) -> Any:
+        """The live :class:`~fastml_strategy.LocalSGD` (None before the model is prepared):
+        ``stats()``, ``synchronize()`` (apply a delayed fragment update before evaluating)."""
+        return self._fastml_state
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The LocalSGD settings in force (arguments, else ``FASTML_LOCALSGD_*``, else the plan's
+        ``local_steps``, else LocalSGD's defaults)."""
+        return dict(self._fastml_settings)
+
+    @staticmethod
+    def _fastml_steps(state: Any) -> int:
+        return state.inner_steps
+
+    def _fastml_build(self, module: torch.nn.Module, layer_stats_every: int = 1) -> Any:
+        log.debug(f"{type(self).__name__}: LocalSGD on the unwrapped model, {self._fastml_settings}")
+        # A collective: checks the plan against the model on every rank, broadcasts rank 0's weights.
+        return self._fastml_adopt(lambda: LocalSGD(module, None, plan=self._fastml_plan,
+                                                   layer_stats_every=layer_stats_every, **self._fastml_settings))
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        # One inner step per optimizer step, on every rank alike: with accumulation this runs once per
+        # accumulated batch, with manual optimization once per opt.step(). A step that GradScaler skips
+        # on one rank still counts, so that every rank reaches the synchronisation at the same step.
+        out = super().optimizer_step(*args, **kwargs)
+        state = self._fastml_state
+        if state is not None:
+            state.step()
+        return out
+
+    def compression_metrics(self, layers: bool = False, prefix: str = "fastml/") -> dict[str, float]:
+        """Scalars ready for a logger: inner and outer steps, bytes sent per inner step and per outer step
+        (per fragment synchronisation), the compression ratio and the ratio of bytes against DDP's fp32
+        all-reduce every step; with ``layers=True`` each layer's relative compression error."""
+        s = self.compression_stats()
+        out = {f"{prefix}inner_steps": float(s["inner_steps"]), f"{prefix}outer_steps": float(s["outer_steps"]),
+               f"{prefix}bytes_per_inner_step": float(s["bytes_per_inner_step"]),
+               f"{prefix}compression_ratio": float(s["compression_ratio"])}
+        if s["outer_steps"]:
+            out[f"{prefix}bytes_per_outer_step"] = s["bytes_sent"] / s["outer_steps"]
+            out[f"{prefix}ratio_vs_ddp"] = float(s["ratio_vs_ddp"])
+        if layers:
+            out.update(_layer_errors(s, prefix))
+        return out
+
+    def _fastml_own_part(self, saved: dict) -> dict:
+        try:
+            return own_rank_state(saved, self.global_rank, self.world_size, LOCALSGD_FORMAT_VERSION,
+                                  type(self).__name__)
+        except ValueError as e:
+            raise ValueError(f"the checkpoint's LocalSGD state does not fit this run ({e})") from e
+
+    def _fastml_load(self, own: dict, drop: str = f"checkpoint[{CHECKPOINT_KEY!r}]") -> None:
+        # `own`: this rank's part (model, inner optimizer, LocalSGD). Its model goes back after LocalSGD's
+        # construction, which broadcast rank 0's weights.
+        if self._fastml_state is None:
+            self._fastml_pending = own
+            return
+        self._fastml_restore_own(own)
+        super()._fastml_load(own["localsgd"], drop)
+
+    def _fastml_restore_own(self, own: dict) -> None:
+        raise NotImplementedError
+
+    def teardown(self) -> None:
+        # Stop LocalSGD's thread and group without applying a delayed update (the trajectory must not
+        # depend on where fit() ends); stats(), state_dict() and synchronize() still work.
+        state = self._fastml_state
+        if state is not None:
+            state.close(apply_pending=False)
+        self._fastml_pending = None
+        super().teardown()
+
+
+# -- LocalSGD: Lightning Trainer --------------------------------------------------------------------------
+class _TrainerLocalSGDStrategy(_TrainerLogging, _LocalSGDMixin, _FastMLStateHolder):
+    """Local steps with FastML's compressed outer synchronisation (:class:`~fastml_strategy.LocalSGD`,
+    DiLoCo), for ``lightning.pytorch.Trainer``: no all-reduce in the inner steps.
+
+    Lightning's ``DDPStrategy`` (processes, the distributed sampler, ``broadcast``/``barrier``, metric
+    sync) minus the ``DistributedDataParallel`` wrapper: every rank trains alone; after every optimizer
+    step the strategy counts an inner step, and every ``every`` steps LocalSGD averages the compressed
+    pseudo-gradients and applies the outer step, identical on every rank. The replicas start from rank
+    0's weights. Checkpoints hold every rank's model, inner optimizer and LocalSGD state (see the module
+    docstring); ``fit(ckpt_path=...)`` gives each rank its own.
+
+    Args:
+        plan: compression of the pseudo-gradients: a :class:`~fastml_strategy.Plan`, a recipe name, a plan
+            JSON path, or None to read ``FASTML_PLAN`` (default ``int4``). A plan from ``fastml-autotune``
+            that chose local steps also supplies the settings below that are not given.
+        every, outer, outer_lr, outer_momentum, fragments, delay: as for :class:`~fastml_strategy.LocalSGD`;
+            None reads ``FASTML_LOCALSGD_EVERY`` (..._OUTER, ..._OUTER_LR, ..._OUTER_MOMENTUM,
+            ..._FRAGMENTS, ..._DELAY), else the plan's ``local_steps``, else LocalSGD's default (50,
+            ``"nesterov"``, 0.7, 0.9, 1, 0).
+        log_every_n_steps: send the LocalSGD figures to the loggers every N optimizer steps (None: the
+            Trainer's ``log_every_n_steps``; 0: never).
+        layer_errors_every_n_steps: log each layer's relative compression error every N steps
+            (None: ten times ``log_every_n_steps``; 0: never).
+        **kwargs: ``process_group_backend``, ``timeout``, ``start_method`` and the other arguments of
+            Lightning's ``DDPStrategy`` that are not DDP's own.
+    """
+
+    def __init__(
+        self,
+        plan: Plan | str | os.PathLike | dict | None = None,
+        *,
+        every: int | None = None,
+        outer: str | None = None,
+        outer_lr: float | None = None,
+        outer_momentum: float | None = None,
+        fragments: int | None = None,
+        delay: int | None = None,
+        log_every_n_steps: int | None = None,
+        layer_errors_every_n_steps: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self._fastml_localsgd_init(plan, dict(every=every, outer=outer, outer_lr=outer_lr,
+                                              outer_momentum=outer_momentum, fragments=fragments, delay=delay),
+                                   kwargs)
+        self._fastml_log_init(log_every_n_steps, layer_errors_every_n_steps)
+        super().__init__(**kwargs)
+        self._fastml_reject_ddp_kwargs()
+
+    def configure_ddp(self) -> None:
+        # Replaces DDPStrategy's: no DistributedDataParallel wrapper, so no all-reduce in the inner steps.
+        self._fastml_build(self.model)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        # Every rank calls this (Trainer.save_checkpoint, ModelCheckpoint); rank 0 writes every rank's part.
+        state = self._fastml_state
+        if state is not None and "optimizer_states" in checkpoint:  # not a weights-only checkpoint
+            parts = gather_to_rank_zero({"rank": self.global_rank, "state_dict": checkpoint["state_dict"],
+                                     "optimizer_states": checkpoint["optimizer_states"],
+                                     "localsgd": state.state_dict()})
+            if parts is not None:
+                checkpoint[CHECKPOINT_KEY] = parts
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        # Runs before setup (LocalSGD does not exist yet): this rank's model and inner optimizer replace
+        # rank 0's in what Lightning restores; LocalSGD's part waits for configure_ddp.
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        saved = checkpoint.pop(CHECKPOINT_KEY, None)
+        trainer = self._fastml_trainer()
+        if trainer is None or trainer.state.fn != "fit":
+            return checkpoint
+        if saved is None:
+            self._fastml_warn_missing()
+            return checkpoint
+        own = self._fastml_own_part(saved)
+        checkpoint["state_dict"] = own["state_dict"]
+        checkpoint["optimizer_states"] = own["optimizer_states"]
+        self._fastml_pending = own
+        return checkpoint
+
+    def _fastml_restore_own(self, own: dict) -> None:
+        self.load_model_state_dict({"state_dict": own["state_dict"]})
+
+    def _fastml_warn_missing(self) -> None:
+        if self.is_global_zero:
+            warnings.warn(
+                "the checkpoint being resumed holds no LocalSGD state (it was written without "
+                f"strategy='{LOCALSGD_STRATEGY_NAME}', or with save_weights_only=True): every rank restarts from "
+                "rank 0's weights with fresh outer momentum and residuals, so this run will not match an "
+                "uninterrupted one exactly", stacklevel=3)
+
+
+# -- LocalSGD: Fabric -----------------------------------------------------------------------------------------
+class _NoBackwardSync:
+    """``fabric.no_backward_sync(model)``: nothing to block, the inner steps do not communicate."""
+
+    def no_backward_sync(self, module: Any, enabled: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
+class _FabricLocalSGDStrategy(_LocalSGDMixin, _FastMLStateHolder):
+    """Local steps with FastML's compressed outer synchronisation, for ``lightning.fabric.Fabric``.
+
+    ``model, optimizer = fabric.setup(model, optimizer)`` keeps the model unwrapped (no DDP) and builds
+    :class:`~fastml_strategy.LocalSGD` on it (rank 0's weights everywhere); every ``optimizer.step()``
+    then counts one inner step and synchronises when due: the training loop needs no LocalSGD call.
+    ``fabric.save(path, state)`` adds every rank's part of the stateful objects (model, optimizer) and its
+    LocalSGD state under ``"fastml_strategy"``; ``fabric.load(path, state)`` gives each rank its own.
+    ``fabric.strategy.localsgd`` is the LocalSGD (``stats()``, ``synchronize()``); log
+    ``fabric.strategy.compression_metrics()`` with ``fabric.log_dict``; call ``fabric.strategy.teardown()``
+    (or set up a new model) to stop its thread.
+
+    Args:
+        plan, every, outer, outer_lr, outer_momentum, fragments, delay: as for
+            :class:`FastMLLocalSGDStrategy`.
+        layer_stats_every: measure each layer's compression error every N outer steps (0: never).
+        **kwargs: the arguments of Fabric's ``DDPStrategy`` that are not DDP's own.
+    """
+
+    def __init__(
+        self,
+        plan: Plan | str | os.PathLike | dict | None = None,
+        *,
+        every: int | None = None,
+        outer: str | None = None,
+        outer_lr: float | None = None,
+        outer_momentum: float | None = None,
+        fragments: int | None = None,
+        delay: int | None = None,
+        layer_stats_every: int = 1,
+        **kwargs: Any,
+    ) -> None:
+        self._fastml_localsgd_init(plan, dict(every=every, outer=outer, outer_lr=outer_lr,
+                                              outer_momentum=outer_momentum, fragments=fragments, delay=delay),
+                                   kwargs)
+        self._fastml_layer_every = _positive_or_none("layer_stats_every", layer_stats_every) or 0
+        super().__init__(**kwargs)
+        self._fastml_reject_ddp_kwargs()
+        self._backward_sync_control = _NoBackwardSync()
+
+    def setup_module(self, module: Any) -> Any:
+        # Replaces DDPStrategy's: the module stays as it is (Fabric has moved it to the device).
+        self._fastml_build(module, layer_stats_every=self._fastml_layer_every)
+        return module
+
+    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any | None = None,
+                        filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
+        # fabric.save calls this on every rank: the gather is a collective.
+        fml = self._fastml_state
+        if fml is not None:
+            _check_key_free(state)
+            own = {"rank": self.global_rank, "localsgd": fml.state_dict(),
+                   "objects": {k: v for k, v in self._convert_stateful_objects_in_state(state, filter or {}).items()
+                               if hasattr(state[k], "state_dict")}}
+            parts = gather_to_rank_zero(own)
+            if parts is not None:
+                state = {**state, CHECKPOINT_KEY: parts}
+        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+
+    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        saved = remainder.get(CHECKPOINT_KEY) if isinstance(remainder, dict) else None
+        if saved is None or self._fastml_state is None:
+            return remainder
+        if state:  # restoring into objects: FastML's part is restored too, not a leftover
+            remainder.pop(CHECKPOINT_KEY)
+        own = self._fastml_own_part(saved)
+        self._fastml_objects = state if isinstance(state, dict) else {}
+        self._fastml_load(own)
+        return remainder
+
+    def _fastml_restore_own(self, own: dict) -> None:
+        # The base class restored rank 0's objects; each rank takes its own model and optimizer state back.
+        for name, obj in getattr(self, "_fastml_objects", {}).items():
+            sd = own["objects"].get(name)
+            if sd is None:
+                continue
+            if isinstance(obj, torch.nn.Module):
+                self.load_module_state_dict(module=obj, state_dict=sd)
+            elif hasattr(obj, "load_state_dict"):
+                obj.load_state_dict(sd)
+
+
 # -- building the classes, registering the names ---------------------------------------------------------------
 _MIXINS: dict[tuple[str, str], type] = {
     ("trainer", STRATEGY_NAME): _TrainerStrategy,
     ("fabric", STRATEGY_NAME): _FabricStrategy,
     ("trainer", FSDP_STRATEGY_NAME): _TrainerFSDPStrategy,
     ("fabric", FSDP_STRATEGY_NAME): _FabricFSDPStrategy,
+    ("trainer", LOCALSGD_STRATEGY_NAME): _TrainerLocalSGDStrategy,
+    ("fabric", LOCALSGD_STRATEGY_NAME): _FabricLocalSGDStrategy,
 }
 
 

@@ -44,7 +44,9 @@ save it with the model's and the inner optimizer's state dicts, and ``load_state
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import math
+import os
 from typing import Any, Optional
 
 import torch
@@ -55,16 +57,85 @@ from fastml_strategy.config import Plan
 from fastml_strategy.hook import (_default_group_timeout, agreed_plan, check_saved_state, fitting_residuals,
                                   model_names, own_rank_state)
 
-__all__ = ["LocalSGD"]
+__all__ = ["LocalSGD", "check_arguments", "resolve_settings", "gather_to_rank_zero", "SETTINGS"]
+
+log = logging.getLogger(__name__)
 
 STATE_FORMAT_VERSION = 1
 OUTER = ("nesterov", "sgd")
+# The settings the framework adapters take by name (Lightning, Fabric, Accelerate), with LocalSGD's
+# defaults (DiLoCo's outer step); FASTML_LOCALSGD_<NAME> supplies one when the argument is None.
+SETTINGS: dict[str, Any] = {"every": 50, "outer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.9,
+                            "fragments": 1, "delay": 0}
 
 
 def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"LocalSGD: {name}={value!r}; use a whole number >= {minimum}")
     return value
+
+
+def check_arguments(every: int, outer: str, outer_lr: float, outer_momentum: float, fragments: int = 1,
+                    delay: int = 0, mix: float = 1.0, layer_stats_every: int = 1) -> None:
+    """Raise ValueError, naming the argument and what to use, for settings no model can take. The
+    constructor calls it on every rank; the framework adapters call it when they are built, before any
+    process group exists."""
+    _positive_int("every", every)
+    _positive_int("fragments", fragments)
+    _positive_int("delay", delay, minimum=0)
+    _positive_int("layer_stats_every", layer_stats_every, minimum=0)
+    if outer not in OUTER:
+        raise ValueError(f"LocalSGD: outer={outer!r}; use one of {list(OUTER)}")
+    for name, v, lo in (("outer_lr", outer_lr, 0.0), ("outer_momentum", outer_momentum, 0.0)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo:
+            raise ValueError(f"LocalSGD: {name}={v!r}; use a finite number >= {lo}")
+    if outer == "nesterov" and outer_momentum <= 0:
+        raise ValueError("LocalSGD: outer='nesterov' needs outer_momentum > 0 (0.9 in DiLoCo); "
+                         "use outer='sgd' for no momentum")
+    if isinstance(mix, bool) or not isinstance(mix, (int, float)) or not 0 < mix <= 1:
+        raise ValueError(f"LocalSGD: mix={mix!r}; use a number in (0, 1] (1: replicas identical)")
+    if delay > 0 and delay >= max(1, every // fragments):
+        raise ValueError(
+            f"LocalSGD: delay={delay} must be shorter than the gap between two fragments' "
+            f"synchronisations (every // fragments = {every // fragments}); lower delay or raise every")
+
+
+def _from_env(name: str) -> Any:
+    var = f"FASTML_LOCALSGD_{name.upper()}"
+    raw = os.environ.get(var, "").strip()
+    if not raw:
+        return None
+    kind = type(SETTINGS[name])
+    try:
+        return raw if kind is str else kind(raw)
+    except ValueError:
+        raise ValueError(f"{var}={raw!r} is not a {'whole number' if kind is int else 'number'}; set it like "
+                         f"{var}={SETTINGS[name]}, or unset it") from None
+
+
+def resolve_settings(plan: Any = None, **given: Any) -> tuple[Plan, dict]:
+    """The plan and the settings (``SETTINGS``' names) for a LocalSGD an adapter will build: each is the
+    argument, else ``FASTML_LOCALSGD_<NAME>`` (``FASTML_LOCALSGD_EVERY=100``), else what the plan records
+    (``Plan.local_steps``, written by ``fastml-autotune``), else LocalSGD's default. ``plan`` None reads
+    ``FASTML_PLAN`` (default int4). Checked at once (:func:`check_arguments`): the same error on every
+    process, before any process group exists."""
+    from fastml_strategy.config import resolve_plan
+
+    unknown = sorted(set(given) - set(SETTINGS))
+    if unknown:
+        raise TypeError(f"LocalSGD settings {unknown} are not known; use {sorted(SETTINGS)}")
+    resolved = resolve_plan(plan)
+    recorded = resolved.local_steps.kwargs() if resolved.local_steps is not None else {}
+    out = {}
+    for name, default in SETTINGS.items():
+        value = given.get(name)
+        if value is None:
+            value = _from_env(name)
+        if value is None:
+            value = recorded.get(name, default)
+        out[name] = value
+    check_arguments(**out)
+    return resolved, out
 
 
 class _Fragment:
@@ -118,6 +189,7 @@ class LocalSGD:
         self.outer, self.outer_lr, self.outer_momentum = outer, outer_lr, outer_momentum
         self.fragments, self.delay, self.mix = fragments, delay, mix
         self.layer_stats_every = layer_stats_every
+        self._own_group = process_group is None  # made here: close() destroys it (a re-fit must not leak it)
         if process_group is None:
             process_group = dist.new_group(ranks=list(range(dist.get_world_size())),
                                            timeout=_default_group_timeout())
@@ -128,37 +200,25 @@ class LocalSGD:
         trainable, aliases, frozen = model_names(model)
 
         def check() -> None:
-            _positive_int("every", self.every)
-            _positive_int("fragments", self.fragments)
-            _positive_int("delay", self.delay, minimum=0)
-            _positive_int("layer_stats_every", self.layer_stats_every, minimum=0)
-            if self.outer not in OUTER:
-                raise ValueError(f"LocalSGD: outer={self.outer!r}; use one of {list(OUTER)}")
-            for name, v, lo in (("outer_lr", self.outer_lr, 0.0), ("outer_momentum", self.outer_momentum, 0.0)):
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo:
-                    raise ValueError(f"LocalSGD: {name}={v!r}; use a finite number >= {lo}")
-            if self.outer == "nesterov" and self.outer_momentum <= 0:
-                raise ValueError("LocalSGD: outer='nesterov' needs outer_momentum > 0 (0.9 in DiLoCo); "
-                                 "use outer='sgd' for no momentum")
-            if isinstance(self.mix, bool) or not isinstance(self.mix, (int, float)) or not 0 < self.mix <= 1:
-                raise ValueError(f"LocalSGD: mix={self.mix!r}; use a number in (0, 1] (1: replicas identical)")
+            check_arguments(self.every, self.outer, self.outer_lr, self.outer_momentum, self.fragments,
+                            self.delay, self.mix, self.layer_stats_every)
             if not named:
                 raise ValueError("LocalSGD: the model has no parameter that requires a gradient")
             if self.fragments > len(named):
                 raise ValueError(f"LocalSGD: fragments={self.fragments} but the model has {len(named)} "
                                  f"trainable parameters; use at most {len(named)} fragments")
-            if self.delay >= max(1, self.every // self.fragments) and self.delay > 0:
-                raise ValueError(
-                    f"LocalSGD: delay={self.delay} must be shorter than the gap between two fragments' "
-                    f"synchronisations (every // fragments = {self.every // self.fragments}); lower delay "
-                    f"or raise every")
             devices = {p.device for _, p in named}
             if len(devices) > 1:
                 raise ValueError(f"LocalSGD: the parameters are on several devices ({sorted(map(str, devices))});"
                                  f" keep one model replica on one device per rank")
 
-        self.plan: Plan = agreed_plan(plan, trainable, process_group, self.world_size, check=check,
-                                      aliases=aliases, frozen=frozen, local_steps=True)
+        try:
+            self.plan: Plan = agreed_plan(plan, trainable, process_group, self.world_size, check=check,
+                                          aliases=aliases, frozen=frozen, local_steps=True)
+        except BaseException:
+            if self._own_group:  # refused on every rank alike: leave no group behind
+                dist.destroy_process_group(process_group)
+            raise
         # Start identical: rank 0's parameters and buffers everywhere.
         src = dist.get_global_rank(process_group, 0) if process_group is not dist.group.WORLD else 0
         with torch.no_grad():
@@ -359,13 +419,8 @@ class LocalSGD:
     def state_dict(self) -> dict:
         """This rank's state: shared parameters, outer optimizer, residuals, counters, and the averaged
         updates of fragments still waiting for their delay (waits for their communication first)."""
-        pending = {}
-        for frag in self._fragments:
-            if frag.pending is not None:
-                at, fut = frag.pending
-                mean, finite = fut.result()
-                frag.pending = (at, _done(mean, finite))
-                pending[frag.index] = {"at": at, "mean": mean.detach().cpu().clone(), "finite": finite}
+        pending = {f.index: {"at": at, "mean": mean.detach().cpu().clone(), "finite": finite}
+                   for f, (at, mean, finite) in self._settle().items()}
         return {
             "format_version": STATE_FORMAT_VERSION,
             "kind": "localsgd",
@@ -420,15 +475,44 @@ class LocalSGD:
             frag.pending = None if p is None else (
                 int(p["at"]), _done(p["mean"].to(frag.params[0].device), bool(p["finite"])))
 
-    def close(self) -> None:
-        """Apply what is pending and stop the communication thread."""
-        if self._runner is not None:
+    def _settle(self) -> dict:
+        """Wait for the communication of every fragment still pending; keep its averaged update pending
+        (now a finished future). Returns ``{fragment: (apply at, mean, finite)}``."""
+        out = {}
+        for frag in self._fragments:
+            if frag.pending is None:
+                continue
+            at, fut = frag.pending
             try:
-                if self._failure is None:
-                    self.synchronize()
-            finally:
-                self._runner.shutdown(wait=True)
-                self._runner = None
+                mean, finite = fut.result()
+            except BaseException as e:  # noqa: BLE001
+                self._failure = self._explain(e, frag)
+                raise self._failure from None
+            frag.pending = (at, _done(mean, finite))
+            out[frag] = (at, mean, finite)
+        return out
+
+    def close(self, apply_pending: bool = True) -> None:
+        """Stop the communication thread and destroy LocalSGD's own process group (not one passed as
+        ``process_group``); call on every rank. ``apply_pending``: first apply every fragment update
+        still waiting for its delay (:meth:`synchronize`). ``False`` only waits for their communication
+        and keeps them pending, so closing does not move the training trajectory: ``state_dict()``
+        saves them and :meth:`synchronize` still applies them (the Lightning strategies close this way
+        at the end of ``fit``). A second call does nothing."""
+        if self._runner is None:
+            return
+        try:
+            if self._failure is None:
+                self.synchronize() if apply_pending else self._settle()
+        finally:
+            self._runner.shutdown(wait=True)
+            self._runner = None
+            if self._own_group:
+                try:
+                    dist.destroy_process_group(self.process_group)
+                except Exception as e:  # noqa: BLE001 - already gone with the default group
+                    log.debug("FastML LocalSGD: destroying the communication group: %s", e)
+                self._own_group = False
 
     def __getstate__(self) -> dict:
         raise TypeError("LocalSGD holds a process group and a thread and cannot be pickled; save "
@@ -440,3 +524,28 @@ def _done(mean: torch.Tensor, finite: bool) -> concurrent.futures.Future:
     fut.set_result((mean, finite))
     return fut
 
+
+
+def _to_cpu(obj: Any) -> Any:
+    """A copy of a (nested) state with every tensor on the CPU, to gather and save."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def gather_to_rank_zero(own: dict) -> Optional[dict]:
+    """Every rank's part of a checkpoint that rank 0 alone writes (the framework adapters: between two
+    synchronisations each rank's model, inner optimizer and LocalSGD state are its own). A collective of
+    the default group: call it on every rank. Rank 0 gets ``{"format_version", "per_rank": [...]}``,
+    indexed by rank, the other ranks None; ``own`` is copied to the CPU first."""
+    own = _to_cpu(own)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return {"format_version": STATE_FORMAT_VERSION, "per_rank": [own]}
+    rank = dist.get_rank()
+    gathered: Optional[list] = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(own, gathered, dst=0)
+    return {"format_version": STATE_FORMAT_VERSION, "per_rank": gathered} if rank == 0 else None
