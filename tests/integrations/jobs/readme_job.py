@@ -158,6 +158,18 @@ def main() -> None:
         assert both[0].item() == both[1].item(), both  # the replicas agree after the sync
         return {"steps": s["inner_steps"], "ratio": s["compression_ratio"]}
 
+    def check_local_sgd_integrations(ns):
+        t = ns["trainer"]
+        assert type(t.strategy).__name__ == "FastMLLocalSGDStrategy", type(t.strategy)
+        assert t.strategy.localsgd.inner_steps == 2 and type(t.strategy.model).__name__ == "LitModel"
+        local = ns["local"]
+        assert isinstance(local, fm.LocalSGD), type(local)
+        one_step(ns["model"], ns["opt"], ns["loader"], ns["accelerator"].backward)
+        local.step()
+        assert local.inner_steps == 1 and local.every == 50
+        local.close()
+        return {"steps": t.strategy.localsgd.inner_steps}
+
     checks = [  # (text that identifies the block, its check)
         ("fm.register_hook(model", check_ddp),
         ("fm.Plan.from_recipe(", check_plan),
@@ -167,6 +179,7 @@ def main() -> None:
         ('Trainer(strategy="fastml_fsdp"', check_trainer("FastMLFSDPStrategy")),
         ("ff.register(model", check_fsdp),
         ("fastml_strategy.LocalSGD(", check_local_sgd),
+        ('Trainer(strategy="fastml_localsgd"', check_local_sgd_integrations),
     ]
 
     ns: dict = {}
