@@ -69,12 +69,16 @@ def test_trainer_logs_localsgd_figures(lightning_job):
 
 
 @pytest.mark.timeout(200)
-def test_registered_name_reads_the_environment_and_counts_accumulated_steps(lightning_job):
+def test_registered_name_reads_the_environment_and_steps_follow_the_optimizer(lightning_job):
     a0, a1 = (r["accum"] for r in rank_files(lightning_job / "trainer"))
     assert a0["strategy"] == "FastMLLocalSGDStrategy" and a0["every"] == 2  # FASTML_LOCALSGD_EVERY=2
     # 8 micro-batches, accumulate 2: 4 optimizer steps = 4 inner steps, 2 synchronisations
     assert a0["batches"] == 8 and a0["inner_steps"] == 4 and a0["outer_steps"] == 2
     assert a0["digest"] == a1["digest"]  # the last step synchronised
+    m0, m1 = (r["manual"] for r in rank_files(lightning_job / "trainer"))
+    # manual optimization, opt.step() every other batch: 6 batches, 3 inner steps, 1 synchronisation (every=3)
+    assert m0["batches"] == 6 and m0["inner_steps"] == 3 and m0["outer_steps"] == 1
+    assert m0["digest"] == m1["digest"]
 
 
 @pytest.mark.timeout(200)
@@ -151,6 +155,11 @@ def test_strategies_check_their_settings_before_any_process_starts(monkeypatch):
     assert FastMLLocalSGDStrategy(every=5).settings["every"] == 5  # the argument wins over the environment
     with pytest.raises(RuntimeError, match="during or after fit"):
         s.compression_stats()
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert StrategyRegistry["fastml_localsgd"]["strategy"] is FastMLLocalSGDStrategy
+    assert STRATEGY_REGISTRY["fastml_localsgd"]["strategy"].__name__ == "FastMLLocalSGDFabricStrategy"
 
 
 def test_a_plan_with_local_steps_supplies_the_settings(monkeypatch):

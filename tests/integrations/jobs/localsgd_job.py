@@ -8,7 +8,8 @@ Parts:
 
 - ``trainer``: ``FastMLLocalSGDStrategy(every=4)`` on digits (each rank its own shard), CSV logger; a
   parameter digest after every optimizer step; then ``strategy="fastml_localsgd"`` by name, with
-  ``FASTML_LOCALSGD_EVERY=2`` and ``accumulate_grad_batches=2``; then a strategy whose LocalSGD cannot be
+  ``FASTML_LOCALSGD_EVERY=2`` and ``accumulate_grad_batches=2``; manual optimization stepping every other
+  batch; then a strategy whose LocalSGD cannot be
   built (more fragments than parameters): every rank must raise the same error.
 - ``resume``: Adam, ``every=4, fragments=2, delay=1``: 20 steps straight against 10 steps (a fragment's
   update still pending, the ranks' models apart), ``trainer.save_checkpoint``, and a resume to 20.
@@ -123,6 +124,27 @@ def part_trainer(out: str) -> dict:
     res["accum"] = {"strategy": type(t2.strategy).__name__, "every": t2.strategy.settings["every"],
                     "inner_steps": s2["inner_steps"], "outer_steps": s2["outer_steps"],
                     "batches": len(model2.trace), "digest": param_digest(model2)}
+    # Manual optimization, stepping every other batch: one inner step per opt.step(), not per batch.
+    class Manual(Net):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            self.manual_backward(torch.nn.functional.cross_entropy(self.net(x), y))
+            if batch_idx % 2 == 1:
+                opt = self.optimizers()
+                opt.step()
+                opt.zero_grad()
+
+    L.seed_everything(0)
+    model4 = Manual()
+    t4 = _trainer(L, FastMLLocalSGDStrategy(plan="int4", every=3), max_steps=3)
+    t4.fit(model4, _loader())
+    s4 = t4.strategy.compression_stats()
+    res["manual"] = {"batches": len(model4.trace), "inner_steps": s4["inner_steps"],
+                     "outer_steps": s4["outer_steps"], "digest": param_digest(model4)}
     res["threads_after_fits"] = _threads()
     res["groups_added"] = _groups() - groups0
 
