@@ -8,10 +8,10 @@ Public API, grouped by purpose:
 - errors: :class:`CompressionError` (a rank failed or died during the compressed all-reduce),
   :class:`ReplicaDriftError` (the replica check found parameters that differ across ranks)
 - sharded training (FSDP2, HSDP): ``fastml_strategy.fsdp.register`` and ``FSDPState``
-- Lightning / Fabric: ``fastml_strategy.lightning.FastMLStrategy`` and ``FastMLFSDPStrategy`` (the
-  names ``"fastml"`` and ``"fastml_fsdp"`` are registered with Lightning's strategy registries at
-  import when Lightning is installed)
-- Accelerate: ``fastml_strategy.accelerate``
+- Lightning / Fabric: ``fastml_strategy.lightning.FastMLStrategy``, ``FastMLFSDPStrategy`` and
+  ``FastMLLocalSGDStrategy`` (the names ``"fastml"``, ``"fastml_fsdp"`` and ``"fastml_localsgd"`` are
+  registered with Lightning's strategy registries at import when Lightning is installed)
+- Accelerate: ``fastml_strategy.accelerate`` (``setup``/``prepare``; ``prepare_local_sgd`` for LocalSGD)
 - autotuning: ``fastml_strategy.autotune`` and the ``fastml-autotune`` command
 
 Not public: modules whose names start with an underscore, ``collective`` internals, and the kernel

@@ -1,4 +1,5 @@
-"""Lightning and Fabric: ``strategy="fastml"`` (DDP) and ``strategy="fastml_fsdp"`` (FSDP2 / HSDP).
+"""Lightning and Fabric: ``strategy="fastml"`` (DDP), ``strategy="fastml_fsdp"`` (FSDP2 / HSDP) and
+``strategy="fastml_localsgd"`` (local steps, DiLoCo).
 
 ``strategy="fastml"``: DDP with a compressed all-reduce
 ------------------------------------------------------
@@ -70,6 +71,32 @@ changes:
 Statistics and logging are those of the DDP strategies, plus ``fastml/residual_bytes`` (the
 error-feedback memory of a rank).
 
+``strategy="fastml_localsgd"``: local steps with a compressed outer synchronisation
+----------------------------------------------------------------------------------
+``FastMLLocalSGDStrategy`` / ``FastMLLocalSGDFabricStrategy`` are Lightning's ``DDPStrategy`` without
+the ``DistributedDataParallel`` wrapper (processes, distributed sampler, ``broadcast``/``barrier`` and
+metric sync are kept): the inner steps do not communicate at all.
+
+1. Where DDP would wrap the model (``configure_ddp`` / Fabric's ``setup_module``) the strategy builds
+   :class:`~fastml_strategy.LocalSGD` on the plain model: rank 0's weights are broadcast, the plan is
+   agreed across ranks. Its settings (``every``, ``outer``, ``outer_lr``, ``outer_momentum``,
+   ``fragments``, ``delay``) are the arguments, else ``FASTML_LOCALSGD_<NAME>``, else the plan's
+   ``local_steps``, else LocalSGD's defaults; they are checked when the strategy is built, in every
+   process, before any process group exists.
+2. ``optimizer_step`` calls ``LocalSGD.step()`` after the optimizer: once per accumulated batch, once
+   per ``opt.step()`` under manual optimization, and also for a step GradScaler skipped (every rank
+   must reach each synchronisation at the same step). Fabric's loop needs no LocalSGD call.
+3. Statistics: ``fastml/inner_steps``, ``outer_steps``, ``bytes_per_inner_step``,
+   ``bytes_per_outer_step``, ``compression_ratio``, ``ratio_vs_ddp`` every ``log_every_n_steps``.
+4. Checkpoints: between two synchronisations each rank's model and inner optimizer are its own, so
+   saving (a collective) gathers every rank's model, optimizer state and ``LocalSGD.state_dict()``
+   under ``checkpoint["fastml_strategy"]["per_rank"]``; resuming gives each rank its own back and
+   continues bit for bit. Saving does not force a synchronisation (the trajectory would then depend
+   on when checkpoints are written).
+5. At the end of ``fit`` (Fabric: ``strategy.teardown()``) LocalSGD's thread and process group are
+   closed, a fragment update still waiting for its delay kept pending (``localsgd.synchronize()``
+   applies it), so a second ``fit`` leaks nothing and the end of ``fit`` does not move the trajectory.
+
 Registering the names without paying for them
 ---------------------------------------------
 ``import fastml_strategy`` calls :func:`_register_strategies`. Importing Lightning costs about 2.6 s
@@ -82,13 +109,14 @@ imports ``lightning.pytorch``), once per framework, because ``lightning.pytorch`
 
 Example::
 
-    import fastml_strategy  # registers "fastml" and "fastml_fsdp"
+    import fastml_strategy  # registers "fastml", "fastml_fsdp" and "fastml_localsgd"
     trainer = L.Trainer(strategy="fastml", accelerator="cpu", devices=2)  # plan from FASTML_PLAN
     # or explicitly:
     from fastml_strategy.lightning import FastMLFSDPStrategy, FastMLStrategy
     trainer = L.Trainer(strategy=FastMLStrategy(plan="int4", static_graph=True), devices=8)
     trainer = L.Trainer(strategy=FastMLFSDPStrategy(plan="int4", auto_wrap_policy={Block}, hybrid=True),
                         devices=8, num_nodes=4)
+    trainer = L.Trainer(strategy=FastMLLocalSGDStrategy(every=50, plan="int4"), devices=8, num_nodes=4)
 """
 
 from __future__ import annotations
@@ -1282,12 +1310,14 @@ _MIXINS: dict[tuple[str, str], type] = {
 
 
 def strategy_class(package: str = "lightning.pytorch", name: str = STRATEGY_NAME) -> type:
-    """The FastML strategy class registered as ``name`` (``"fastml"``: DDP, ``"fastml_fsdp"``: FSDP2/HSDP)
+    """The FastML strategy class registered as ``name`` (``"fastml"``: DDP, ``"fastml_fsdp"``: FSDP2/HSDP,
+    ``"fastml_localsgd"``: LocalSGD)
     for a framework package: ``"lightning.pytorch"`` (the Trainer of the ``lightning`` package),
     ``"pytorch_lightning"``, ``"lightning.fabric"`` or ``"lightning_fabric"``.
 
-    ``FastMLStrategy``, ``FastMLFabricStrategy``, ``FastMLFSDPStrategy`` and ``FastMLFSDPFabricStrategy``
-    are those of ``lightning.pytorch`` and ``lightning.fabric``.
+    ``FastMLStrategy``, ``FastMLFabricStrategy``, ``FastMLFSDPStrategy``, ``FastMLFSDPFabricStrategy``,
+    ``FastMLLocalSGDStrategy`` and ``FastMLLocalSGDFabricStrategy`` are those of ``lightning.pytorch`` and
+    ``lightning.fabric``.
     """
     if package not in _FRAMEWORKS:
         raise ValueError(f"package {package!r} is not one FastML integrates with; use one of {sorted(_FRAMEWORKS)}")
@@ -1342,7 +1372,8 @@ def _register_safely(package: str) -> None:
         _register_in(package)
     except Exception as e:  # never break the user's `import lightning`
         warnings.warn(
-            f"FastML could not register strategy='{STRATEGY_NAME}' / '{FSDP_STRATEGY_NAME}' with {package} "
+            f"FastML could not register strategy='{STRATEGY_NAME}' / '{FSDP_STRATEGY_NAME}' / "
+            f"'{LOCALSGD_STRATEGY_NAME}' with {package} "
             f"({type(e).__name__}: {e}); pass the strategy object instead: "
             f"fastml_strategy.lightning.strategy_class({package!r}, 'fastml')()",
             stacklevel=2,
