@@ -1084,7 +1084,11 @@ class _LocalSGDMixin:
             out.update(_layer_errors(s, prefix))
         return out
 
-    def _fastml_own_part(self, saved: dict) -> dict:
+    def _fastml_own_part(self, saved: dict) -> dict | None:
+        """This rank's part of a LocalSGD checkpoint; None for the FastML state of another strategy (a
+        checkpoint of strategy='fastml': its residuals do not apply to LocalSGD)."""
+        if not all(isinstance(p, dict) and "localsgd" in p for p in saved.get("per_rank", [None])):
+            return None
         try:
             return own_rank_state(saved, self.global_rank, self.world_size, LOCALSGD_FORMAT_VERSION,
                                   type(self).__name__)
@@ -1102,6 +1106,14 @@ class _LocalSGDMixin:
 
     def _fastml_restore_own(self, own: dict) -> None:
         raise NotImplementedError
+
+    def _fastml_warn_missing(self) -> None:
+        if self.is_global_zero:
+            warnings.warn(
+                "the checkpoint being resumed holds no LocalSGD state (it was written without "
+                f"strategy='{LOCALSGD_STRATEGY_NAME}', or with save_weights_only=True): every rank restarts from "
+                "rank 0's weights with fresh outer momentum and residuals, so this run will not match an "
+                "uninterrupted one exactly", stacklevel=3)
 
     def teardown(self) -> None:
         # Stop LocalSGD's thread and group without applying a delayed update (the trajectory must not
@@ -1185,10 +1197,10 @@ class _TrainerLocalSGDStrategy(_TrainerLogging, _LocalSGDMixin, _FastMLStateHold
         trainer = self._fastml_trainer()
         if trainer is None or trainer.state.fn != "fit":
             return checkpoint
-        if saved is None:
+        own = None if saved is None else self._fastml_own_part(saved)
+        if own is None:
             self._fastml_warn_missing()
             return checkpoint
-        own = self._fastml_own_part(saved)
         checkpoint["state_dict"] = own["state_dict"]
         checkpoint["optimizer_states"] = own["optimizer_states"]
         self._fastml_pending = own
@@ -1197,13 +1209,6 @@ class _TrainerLocalSGDStrategy(_TrainerLogging, _LocalSGDMixin, _FastMLStateHold
     def _fastml_restore_own(self, own: dict) -> None:
         self.load_model_state_dict({"state_dict": own["state_dict"]})
 
-    def _fastml_warn_missing(self) -> None:
-        if self.is_global_zero:
-            warnings.warn(
-                "the checkpoint being resumed holds no LocalSGD state (it was written without "
-                f"strategy='{LOCALSGD_STRATEGY_NAME}', or with save_weights_only=True): every rank restarts from "
-                "rank 0's weights with fresh outer momentum and residuals, so this run will not match an "
-                "uninterrupted one exactly", stacklevel=3)
 
 
 # -- LocalSGD: Fabric -----------------------------------------------------------------------------------------
@@ -1250,6 +1255,7 @@ class _FabricLocalSGDStrategy(_LocalSGDMixin, _FastMLStateHolder):
                                               outer_momentum=outer_momentum, fragments=fragments, delay=delay),
                                    kwargs)
         self._fastml_layer_every = _positive_or_none("layer_stats_every", layer_stats_every) or 0
+        self._fastml_objects: dict[str, Any] = {}  # what fabric.load restores into: each rank's own goes back
         super().__init__(**kwargs)
         self._fastml_reject_ddp_kwargs()
         self._backward_sync_control = _NoBackwardSync()
@@ -1282,13 +1288,16 @@ class _FabricLocalSGDStrategy(_LocalSGDMixin, _FastMLStateHolder):
         if state:  # restoring into objects: FastML's part is restored too, not a leftover
             remainder.pop(CHECKPOINT_KEY)
         own = self._fastml_own_part(saved)
+        if own is None:
+            self._fastml_warn_missing()
+            return remainder
         self._fastml_objects = state if isinstance(state, dict) else {}
         self._fastml_load(own)
         return remainder
 
     def _fastml_restore_own(self, own: dict) -> None:
         # The base class restored rank 0's objects; each rank takes its own model and optimizer state back.
-        for name, obj in getattr(self, "_fastml_objects", {}).items():
+        for name, obj in self._fastml_objects.items():
             sd = own["objects"].get(name)
             if sd is None:
                 continue
