@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Iterator
 
-__all__ = ["atomic_write_text", "atomic_write_bytes", "atomic_open"]
+__all__ = ["atomic_write_text", "atomic_open"]
 
 
 def _new_file_mode(target: Path) -> int:
@@ -80,8 +80,3 @@ def atomic_open(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     with atomic_open(path, "w") as f:
         f.write(text)
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    with atomic_open(path, "wb") as f:
-        f.write(data)

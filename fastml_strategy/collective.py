@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from fastml_strategy import codecs
-from fastml_strategy.config import Codec, CodecConfig, Plan
+from fastml_strategy.config import RECIPES, CodecConfig, Plan
 
 __all__ = ["BucketLayout", "ShardLayout", "CompressedAllReduce", "CompressionError", "DecodeError"]
 
@@ -230,13 +230,13 @@ class BucketLayout(_Messages):
         self.uncompressed = True  # every tensor fp32 in the plan: a plain all-reduce does it
         for name, off, n, pn in zip(names, offsets, numels, plan_numels or numels):
             planned = codecs.effective_config(plan.for_parameter(name, pn), n, W)
-            self.uncompressed = self.uncompressed and planned.codec is Codec.FP32
+            self.uncompressed = self.uncompressed and not planned.lossy
             cfg = codecs.wire_config(planned, dtype)
             self.configs[name] = cfg
             p = _Param(name, int(off), int(n))
-            if cfg.codec is Codec.TOPK:
-                self.topk.append(_TopkParam(cfg, p, codecs.topk_nbytes(n, cfg)))
-            elif planned.codec is Codec.FP32:
+            if codecs.is_sparse(cfg):
+                self.topk.append(_TopkParam(cfg, p, codecs.chunk_nbytes(n, cfg)))
+            elif not planned.lossy:
                 dense.setdefault(("batch", cfg), []).append(p)  # uncompressed: one batched segment
             else:
                 dense.setdefault((name, cfg), []).append(p)  # one segment per compressed layer
@@ -297,13 +297,13 @@ class BucketLayout(_Messages):
                 for p in g.params:
                     out[p.name] = g.res_cur[p.goff: p.goff + p.numel]
         for t in self.topk:
-            if t.cfg.error_feedback:
+            if t.cfg.uses_residual:
                 out[t.param.name] = t.residual
         return out
 
     def residual_nbytes(self) -> int:
         return super().residual_nbytes() + sum(
-            t.residual.numel() * t.residual.element_size() for t in self.topk if t.cfg.error_feedback)
+            t.residual.numel() * t.residual.element_size() for t in self.topk if t.cfg.uses_residual)
 
     def layer_rows(self, world_size: int, rank: int) -> dict[str, tuple[CodecConfig, int, int]]:
         """name -> (codec, elements, bytes this rank sends per step)."""
@@ -359,7 +359,7 @@ class ShardLayout(_Messages):
             planned = plan.for_parameter(t.name, t.numel)
             cfg = codecs.wire_config(planned, dtype)
             self.configs[t.name] = cfg
-            if planned.codec is Codec.FP32:
+            if not planned.lossy:
                 batched.append(t)
                 continue
             bounds = [0]
@@ -373,7 +373,7 @@ class ShardLayout(_Messages):
             g.out_pieces = [(offsets[t.name], 0, t.chunk_numels[rank])]
             self.dense.append(g)
         if batched:
-            cfg = codecs.wire_config(Plan.from_recipe("none").default, dtype)
+            cfg = codecs.wire_config(RECIPES["none"], dtype)
             params = [_Param(t.name, -1, t.numel) for t in batched]
             pieces, bounds, out_pieces, goff = [], [0], [], 0
             for j in range(W):  # chunk-major: chunk j of the group is every tensor's chunk j
@@ -658,7 +658,7 @@ class CompressedAllReduce:
             for g in lay.dense:
                 g.acc.div_(W)
                 off = g.gather_off[r]
-                codecs.encode_dense(g.acc, g.cfg, lay.gsend[off: off + g.nbytes[r]],
+                codecs.encode_chunk(g.acc, g.cfg, lay.gsend[off: off + g.nbytes[r]],
                                     seed=_mix(base, 1, g.key))
         except Exception as e:  # noqa: BLE001
             local_error = e
@@ -683,7 +683,7 @@ class CompressedAllReduce:
             if g.ef and g.res_next is not None:
                 g.res_cur, g.res_next = g.res_next, g.res_cur
         for t in lay.topk:
-            if t.cfg.error_feedback and t.pending is not None:
+            if t.cfg.uses_residual and t.pending is not None:
                 if t.residual.dtype == t.pending.dtype:
                     t.residual, t.pending = t.pending, None  # v was a fresh tensor: no copy
                 else:
@@ -694,21 +694,16 @@ class CompressedAllReduce:
         for t in lay.topk:
             p = t.param
             g = buf[p.boff: p.boff + p.numel]
-            # v = grad + residual (a fresh fp32 tensor: it becomes the new residual)
-            if t.cfg.error_feedback and g.dtype == t.residual.dtype == torch.float32:
-                v = torch.add(g, t.residual)  # one pass
-            else:
-                v = g.to(torch.float32, copy=True)
-                if t.cfg.error_feedback:
-                    v += t.residual
+            res = t.residual if t.cfg.uses_residual else None
+            vn = 0.0
+            if layer_stats:
+                vn = float((g.float() + res).norm() if res is not None else g.float().norm())
             out = lay.gsend[t.gather_off: t.gather_off + t.nbytes]
-            idx, sent = codecs.encode_topk(v, t.cfg, out, seed=_mix(base, 2, zlib.crc32(p.name.encode())))
-            if t.cfg.error_feedback or layer_stats:
-                vn = float(v.norm()) if layer_stats else 0.0
-                v[idx] -= sent  # v becomes the new residual
-                if layer_stats:
-                    self.layer_error[p.name] = float(v.norm()) / vn if vn > 0 else 0.0
-                t.pending = v if t.cfg.error_feedback else None
+            # rest: a fresh fp32 tensor, the new residual; committed with the rest of the step
+            rest, _ = codecs.encode_topk_ef(g, t.cfg, out, res, seed=_mix(base, 2, zlib.crc32(p.name.encode())))
+            if layer_stats:
+                self.layer_error[p.name] = float(rest.norm()) / vn if vn > 0 else 0.0
+            t.pending = rest if res is not None else None
 
     def _decode(self, lay: BucketLayout, buf: torch.Tensor) -> bool:
         W = self.world_size
@@ -719,13 +714,8 @@ class CompressedAllReduce:
                 a, b = g.bounds[j], g.bounds[j + 1]
                 off = g.gather_off[j]
                 chunk = grecv[j, off: off + g.nbytes[j]]
-                x = g.chunk(buf, j)
-                codecs.decode_dense(chunk, b - a, g.cfg, x)
-                ok = codecs.chunk_finite(chunk, b - a, g.cfg)
-                if ok is None and b > a:
-                    ok = torch.isfinite(x).all()
-                if ok is not None:
-                    checks.append(ok)
+                codecs.decode_chunk(chunk, b - a, g.cfg, g.chunk(buf, j))
+                checks.append(codecs.chunk_finite(chunk, b - a, g.cfg))
             if not g.direct:
                 g.scatter(buf)
         for t in lay.topk:
@@ -733,8 +723,9 @@ class CompressedAllReduce:
             acc = lay.topk_acc[p.name]
             acc.zero_()
             for j in range(W):
-                checks.append(codecs.decode_topk_add(
-                    grecv[j, t.gather_off: t.gather_off + t.nbytes], p.numel, t.cfg, acc))
+                msg = grecv[j, t.gather_off: t.gather_off + t.nbytes]
+                codecs.decode_chunk(msg, p.numel, t.cfg, acc, accumulate=True)
+                checks.append(codecs.chunk_finite(msg, p.numel, t.cfg))
             acc.div_(W)
             buf[p.boff: p.boff + p.numel].copy_(acc)
         return bool(torch.stack(checks).all()) if checks else True
@@ -766,16 +757,10 @@ class CompressedAllReduce:
         self._sum_own_chunks(lay)
         checks: list[torch.Tensor] = []
         for g in lay.dense:
-            n_me = g.bounds[r + 1] - g.bounds[r]
-            for src in range(W):
-                off = src * lay.my_chunk + g.recv_off
-                ok = codecs.chunk_finite(lay.recv[off: off + g.nbytes[r]], n_me, g.cfg)
-                if ok is not None:
-                    checks.append(ok)
             if scale != 1.0:
                 g.acc.mul_(scale)
-            if g.cfg.codec in (Codec.FP32, Codec.FP16, Codec.BF16) and n_me:
-                checks.append(torch.isfinite(g.acc).all())
+            # the sum itself: a NaN/inf of any rank's chunk reaches it (and so does an overflow)
+            checks.append(torch.isfinite(g.acc).all())
             for ooff, aoff, n in g.out_pieces:
                 out[ooff: ooff + n].copy_(g.acc[aoff: aoff + n])
         for off, n in lay.padding:

@@ -54,7 +54,6 @@ class Codec(str, enum.Enum):
     TOPK = "topk"  # largest-magnitude entries (values + int32 indices), all_gather, scatter-add
 
 
-LOSSY = frozenset({Codec.FP16, Codec.BF16, Codec.QUANTIZE, Codec.TOPK})
 RESIDUAL_DTYPES = frozenset({"fp32", "bf16"})
 
 
@@ -138,7 +137,10 @@ class CodecConfig:
 
     @property
     def lossy(self) -> bool:
-        return self.codec in LOSSY
+        """Whether the plan compresses this tensor (every codec but fp32). A layer that is not lossy
+        travels uncompressed, batched with the bucket's other such tensors (in fp16/bf16 when the
+        gradients already are: exact either way)."""
+        return self.codec is not Codec.FP32
 
     @property
     def uses_residual(self) -> bool:
@@ -268,7 +270,9 @@ class LocalSteps:
             raise ValueError(f"{where}: {str(e).removeprefix('local_steps.')}") from None
 
 
-# Named recipes (``Plan.from_recipe``). "none" is DDP's own fp32 all-reduce, exactly.
+# Named recipes (``Plan.from_recipe``). "none" compresses nothing: every bucket is all-reduced the way
+# DDP's own hook does it (divide by W, one all-reduce in the gradients' dtype), so the result is DDP's,
+# bit for bit; FastML adds one 64-byte status all_gather per step (fail-fast on a decode error).
 RECIPES: dict[str, CodecConfig] = {
     "none": CodecConfig(codec=Codec.FP32),
     "fp16": CodecConfig(codec=Codec.FP16),

@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from fastml_strategy import codecs
+from fastml_strategy._validate import whole_number
 from fastml_strategy.collective import CompressedAllReduce, CompressionError, ShardedTensor
 from fastml_strategy.config import Plan, resolve_plan
 from fastml_strategy.hook import (agreed_plan, check_saved_state, fitting_residuals, model_names,
@@ -452,12 +453,12 @@ def _quantized_all_gather(state: FSDPState, unit: _Unit, output: torch.Tensor, i
     segs = [fp.padded_sharded_param_size.numel() for fp in unit.params]
     if sum(segs) != n:
         segs = [n]
-    sizes = [codecs.dense_nbytes(k, cfg) for k in segs]
+    sizes = [codecs.chunk_nbytes(k, cfg) for k in segs]
     total = sum(sizes)
     send = torch.empty(total, dtype=torch.uint8, device=inp.device)
     pos = off = 0
     for k, nb in zip(segs, sizes):
-        codecs.encode_dense(inp[off: off + k], cfg, send[pos: pos + nb])
+        codecs.encode_chunk(inp[off: off + k], cfg, send[pos: pos + nb])
         pos, off = pos + nb, off + k
     recv = torch.empty(W * total, dtype=torch.uint8, device=inp.device)
     dist.all_gather(list(recv.view(W, total).unbind(0)), send, group=group)
@@ -467,7 +468,7 @@ def _quantized_all_gather(state: FSDPState, unit: _Unit, output: torch.Tensor, i
         dst = out[j] if tmp is None else tmp
         pos = off = 0
         for k, nb in zip(segs, sizes):
-            codecs.decode_dense(recv[j * total + pos: j * total + pos + nb], k, cfg, dst[off: off + k])
+            codecs.decode_chunk(recv[j * total + pos: j * total + pos + nb], k, cfg, dst[off: off + k])
             pos, off = pos + nb, off + k
         if tmp is not None:
             out[j].copy_(tmp)
@@ -638,9 +639,8 @@ def register(
         raise ValueError(f"fastml_strategy.fsdp.register: all_gather_bits={all_gather_bits!r}; use 2-8 "
                          f"(8 is ZeRO++'s choice; parameters lose more precision with fewer bits) or "
                          f"None for FSDP's own all-gather")
-    if not isinstance(layer_stats_every, int) or isinstance(layer_stats_every, bool) or layer_stats_every < 0:
-        raise ValueError(f"fastml_strategy.fsdp.register: layer_stats_every={layer_stats_every!r}; use a "
-                         f"whole number >= 0 (0 turns it off)")
+    whole_number("layer_stats_every", layer_stats_every, 0, owner="fastml_strategy.fsdp.register",
+                 note=" (0 turns it off)")
     world = dist.group.WORLD
     world_size = dist.get_world_size()
 

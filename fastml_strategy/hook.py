@@ -23,7 +23,10 @@ Usage::
     state.stats()["compression_ratio"]
 """
 
-# No `from __future__ import annotations` here: DDP checks the hook's annotations at registration.
+# DDP's register_comm_hook compares the hook's ``bucket`` and return annotations with GradBucket and
+# Future[Tensor]; under postponed annotations they would be strings and fail that check, so
+# ``_fastml_hook`` carries none (the rest of the module may use them, as every other module does).
+from __future__ import annotations
 
 import logging
 import queue
@@ -35,6 +38,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from fastml_strategy._validate import whole_number
 from fastml_strategy.collective import CompressedAllReduce, CompressionError, DecodeError
 from fastml_strategy.config import Plan, resolve_plan
 
@@ -73,11 +77,73 @@ def _checksum(params) -> int:
     return total
 
 
+class _CommRunner:
+    """The communication thread of one :class:`FastMLState`: buckets are queued in the order DDP hands
+    them over, and one thread runs ``work(job)`` for each (on a CUDA stream of its own for CUDA
+    buffers) and completes the job's future. The first error is sticky: the process group may be
+    unusable, so no further collective is issued and every later job fails with that error (a restart
+    from a checkpoint is the fix)."""
+
+    def __init__(self, rank: int, work, explain) -> None:
+        self._work = work  # job -> None: the compressed all-reduce of one bucket
+        self._explain = explain  # (exception, job) -> the exception the user sees
+        self._queue: "queue.Queue[Optional[_Job]]" = queue.Queue()
+        self._stream = None  # CUDA stream of the thread, made on the first CUDA bucket
+        self.failure: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._loop, name=f"fastml-comm-r{rank}", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: _Job) -> None:
+        if not self._thread.is_alive():
+            raise RuntimeError("FastML: the communication thread has stopped (state.close() was "
+                               "called); register the hook on a new DDP model to train again")
+        self._queue.put(job)
+
+    def close(self, timeout: float = 30) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=timeout)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                if self.failure is not None:
+                    raise self.failure
+                if job.buffer.is_cuda:
+                    if self._stream is None:
+                        # The current device is per thread: NCCL must see this rank's GPU here too.
+                        torch.cuda.set_device(job.buffer.device)
+                        self._stream = torch.cuda.Stream(device=job.buffer.device)
+                    with torch.cuda.stream(self._stream):
+                        self._stream.wait_event(job.event)
+                        self._work(job)
+                        job.future.set_result(job.buffer)
+                else:
+                    self._work(job)
+                    job.future.set_result(job.buffer)
+            except BaseException as e:  # noqa: BLE001 - raised in backward by the hook
+                err = self._explain(e, job)
+                if self.failure is None:
+                    self.failure = err
+                job.future.set_exception(err)
+            finally:
+                job.done.set()
+
+
 class FastMLState:
     """State of the FastML comm hook of one DDP model on one rank.
 
     Pass it around like torch's ``PowerSGDState``: ``stats()`` for the figures, ``state_dict()`` /
-    ``load_state_dict()`` for checkpoints (residuals, step counter, RNG position, plan).
+    ``load_state_dict()`` for checkpoints (residuals, step counter, counters, plan). The communication
+    itself (thread, queue, CUDA stream) is a :class:`_CommRunner` the state owns.
+
+    Pickling keeps what a checkpoint keeps (the settings, the plan, ``state_dict()``), not the process
+    group, the thread or the parameters, as ``PowerSGDState`` drops its process group. An unpickled
+    state is *detached*: ``stats()`` and ``state_dict()`` answer from what was saved, and a hook that
+    runs on it raises, saying to register the hook on the model again and load this state into it.
     """
 
     def __init__(self, plan: Plan, process_group, rank: int, world_size: int, names: dict,
@@ -95,10 +161,8 @@ class FastMLState:
         self._params = params  # every parameter (the replica check covers frozen ones too)
         self._param_names = [names.get(id(p), "") for p in params]
         self._engine = CompressedAllReduce(plan, process_group, rank, world_size)
-        self._queue: "queue.Queue[Optional[_Job]]" = queue.Queue()
-        self._stream = None  # CUDA stream of the comm thread, made on first CUDA bucket
-        self._thread = threading.Thread(target=self._loop, name=f"fastml-comm-r{rank}", daemon=True)
-        self._thread.start()
+        self._runner: Optional[_CommRunner] = _CommRunner(rank, self._process, self._explain)
+        self._saved: Optional[dict] = None  # an unpickled (detached) state: its state_dict()
         # -- statistics -----------------------------------------------------------------------------
         self.step = 0  # completed steps (counted at the last bucket; no_sync micro-batches call no hook)
         self.nonfinite_steps = 0  # steps whose result held NaN/inf (residuals left unchanged)
@@ -109,46 +173,25 @@ class FastMLState:
         # An error of this rank after a bucket's last collective (decoding the result): the other ranks
         # cannot see it in a message header, so every rank exchanges its status at the end of the step.
         self._step_error: Optional[BaseException] = None
-        # The first error of the comm thread (a peer died, a collective timed out, an encoder raised,
-        # replicas drifted). Sticky: the process group may be unusable, so no further collective is
-        # issued and every later bucket fails with this error (a restart from a checkpoint is the fix).
-        self._failure: Optional[BaseException] = None
 
-    # -- the communication thread -------------------------------------------------------------------------
+    @property
+    def _failure(self) -> Optional[BaseException]:
+        """The error every further bucket fails with: the runner's first error, or for a detached
+        (unpickled) state the reason it cannot run."""
+        if self._runner is None:
+            return RuntimeError(
+                "FastML: this FastMLState was unpickled, so it has no process group or communication "
+                "thread (pickling keeps only the plan, the settings and state_dict()); register the hook "
+                "again (new = fastml_strategy.register_hook(ddp_model, plan=state.plan)) and "
+                "new.load_state_dict(state.state_dict())")
+        return self._runner.failure
+
     def _submit(self, job: _Job) -> None:
-        if not self._thread.is_alive():
-            raise RuntimeError("FastML: the communication thread has stopped (state.close() was "
-                               "called); register the hook on a new DDP model to train again")
-        self._queue.put(job)
+        if self._runner is None:
+            raise self._failure
+        self._runner.submit(job)
 
-    def _loop(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            try:
-                if self._failure is not None:
-                    raise self._failure
-                if job.buffer.is_cuda:
-                    if self._stream is None:
-                        # The current device is per thread: NCCL must see this rank's GPU here too.
-                        torch.cuda.set_device(job.buffer.device)
-                        self._stream = torch.cuda.Stream(device=job.buffer.device)
-                    with torch.cuda.stream(self._stream):
-                        self._stream.wait_event(job.event)
-                        self._process(job)
-                        job.future.set_result(job.buffer)
-                else:
-                    self._process(job)
-                    job.future.set_result(job.buffer)
-            except BaseException as e:  # noqa: BLE001 - raised in backward by the hook
-                err = self._explain(e, job)
-                if self._failure is None:
-                    self._failure = err
-                job.future.set_exception(err)
-            finally:
-                job.done.set()
-
+    # -- the work of one bucket (on the runner's thread) ----------------------------------------------
     def _explain(self, e: BaseException, job: _Job) -> BaseException:
         if isinstance(e, (CompressionError, ReplicaDriftError, ValueError)):
             return e
@@ -210,10 +253,14 @@ class FastMLState:
 
     # -- public -----------------------------------------------------------------------------------------
     def stats(self) -> dict:
-        """Cumulative figures of this rank: bytes on the wire against a ring all-reduce of fp32."""
-        eng = self._engine
-        sent = eng.bytes_sent
-        unc = int(round(eng.bytes_uncompressed))
+        """Cumulative figures of this rank: bytes on the wire against a ring all-reduce of fp32 (a
+        detached state: the saved counters, no per-layer rows)."""
+        if self._saved is not None:
+            counters = self._saved["counters"]
+            sent, unc, layers = counters["bytes_sent"], int(round(counters["bytes_uncompressed"])), {}
+        else:
+            sent, unc = self._engine.bytes_sent, int(round(self._engine.bytes_uncompressed))
+            layers = self._engine.layer_stats()
         return {
             "steps": self.step,
             "world_size": self.world_size,
@@ -222,12 +269,16 @@ class FastMLState:
             "bytes_uncompressed": unc,
             "compression_ratio": (unc / sent) if sent > 0 else 1.0,
             "nonfinite_steps": self.nonfinite_steps,
-            "layers": eng.layer_stats(),
+            "layers": layers,
         }
 
     def state_dict(self, all_ranks: bool = False) -> dict:
         """This rank's state; with ``all_ranks=True`` (a collective: call on every rank between steps)
         every rank's, as ``{"per_rank": [...]}``, for checkpoints that only rank 0 writes."""
+        if self._saved is not None:
+            if all_ranks:
+                raise self._failure
+            return {**self._saved, "residuals": {k: v.clone() for k, v in self._saved["residuals"].items()}}
         own = {
             "format_version": STATE_FORMAT_VERSION,
             "plan": self.plan.to_dict(),
@@ -254,6 +305,8 @@ class FastMLState:
         ValueError names the mismatch before anything is loaded. ``strict=False`` loads under another
         plan: residuals are taken for the layers both plans give one of the same size, the rest start
         from zero (with a warning naming them)."""
+        if self._saved is not None:
+            raise self._failure
         sd = own_rank_state(sd, self.rank, self.world_size, STATE_FORMAT_VERSION, "FastMLState")
         check_saved_state(sd, self.rank, self.world_size, self.plan, strict, "FastMLState")
         sizes = {n: p.numel() for n, p in zip(self._param_names, self._params)}
@@ -267,10 +320,9 @@ class FastMLState:
     def close(self) -> None:
         """Stop the communication thread and destroy FastML's own process group (not one the caller
         passed); the hook then fails any further bucket. Call on every rank."""
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join(timeout=30)
-        if getattr(self, "_own_group", False) and self.process_group is not None:
+        if self._runner is not None:
+            self._runner.close()
+        if self._own_group and self.process_group is not None:
             try:
                 dist.destroy_process_group(self.process_group)
             except Exception as e:  # noqa: BLE001 - already gone with the default group
@@ -279,12 +331,31 @@ class FastMLState:
             self._own_group = False
 
     def __getstate__(self) -> dict:
-        # Like PowerSGDState: what cannot be pickled (process group, thread) is dropped.
-        d = dict(self.__dict__)
-        for k in ("process_group", "_thread", "_queue", "_stream", "_engine", "_params"):
-            d.pop(k, None)
-        d["_state_dict"] = self.state_dict()
-        return d
+        # Like PowerSGDState: everything but what belongs to this process (the process group, the
+        # communication thread, the engine's buffers, the parameters): see the class docstring.
+        return {
+            "plan": self.plan,
+            "check_replicas_every": self.check_replicas_every,
+            "layer_stats_every": self.layer_stats_every,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "nonfinite_steps": self.nonfinite_steps,
+            "param_names": self._param_names,
+            "state_dict": self.state_dict(),
+        }
+
+    def __setstate__(self, d: dict) -> None:
+        self.plan = d["plan"]
+        self.check_replicas_every = d["check_replicas_every"]
+        self.layer_stats_every = d["layer_stats_every"]
+        self.process_group, self._own_group = None, False
+        self.rank, self.world_size = d["rank"], d["world_size"]
+        self._names, self._params, self._param_names = {}, [], d["param_names"]
+        self._engine, self._runner = None, None
+        self._saved = d["state_dict"]
+        self.step = int(self._saved["step"])
+        self.nonfinite_steps = d["nonfinite_steps"]
+        self._uncommitted, self._step_finite, self._step_error = [], True, None
 
 
 def check_saved_state(sd: dict, rank: int, world_size: int, plan: Optional[Plan], strict: bool,
@@ -542,8 +613,7 @@ def register_hook(
         )
     for argname, val in (("check_replicas_every", check_replicas_every),
                          ("layer_stats_every", layer_stats_every)):
-        if not isinstance(val, int) or isinstance(val, bool) or val < 0:
-            raise ValueError(f"register_hook: {argname}={val!r}; use a whole number >= 0 (0 turns it off)")
+        whole_number(argname, val, 0, owner="register_hook", note=" (0 turns it off)")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("register_hook: torch.distributed is not initialised; call "
                            "dist.init_process_group (torchrun sets the environment) before DDP")

@@ -52,6 +52,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from fastml_strategy._validate import whole_number
 from fastml_strategy.collective import CompressedAllReduce, CompressionError, DecodeError
 from fastml_strategy.config import Plan
 from fastml_strategy.hook import (_default_group_timeout, agreed_plan, check_saved_state, fitting_residuals,
@@ -69,21 +70,15 @@ SETTINGS: dict[str, Any] = {"every": 50, "outer": "nesterov", "outer_lr": 0.7, "
                             "fragments": 1, "delay": 0}
 
 
-def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"LocalSGD: {name}={value!r}; use a whole number >= {minimum}")
-    return value
-
-
 def check_arguments(every: int, outer: str, outer_lr: float, outer_momentum: float, fragments: int = 1,
                     delay: int = 0, mix: float = 1.0, layer_stats_every: int = 1) -> None:
     """Raise ValueError, naming the argument and what to use, for settings no model can take. The
     constructor calls it on every rank; the framework adapters call it when they are built, before any
     process group exists."""
-    _positive_int("every", every)
-    _positive_int("fragments", fragments)
-    _positive_int("delay", delay, minimum=0)
-    _positive_int("layer_stats_every", layer_stats_every, minimum=0)
+    whole_number("every", every, owner="LocalSGD")
+    whole_number("fragments", fragments, owner="LocalSGD")
+    whole_number("delay", delay, 0, owner="LocalSGD")
+    whole_number("layer_stats_every", layer_stats_every, 0, owner="LocalSGD")
     if outer not in OUTER:
         raise ValueError(f"LocalSGD: outer={outer!r}; use one of {list(OUTER)}")
     for name, v, lo in (("outer_lr", outer_lr, 0.0), ("outer_momentum", outer_momentum, 0.0)):

@@ -1,14 +1,16 @@
-"""Contract tests run against every codec (STYLE.md #6): round trip within the codec's bound, zeros,
-NaN/inf, pickling, error-feedback identity."""
+"""Contract tests run against every codec: round trip within the codec's bound, zeros, NaN/inf,
+JSON round trip, error-feedback identity; the wire interface (sizes, finiteness); and the sampled
+top-k selection against exact top-k semantics on tensors past 65,536 elements."""
 
 from __future__ import annotations
 
+import json
 import pickle
 
 import pytest
 import torch
 
-from fastml_strategy import RECIPES, Codec, CodecConfig
+from fastml_strategy import RECIPES, Codec, CodecConfig, Plan
 from fastml_strategy import codecs
 from fastml_strategy.kernels import dequantize, quantize
 
@@ -70,8 +72,37 @@ def test_nonfinite_reaches_the_output(cfg):
     assert not torch.isfinite(y).all()
 
 
-def test_pickle(cfg):
-    assert pickle.loads(pickle.dumps(cfg)) == cfg
+def test_config_travels_to_another_process_unchanged(cfg):
+    """A codec setting reaches other ranks (all_gather_object pickles it) and plan files (JSON) with
+    the same wire format: the same digest, the same encoded bytes."""
+    for back in (pickle.loads(pickle.dumps(cfg)), CodecConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))):
+        assert back.describe() == cfg.describe() and back.uses_residual == cfg.uses_residual
+        assert Plan(default=back).digest() == Plan(default=cfg).digest()
+        x = torch.randn(4099, generator=torch.Generator().manual_seed(0))
+        n = x.numel()
+        a, b = (torch.zeros(codecs.chunk_nbytes(n, c), dtype=torch.uint8) for c in (cfg, back))
+        codecs.encode_chunk(x, cfg, a, seed=3)
+        codecs.encode_chunk(x, back, b, seed=3)
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("n", [0, 1, 13, 4099])
+def test_chunk_interface(cfg, n):
+    """Sizes are multiples of 4 (the next part of a shared buffer stays aligned), a chunk boundary
+    unit keeps blocks whole, and chunk_finite agrees with the decoded values."""
+    x = torch.randn(n) * 3
+    nbytes = codecs.chunk_nbytes(n, cfg)
+    assert nbytes % 4 == 0 and codecs.chunk_unit(cfg) % (cfg.block_size if cfg.codec is Codec.QUANTIZE else 1) == 0
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    codecs.encode_chunk(x, cfg, buf)
+    y = torch.zeros(n)
+    codecs.decode_chunk(buf, n, cfg, y)
+    assert bool(codecs.chunk_finite(buf, n, cfg))
+    if n:
+        x[n // 2] = float("nan")
+        codecs.encode_chunk(x, cfg, buf)
+        codecs.decode_chunk(buf, n, cfg, y)
+        assert not bool(codecs.chunk_finite(buf, n, cfg)) and not bool(torch.isfinite(y).all())
 
 
 @pytest.mark.parametrize("bits", range(1, 9))
@@ -115,3 +146,99 @@ def test_wire_bytes_ratio():
     assert fp32 / codecs.wire_bytes(n, RECIPES["int2"], 2) > 14
     assert fp32 / codecs.wire_bytes(n, RECIPES["topk1"], 2) > 45
     assert codecs.wire_bytes(n, RECIPES["int4"], 1) == 0
+
+
+# -- the sampled top-k selection (tensors past 65,536 elements) -------------------------------------------
+def _check_topk(a: torch.Tensor, k: int, idx: torch.Tensor) -> None:
+    """Exact top-k semantics: k distinct in-range indices; every selected non-NaN magnitude is >= every
+    unselected non-NaN magnitude (ties at the k-th magnitude may go either way)."""
+    n = a.numel()
+    assert idx.numel() == k and idx.unique().numel() == k
+    assert int(idx.min()) >= 0 and int(idx.max()) < n
+    chosen = torch.zeros(n, dtype=torch.bool)
+    chosen[idx] = True
+    sel, rest = a[chosen], a[~chosen]
+    sel, rest = sel[~sel.isnan()], rest[~rest.isnan()]
+    if sel.numel() and rest.numel():
+        assert float(sel.min()) >= float(rest.max()), (float(sel.min()), float(rest.max()))
+    # ties: how many of the k-th magnitude were taken is all that may differ from torch.topk
+    if not a.isnan().any():
+        kth = torch.topk(a, k).values[-1]
+        assert int((sel > kth).sum()) == int((a > kth).sum())
+
+
+def _strided_trap(n: int) -> torch.Tensor:
+    # Large values only where the strided sample looks (every 4th entry of 2**20): the sample
+    # overestimates how many entries pass its threshold, so selection needs its retry.
+    a = torch.rand(n)
+    a[:: max(1, n // (1 << 18))] += 10.0
+    return a
+
+
+TOPK_INPUTS = {
+    "random": lambda n: torch.randn(n, generator=torch.Generator().manual_seed(n)).abs(),
+    "ties": lambda n: torch.randint(0, 4, (n,), generator=torch.Generator().manual_seed(1)).float(),
+    "all-equal": lambda n: torch.ones(n),
+    "zeros-and-one-spike": lambda n: torch.zeros(n).index_fill_(0, torch.tensor([n - 1]), 5.0),
+    "strided-trap": _strided_trap,
+    "inf": lambda n: torch.randn(n).abs().index_fill_(0, torch.tensor([7, n // 2]), float("inf")),
+    "nan-sparse": lambda n: torch.randn(n).abs().index_fill_(0, torch.tensor([3, n - 2]), float("nan")),
+    "nan-in-sample": lambda n: torch.randn(n).abs().index_fill_(0, torch.arange(0, n, 4), float("nan")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TOPK_INPUTS))
+@pytest.mark.parametrize("n,k", [(65_537, 1), (65_537, 656), ((1 << 20) + 3, 10_486),
+                                 ((1 << 20) + 3, (1 << 17) - 1), ((1 << 20) + 3, 100_000)])
+def test_sampled_topk_selection_is_exact(name, n, k):
+    torch.manual_seed(n + k)
+    a = TOPK_INPUTS[name](n)
+    idx = codecs.select_topk(a, k)
+    _check_topk(a, k, idx)
+    assert torch.equal(idx, codecs.select_topk(a.clone(), k)), "selection must be deterministic"
+
+
+def test_sampled_topk_takes_every_path(monkeypatch):
+    """The inputs above reach the first guess, the retry and the full fallback of the selection."""
+    calls = []
+    real = torch.topk
+
+    def spy(t, k, *a, **kw):
+        calls.append(t.numel())
+        return real(t, k, *a, **kw)
+
+    paths = {}
+    monkeypatch.setattr(torch, "topk", spy)
+    for name in ("random", "strided-trap", "nan-in-sample"):
+        calls.clear()
+        a = TOPK_INPUTS[name]((1 << 20) + 3)
+        codecs.select_topk(a, 10_486)
+        paths[name] = len(calls)
+    # random: sample + candidates; strided-trap: sample, sample again, candidates; NaN in the
+    # sample: both guesses fail, then the full torch.topk
+    assert paths == {"random": 2, "strided-trap": 3, "nan-in-sample": 3}, paths
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_topk_message_past_the_sampled_size(bits):
+    """The whole top-k codec on 2**20 + 3 elements: the message carries exactly the selected values,
+    a NaN anywhere in the input reaches every receiver, and error feedback then keeps the residual."""
+    n = (1 << 20) + 3
+    cfg = CodecConfig(codec=Codec.TOPK, topk=0.01, bits=bits)
+    k = cfg.topk_k(n)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    buf = torch.empty(codecs.chunk_nbytes(n, cfg), dtype=torch.uint8)
+    r = torch.zeros(n)
+    codecs.encode_chunk(x, cfg, buf, residual=r)
+    y = torch.zeros(n)
+    codecs.decode_chunk(buf, n, cfg, y)
+    kept = y != 0
+    assert int(kept.sum()) == k
+    _check_topk(x.abs(), k, kept.nonzero().squeeze(1))
+    if bits is None:
+        assert torch.equal(y[kept], x[kept]) and torch.equal(r, torch.where(kept, 0.0, x))
+    x[n - 5] = float("nan")  # not where the strided sample looks
+    r_before = r.clone()
+    codecs.encode_chunk(x, cfg, buf, residual=r)
+    assert not bool(codecs.chunk_finite(buf, n, cfg))
+    assert torch.equal(r, r_before), "a non-finite message must leave the residual alone"

@@ -7,6 +7,7 @@ import json
 import warnings
 
 import pytest
+import torch
 
 from fastml_strategy import RECIPES, Codec, CodecConfig, Plan
 from fastml_strategy.config import PLAN_FORMAT_VERSION, resolve_plan
@@ -25,11 +26,30 @@ def test_lookup_order_exact_then_regex_then_default():
     assert plan.for_parameter("fc.weight", numel=10).codec is Codec.FP32
 
 
-@pytest.mark.parametrize("name", ["none", "fp16", "bf16", "int8", "int4", "int2", "topk1", "topk1-int4"])
-def test_recipes_exist_and_validate(name):
-    plan = Plan.from_recipe(name)
-    plan.validate()
-    assert plan.name == name
+# bytes per element on the wire against fp32, as config.py and the README state them: int4 costs
+# 4 + 64/512 bits per element (ratio 7.76), 1% top-k 8 bytes per kept element (ratio 50)
+RECIPE_RATIOS = {"none": 1.0, "fp16": 2.0, "bf16": 2.0, "int8": 32 / 8.125, "int4": 32 / 4.125,
+                 "int2": 32 / 2.125, "int4-sr": 32 / 4.125, "topk1": 50.0, "topk1-int4": 32 / (0.01 * 36.125)}
+
+
+def test_recipes_are_the_documented_ones_and_compress_as_stated():
+    import re as _re
+
+    from fastml_strategy import codecs
+
+    documented = set(_re.findall(r"``([a-z0-9-]+)``", Plan.from_recipe.__doc__))
+    assert documented == set(RECIPES) == set(RECIPE_RATIOS), "Plan.from_recipe's docstring lists the recipes"
+    n = 1 << 20
+    for name, ratio in RECIPE_RATIOS.items():
+        plan = Plan.from_recipe(name)
+        assert plan.name == name and plan.default is RECIPES[name]
+        assert plan.default.describe() in (name, "fp32", "topk1%", "topk1%-int4")
+        got = (2 * (2 - 1) / 2 * 4 * n) / codecs.wire_bytes(n, plan.default, 2)
+        assert got == pytest.approx(ratio, rel=0.002), (name, got)
+        assert plan.default.lossy == (name != "none")
+    # the recipe's codec is exactly what reaches the wire: "none" bit-exact, the others lossy
+    x = torch.randn(4096)
+    assert torch.equal(codecs.roundtrip(x, RECIPES["none"])[0], x)
 
 
 def test_uniform():

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _dist import run_workers
+from fastml_strategy import RECIPES
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -44,6 +45,7 @@ def _train(rank, world_size, plan, steps=20, ddp_kwargs=None, accumulate=1, dtyp
         plan = fm.Plan.from_recipe(plan, min_numel=min_numel)
     state = fm.register_hook(ddp, plan=plan)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    start = _flat_params(model)
     gen = torch.Generator().manual_seed(1000 + rank)
     nbuckets = set()
     for _ in range(steps):
@@ -66,6 +68,11 @@ def _train(rank, world_size, plan, steps=20, ddp_kwargs=None, accumulate=1, dtyp
         "finite": bool(torch.isfinite(_flat_params(model)).all()),
         "loss": float(loss),
         "layers": stats["layers"],
+        "moved": not torch.equal(start, _flat_params(model)),
+        # bytes per step the codecs predict (headers and padding aside), and the measured ones
+        "predicted_bytes": sum(row["bytes"] for row in stats["layers"].values()),
+        "bytes_per_step": stats["bytes_sent"] / max(1, stats["steps"]),
+        "codecs": sorted({row["codec"] for row in stats["layers"].values()}),
     }
 
 
@@ -100,7 +107,12 @@ def test_replicas_bit_identical(world_size, plan):
         assert r["steps"] == 20
         assert r["buckets"] >= 3, "the model must span at least 3 DDP buckets"
         assert r["finite"]
-        assert r["ratio"] > 1.0
+        assert r["moved"], "the model must train (identical untrained replicas prove nothing)"
+        assert RECIPES[plan].describe() in r["codecs"], f"{plan} must be on the wire, found {r['codecs']}"
+        # the bytes on the wire are the codecs' prediction plus the 64-byte message headers and the
+        # all_gather's padding to the largest chunk (chunks end on quantization blocks)
+        overhead = r["bytes_per_step"] - r["predicted_bytes"]
+        assert 0 <= overhead <= 2 * 64 * (world_size - 1) * r["buckets"] + 0.1 * r["predicted_bytes"], r
 
 
 def test_world_size_one_runs_the_codec():

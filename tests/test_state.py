@@ -77,7 +77,7 @@ def test_state_dict_rejects_wrong_world_size():
 
     class _S(fm.FastMLState):
         def __init__(self):  # no process group needed for this check
-            self.world_size, self.rank = 2, 0
+            self.world_size, self.rank, self._saved = 2, 0, None
 
     with pytest.raises(ValueError, match="3 ranks but this run has 2"):
         _S().load_state_dict(sd)
@@ -126,3 +126,51 @@ def test_load_state_dict_names_every_mismatch_before_loading():
         assert "'nope.weight'" in r["unknown_param"] and "no such parameter" in r["unknown_param"]
         assert r["other_plan_loose"] is None  # strict=False loads (with a warning)
         assert r["steps"] == 3
+
+
+def _pickled(rank, world_size):
+    import pickle
+
+    import fastml_strategy as fm
+
+    model = _model()
+    ddp = DDP(model, bucket_cap_mb=0.02)
+    state = fm.register_hook(ddp, plan="int4", layer_stats_every=3)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    _steps(ddp, opt, 0, 4, rank)
+    saved, stats = state.state_dict(), state.stats()
+    back = pickle.loads(pickle.dumps(state))
+    out = {
+        "step": back.step, "plan": back.plan == state.plan, "every": back.layer_stats_every,
+        "stats_equal": {k: back.stats()[k] == stats[k] for k in ("steps", "bytes_sent", "bytes_uncompressed",
+                                                              "compression_ratio", "plan")},
+        "residuals_equal": saved["residuals"].keys() == back.state_dict()["residuals"].keys() and all(
+            torch.equal(saved["residuals"][k], back.state_dict()["residuals"][k]) for k in saved["residuals"]),
+    }
+    # a detached state cannot run the hook: the error says what to do instead
+    d2 = DDP(_model(), bucket_cap_mb=0.02)
+    d2.register_comm_hook(back, fm.hook._fastml_hook)
+    try:
+        _steps(d2, torch.optim.SGD(d2.parameters(), lr=0.05), 0, 1, rank)
+        out["hook_error"] = None
+    except RuntimeError as e:
+        out["hook_error"] = str(e)
+    # ... and what it says works: a new hook resumes from the unpickled state, bit-exactly
+    d3 = DDP(_model(), bucket_cap_mb=0.02)
+    s3 = fm.register_hook(d3, plan=back.plan)
+    s3.load_state_dict(back.state_dict())
+    out["resumed"] = s3.step == 4 and all(torch.equal(s3.state_dict()["residuals"][k], v)
+                                          for k, v in saved["residuals"].items())
+    for s in (state, s3):
+        s.close()
+    return out
+
+
+def test_pickle_round_trip_keeps_the_checkpoint_and_refuses_to_run():
+    for r in run_workers(_pickled, 2):
+        assert r["step"] == 4 and r["plan"] and r["every"] == 3
+        assert all(r["stats_equal"].values()), r["stats_equal"]
+        assert r["residuals_equal"]
+        assert r["hook_error"] is not None and "was unpickled" in r["hook_error"], r["hook_error"]
+        assert "load_state_dict" in r["hook_error"]
+        assert r["resumed"]

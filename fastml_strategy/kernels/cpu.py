@@ -57,7 +57,6 @@ __all__ = [
     # the codec
     "quantize",
     "dequantize",
-    "dequantize_scatter_add",
     # the build
     "available",
     "build_info",
@@ -229,10 +228,10 @@ def _build(march: str | None = None, info: dict | None = None, source: Path | No
     p, i64, i32, u32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint32
     lib.fastml_quantize.argtypes = [p, i32, i64, p, p, p, p, i32, i64, i32, u32, i32]
     lib.fastml_quantize.restype = i32
-    lib.fastml_dequantize.argtypes = [p, i64, p, i64, i32, i64, p, i32, p, i32]
+    lib.fastml_dequantize.argtypes = [p, i64, p, i64, i32, i64, p, i32, i32]
     lib.fastml_dequantize.restype = i32
     lib.fastml_cpu_abi_version.restype = i32
-    if lib.fastml_cpu_abi_version() != 1:
+    if lib.fastml_cpu_abi_version() != 2:
         raise RuntimeError("stale library in the cache (ABI version mismatch)")
     if hasattr(lib, "fastml_cpu_isa"):  # (sources before 2026-12 lack it)
         lib.fastml_cpu_isa.restype = ctypes.c_char_p
@@ -378,23 +377,11 @@ def dequantize(
     if out is None:
         out = (torch.zeros if accumulate else torch.empty)(numel, dtype=torch.float32)
     _check(out, numel, torch.float32, "out")
-    _decode(packed, meta, numel, bits, block_size, out, 1 if accumulate else 0, None)
+    _decode(packed, meta, numel, bits, block_size, out, 1 if accumulate else 0)
     return out
 
 
-def dequantize_scatter_add(out: torch.Tensor, indices: torch.Tensor, packed: torch.Tensor, meta: torch.Tensor,
-                           bits: int, block_size: int = 512) -> torch.Tensor:
-    """``out[indices] += dequantize(packed, meta)`` in one pass (``indices`` unique)."""
-    idx = indices.reshape(-1).to(torch.int64).contiguous()
-    if out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError("dequantize_scatter_add: out must be a contiguous float32 tensor")
-    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= out.numel()):
-        raise IndexError(f"dequantize_scatter_add: an index is outside [0, {out.numel()})")
-    _decode(packed, meta, idx.numel(), bits, block_size, out, 2, idx)
-    return out
-
-
-def _decode(packed, meta, numel, bits, block_size, out, mode, idx):
+def _decode(packed, meta, numel, bits, block_size, out, mode):
     lib = _active()
     if lib is None:
         raise RuntimeError(f"the compiled CPU codec is unavailable: {_info.get('error')}")
@@ -409,7 +396,6 @@ def _decode(packed, meta, numel, bits, block_size, out, mode, idx):
             f"{packed_nbytes(numel, bits)} uint8 payload bytes and {nb}x2 metadata; got {packed.numel()} "
             f"{packed.dtype} and {meta.numel()} metadata values")
     rc = lib.fastml_dequantize(packed.data_ptr(), packed.numel(), meta.data_ptr(), numel, bits, block_size,
-                               out.data_ptr(), mode, idx.data_ptr() if idx is not None else None,
-                               _threads(numel))
+                               out.data_ptr(), mode, _threads(numel))
     if rc != 0:
         raise ValueError(f"dequantize: invalid arguments (bits={bits}, block_size={block_size})")

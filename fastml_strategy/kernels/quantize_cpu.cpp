@@ -17,8 +17,7 @@
 //   pack:   8 one-byte codes (a uint64) -> 8*BITS bits by three shift/mask/or stages, on the 2 or 4
 //           uint64 lanes of a SIMD register at once, stored as BITS bytes per group.
 // Decoder: the reverse stages expand BITS bytes into 8 one-byte codes (8-bit codes are read in
-// place), then y = mn + q * scale, stored or added to `out` (or scatter-added at `idx`, for top-k
-// values).
+// place), then y = mn + q * scale, stored or added to `out`.
 //
 // Explicit SIMD, one instruction set per build (`fastml_cpu_isa()` names it):
 //   avx2    (__AVX2__, so AVX-512 machines too)  8 lanes; 32 codes narrowed by two packs, one
@@ -665,13 +664,12 @@ struct DecodeArgs {
   int64_t avail;  // readable payload bytes
   const float* meta;
   float* out;
-  const int64_t* idx;
   int64_t n;
   int64_t bs;
   int bits;
 };
 
-template <int MODE>  // 0: store, 1: add, 2: scatter-add at idx
+template <int MODE>  // 0: store, 1: add
 void decode_blocks(const DecodeArgs& a, int64_t b0, int64_t b1) {
   using F = Isa::F;
   constexpr int W = Isa::W;
@@ -691,11 +689,6 @@ void decode_blocks(const DecodeArgs& a, int64_t b0, int64_t b1) {
       unpackf(a.packed + off, (len + 7) / 8, qbuf, a.avail - off);
     }
     const float mn = a.meta[2 * blk], sc = a.meta[2 * blk + 1];
-    if (MODE == 2) {
-      const int64_t* ib = a.idx + start;
-      for (int64_t k = 0; k < len; ++k) a.out[ib[k]] = a.out[ib[k]] + (mn + static_cast<float>(qs[k]) * sc);
-      continue;
-    }
     float* ob = a.out + start;
     const F vmn = Isa::set1(mn), vsc = Isa::set1(sc);
     const int64_t main_len = len - len % kChunk;
@@ -737,7 +730,7 @@ void run_parallel(int64_t nblocks, int nthreads, Fn fn) {
 
 extern "C" {
 
-int fastml_cpu_abi_version() { return 1; }
+int fastml_cpu_abi_version() { return 2; }
 
 // The instruction set this build's kernels use: "avx2", "sse2", "neon" or "scalar".
 const char* fastml_cpu_isa() { return Isa::kName; }
@@ -762,17 +755,16 @@ int fastml_quantize(const void* x, int dtype, int64_t n, const float* r, float* 
   return 0;
 }
 
-// mode: 0 out = y, 1 out += y, 2 out[idx[i]] += y[i] (idx unique; int64). avail: payload bytes.
+// mode: 0 out = y, 1 out += y. avail: payload bytes.
 int fastml_dequantize(const uint8_t* packed, int64_t avail, const float* meta, int64_t n, int bits,
-                      int64_t bs, float* out, int mode, const int64_t* idx, int nthreads) {
+                      int64_t bs, float* out, int mode, int nthreads) {
   if (bits < 1 || bits > 8 || bs < 8 || (bs & (bs - 1)) != 0 || n < 0) return -1;
   if (n == 0) return 0;
-  DecodeArgs a{packed, avail, meta, out, idx, n, bs, bits};
+  DecodeArgs a{packed, avail, meta, out, n, bs, bits};
   const int64_t nblocks = (n + bs - 1) / bs;
   switch (mode) {
     case 0: run_parallel(nblocks, nthreads, [&](int64_t b0, int64_t b1) { decode_blocks<0>(a, b0, b1); }); break;
     case 1: run_parallel(nblocks, nthreads, [&](int64_t b0, int64_t b1) { decode_blocks<1>(a, b0, b1); }); break;
-    case 2: decode_blocks<2>(a, 0, nblocks); break;  // scatter: one thread (indices may share lines)
     default: return -2;
   }
   return 0;

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from fastml_strategy.kernels.reference import FLT_MAX, HASH_GOLDEN, num_blocks, packed_nbytes
 
-__all__ = ["quantize", "dequantize", "dequantize_scatter_add", "scatter_add"]
+__all__ = ["quantize", "dequantize"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # CUDA launch shape: 1024 elements per program on 1 warp (32 per thread). Read from the sm_90 PTX and
@@ -170,10 +170,10 @@ def _quantize_kernel(
 
 @triton.jit(do_not_specialize=["n", "nbytes"])
 def _dequantize_kernel(
-    packed_ptr, meta_ptr, out_ptr, idx_ptr,
+    packed_ptr, meta_ptr, out_ptr,
     n, nbytes,
     BITS: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr, WORDS: tl.constexpr,
-    ACC: tl.constexpr, INDEXED: tl.constexpr,
+    ACC: tl.constexpr,
 ):
     LF: tl.constexpr = (1 << BITS) - 1
     WORD: tl.constexpr = tl.uint32 if BITS <= 4 else tl.uint64
@@ -200,11 +200,7 @@ def _dequantize_kernel(
         mn = tl.load(meta_ptr + blk * 2)
         sc = tl.load(meta_ptr + blk * 2 + 1)
         y = mn[:, None, None] + q.to(tl.float32) * sc[:, None, None]
-        if INDEXED:
-            # Scatter-add at unique indices (top-k): one atomic per element, so the sum is exact
-            # and deterministic whatever the order the programs run in.
-            tl.atomic_add(out_ptr + tl.load(idx_ptr + offs), y, sem="relaxed")
-        elif ACC:
+        if ACC:
             tl.store(out_ptr + offs, tl.load(out_ptr + offs) + y)
         else:
             tl.store(out_ptr + offs, y)
@@ -214,22 +210,10 @@ def _dequantize_kernel(
         sc = tl.load(meta_ptr + blk * 2 + 1, mask=bmask, other=0.0)
         y = mn[:, None, None] + q.to(tl.float32) * sc[:, None, None]
         mask = offs < n
-        if INDEXED:
-            dst = tl.load(idx_ptr + offs, mask=mask, other=0)
-            tl.atomic_add(out_ptr + dst, y, mask=mask, sem="relaxed")
-        elif ACC:
+        if ACC:
             tl.store(out_ptr + offs, tl.load(out_ptr + offs, mask=mask, other=0.0) + y, mask=mask)
         else:
             tl.store(out_ptr + offs, y, mask=mask)
-
-
-@triton.jit
-def _scatter_add_kernel(out_ptr, idx_ptr, val_ptr, k, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < k
-    dst = tl.load(idx_ptr + offs, mask=mask, other=0)
-    val = tl.load(val_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.atomic_add(out_ptr + dst, val, mask=mask, sem="relaxed")
 
 
 def _plan(numel: int, block_size: int) -> tuple[int, int, dict]:
@@ -325,22 +309,11 @@ def dequantize(
     if numel == 0:
         return out
     _check_out(out, numel, torch.float32, "out")
-    _decode(packed, meta, numel, bits, block_size, out, accumulate, None)
+    _decode(packed, meta, numel, bits, block_size, out, accumulate)
     return out
 
 
-def dequantize_scatter_add(
-    out: torch.Tensor, indices: torch.Tensor, packed: torch.Tensor, meta: torch.Tensor, bits: int,
-    block_size: int = 512,
-) -> torch.Tensor:
-    """``out[indices] += dequantize(packed, meta)`` in one pass (``indices`` unique, int32 or int64)."""
-    k = indices.numel()
-    if k:
-        _decode(packed, meta, k, bits, block_size, out, True, indices.reshape(-1).contiguous())
-    return out
-
-
-def _decode(packed, meta, numel, bits, block_size, out, accumulate, indices):
+def _decode(packed, meta, numel, bits, block_size, out, accumulate):
     packed = packed.reshape(-1).contiguous()
     meta = meta.reshape(-1).contiguous()
     nb = num_blocks(numel, block_size)
@@ -351,27 +324,15 @@ def _decode(packed, meta, numel, bits, block_size, out, accumulate, indices):
             f"{nbytes} payload bytes and {nb}x2 metadata; got {packed.numel()} "
             f"bytes and {meta.numel()} metadata values")
     g, nfull, opts = _plan(numel, block_size)
-    consts = dict(BITS=bits, BS=block_size, G=g, ACC=bool(accumulate), INDEXED=indices is not None, **opts)
-    idx = indices if indices is not None else out
+    consts = dict(BITS=bits, BS=block_size, G=g, ACC=bool(accumulate), **opts)
     if nfull:
         _dequantize_kernel[(nfull // (g * block_size),)](
-            packed, meta, out, idx, nfull, nfull * bits // 8, EVEN=True, WORDS=_words_ok(bits, packed), **consts)
+            packed, meta, out, nfull, nfull * bits // 8, EVEN=True, WORDS=_words_ok(bits, packed), **consts)
     if numel > nfull:
         b, pb = nfull, nfull * bits // 8
         _dequantize_kernel[(triton.cdiv(num_blocks(numel - b, block_size), g),)](
-            packed[pb:], meta[2 * (b // block_size):], out if indices is not None else out[b:], idx[b:],
+            packed[pb:], meta[2 * (b // block_size):], out[b:],
             numel - b, nbytes - pb, EVEN=False, WORDS=False, **consts)
-
-
-def scatter_add(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``out[indices] += values`` with atomics (``indices`` unique within the call: deterministic)."""
-    k = indices.numel()
-    if k:
-        block = 1024 if not _INTERPRET else max(1024, triton.next_power_of_2(k))
-        opts = {} if _INTERPRET else {"num_warps": 4}
-        _scatter_add_kernel[(triton.cdiv(k, block),)](
-            out, indices.reshape(-1).contiguous(), values.reshape(-1).contiguous(), k, BLOCK=block, **opts)
-    return out
 
 
 def _check_out(t: torch.Tensor, numel: int, dtype: torch.dtype, name: str) -> None:

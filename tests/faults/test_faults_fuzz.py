@@ -248,21 +248,22 @@ def test_quantize_kernels_error_feedback(x, bits, bs, stochastic, seed, res_scal
 @FUZZ
 @given(x=tensors(max_numel=300), frac=st.floats(0.001, 1.0), bits=st.one_of(st.none(), st.integers(1, 8)),
        res_scale=st.sampled_from([0.0, 1e-3, 1e38]), seed=st.integers(0, 2**31 - 1))
-def test_topk_kernels_error_feedback(x, frac, bits, res_scale, seed):
-    from fastml_strategy.kernels.topk import topk_decode_add, topk_encode
-
+def test_topk_chunk_error_feedback(x, frac, bits, res_scale, seed):
+    """The live top-k path (codecs.encode_chunk / decode_chunk) with error feedback."""
     x = x.reshape(-1).to(torch.float32)
     n = x.numel()
     if n == 0:
         return
     k = max(1, min(n, int(n * frac)))
+    cfg = CodecConfig(codec=Codec.TOPK, topk_count=k, bits=bits, block_size=64)
     g = torch.Generator().manual_seed(seed)
     r = (torch.randn(n, generator=g, dtype=torch.float64) * res_scale).clamp(-FLT_MAX, FLT_MAX).float()
     r_out = torch.full((n,), 12345.0)
-    t = topk_encode(x, k, bits=bits, block_size=64, residual=r, residual_out=r_out, seed=seed)
+    buf = torch.empty(codecs.chunk_nbytes(n, cfg), dtype=torch.uint8)
+    codecs.encode_chunk(x, cfg, buf, residual=r, residual_out=r_out, seed=seed)
     out = torch.zeros(n)
-    topk_decode_add(out, t.indices, t.values, packed=t.packed, meta=t.meta, bits=t.bits,
-                    block_size=t.block_size)
+    codecs.decode_chunk(buf, n, cfg, out)
+    assert bool(codecs.chunk_finite(buf, n, cfg)) == bool(torch.isfinite(out).all())
     acc = x + r
     where = f"topk k={k} bits={bits} n={n} res~{res_scale:g}"
     if bool(torch.isfinite(out).all()):
@@ -296,15 +297,15 @@ def test_range_beyond_fp32_is_nonfinite_not_inf(backend, bits):
     quantize_check(x + r, y, bits, bs, False, f"{backend} int{bits}")
 
 
-def test_topk_kernel_keeps_the_residual_when_quantized_values_are_not_representable():
-    """Found by the fuzzing: finite values spanning more than fp32's range quantize to NaN, yet the
-    top-k kernel stored a new residual as if they had been sent."""
-    from fastml_strategy.kernels.topk import topk_encode
-
+def test_topk_keeps_the_residual_when_quantized_values_are_not_representable():
+    """Found by the fuzzing: finite values spanning more than fp32's range quantize to NaN, yet a
+    new residual was stored as if they had been sent."""
+    cfg = CodecConfig(codec=Codec.TOPK, topk_count=3, bits=1, block_size=8)
     r = torch.tensor([3e38, -3e38, 1.0])
     r_out = torch.full((3,), 7.0)
-    t = topk_encode(torch.zeros(3), 3, bits=1, block_size=8, residual=r, residual_out=r_out)
-    assert bool(torch.isnan(t.meta).all())
+    buf = torch.empty(codecs.chunk_nbytes(3, cfg), dtype=torch.uint8)
+    codecs.encode_chunk(torch.zeros(3), cfg, buf, residual=r, residual_out=r_out)
+    assert not bool(codecs.chunk_finite(buf, 3, cfg))
     assert torch.equal(r_out, r)
 
 
