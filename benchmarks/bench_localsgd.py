@@ -450,7 +450,9 @@ def _launch(link: str | None, root: bool, worker_args: list[str], out: str, time
     host's loopback. Returns the JSON rank 0 wrote."""
     import socket
 
-    prefix, env = [], dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's package, installed or not
+    prefix, env = [], dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
+                           PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
     if root:
         ns = f"fmls{os.getpid() % 100000}{link or 'none'}"
         _NAMESPACES.append(ns)
