@@ -9,8 +9,9 @@ Public API, grouped by purpose:
   :class:`ReplicaDriftError` (the replica check found parameters that differ across ranks)
 - sharded training (FSDP2, HSDP): ``fastml_strategy.fsdp.register`` and ``FSDPState``
 - Lightning / Fabric: ``fastml_strategy.lightning.FastMLStrategy``, ``FastMLFSDPStrategy`` and
-  ``FastMLLocalSGDStrategy`` (the names ``"fastml"``, ``"fastml_fsdp"`` and ``"fastml_localsgd"`` are
-  registered with Lightning's strategy registries at import when Lightning is installed)
+  ``FastMLLocalSGDStrategy``; ``import fastml_strategy.lightning`` registers the names ``"fastml"``,
+  ``"fastml_fsdp"`` and ``"fastml_localsgd"`` with Lightning's strategy registries (so does
+  ``import fastml_strategy`` when Lightning was imported first)
 - Accelerate: ``fastml_strategy.accelerate`` (``setup``/``prepare``; ``prepare_local_sgd`` for LocalSGD)
 - autotuning: ``fastml_strategy.autotune`` and the ``fastml-autotune`` command
 
@@ -18,6 +19,9 @@ Not public: modules whose names start with an underscore, ``collective`` interna
 launchers' keyword arguments beyond those documented in ``fastml_strategy.kernels``.
 Importing this package never initialises CUDA and does not import optuna, accelerate or triton.
 """
+
+import sys
+import warnings
 
 from fastml_strategy.config import RECIPES, Codec, CodecConfig, LocalSteps, Plan
 from fastml_strategy.hook import CompressionError, FastMLState, ReplicaDriftError, register_hook
@@ -44,13 +48,17 @@ __all__ = [
 
 
 def _register_lightning() -> None:
-    # The one import-time side effect: make Trainer(strategy="fastml") work. Guarded, so a missing or
-    # broken Lightning never breaks `import fastml_strategy`.
-    try:
-        from fastml_strategy.lightning import _register_strategies
-    except ImportError:
+    # Trainer(strategy="fastml") for a user who imported Lightning before FastML. Only a look at
+    # sys.modules: Lightning is never imported from here (it costs seconds); without it, the user writes
+    # `import fastml_strategy.lightning`, which registers the names on import.
+    if not any(m in sys.modules for m in ("lightning.pytorch", "lightning.fabric", "pytorch_lightning",
+                                          "lightning_fabric")):
         return
-    _register_strategies()
+    try:
+        import fastml_strategy.lightning  # noqa: F401  registers the strategy names on import
+    except Exception as e:  # noqa: BLE001 - a broken Lightning must not break `import fastml_strategy`
+        warnings.warn(f"FastML could not register its Lightning strategies ({type(e).__name__}: {e}); pass "
+                      f"the strategy object instead (fastml_strategy.lightning.FastMLStrategy())", stacklevel=2)
 
 
 _register_lightning()

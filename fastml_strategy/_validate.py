@@ -37,8 +37,8 @@ def whole_number(name: str, value: Any, minimum: int = 1, *, owner: str | None =
     raise ValueError(f"{where}{name}={value!r}; use a whole number >= {minimum}{note}")
 
 
-def env_whole_number(var: str, value: Any, default: int, minimum: int = 0, *,
-                     owner: str | None = None) -> int:
+def env_whole_number(var: str, value: Any, default: int | None, minimum: int = 0, *,
+                     owner: str | None = None) -> int | None:
     """The setting ``value`` when it is not None, else the environment variable ``var`` when it is set
     and not blank, else ``default``; checked by :func:`whole_number` (its name: ``var`` without
     ``FASTML_``, in lower case). A variable that is not a whole number raises ValueError naming it."""

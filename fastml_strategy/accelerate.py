@@ -90,12 +90,14 @@ communication overlaps the inner steps, and checkpoints every rank's state for a
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
+from fastml_strategy._validate import env_whole_number
 from fastml_strategy.config import Plan, resolve_plan
 from fastml_strategy.hook import FastMLState, own_rank_state, register_hook
 from fastml_strategy.localsgd import STATE_FORMAT_VERSION as LOCALSGD_FORMAT_VERSION
@@ -106,19 +108,9 @@ if TYPE_CHECKING:
 
 __all__ = ["setup", "prepare", "CheckpointState", "local_sgd", "prepare_local_sgd", "LocalSGDCheckpoint"]
 
+log = logging.getLogger(__name__)
 
-def _env_int(name: str, value: int | None, default: int) -> int:
-    if value is None:
-        raw = os.environ.get(name, "").strip()
-        if not raw:
-            return default
-        try:
-            value = int(raw)
-        except ValueError:
-            raise ValueError(f"{name}={raw!r} is not a whole number; set it to N >= 1, or 0 to switch it off") from None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name.removeprefix('FASTML_').lower()}={value!r}; use a whole number >= 0 (0: off)")
-    return value
+_SETUP = "fastml_strategy.accelerate.setup"
 
 
 class CheckpointState:
@@ -140,10 +132,15 @@ class CheckpointState:
 
 
 def _unwrap(model: Any) -> Iterator[Any]:
-    """The model and what torch.compile wraps (``_orig_mod``), outermost first."""
+    """The model and what torch.compile wraps (``OptimizedModule._orig_mod``, private: torch has no
+    public accessor), outermost first. tests/test_upstream_internals.py fails if torch renames it."""
     seen = 0
     while model is not None and seen < 4:  # torch.compile(DDP(model)) keeps DDP in _orig_mod
         yield model
+        if type(model).__name__ == "OptimizedModule" and not hasattr(model, "_orig_mod"):
+            log.warning("FastML: torch.compile's OptimizedModule has no _orig_mod in torch %s (torch "
+                        "internals changed): FastML cannot find the DDP/FSDP model inside it and will not "
+                        "compress; call fastml_strategy.accelerate.setup before torch.compile", torch.__version__)
         model = getattr(model, "_orig_mod", None)
         seen += 1
 
@@ -202,8 +199,8 @@ def setup(
     Raises TypeError, on every process, for a model wrapped in FSDP1.
     """
     resolved = resolve_plan(plan)  # a bad FASTML_PLAN fails here, on every process, naming it
-    check_every = _env_int("FASTML_CHECK_REPLICAS_EVERY", check_replicas_every, 0)
-    layer_every = _env_int("FASTML_LAYER_STATS_EVERY", layer_stats_every, 10)
+    check_every = env_whole_number("FASTML_CHECK_REPLICAS_EVERY", check_replicas_every, 0, owner=_SETUP)
+    layer_every = env_whole_number("FASTML_LAYER_STATS_EVERY", layer_stats_every, 10, owner=_SETUP)
     _reject_fsdp1(model)
     ddp = _find_ddp(model)
     fsdp = _find_fsdp2(model) if ddp is None else None
@@ -327,7 +324,8 @@ def local_sgd(
     """
     resolved, settings = resolve_settings(plan, every=every, outer=outer, outer_lr=outer_lr,
                                           outer_momentum=outer_momentum, fragments=fragments, delay=delay)
-    layer_every = _env_int("FASTML_LAYER_STATS_EVERY", layer_stats_every, 1)
+    layer_every = env_whole_number("FASTML_LAYER_STATS_EVERY", layer_stats_every, 1,
+                                   owner="fastml_strategy.accelerate.local_sgd")
     if _find_ddp(model) is not None or _find_fsdp2(model) is not None or _is_fsdp1(model):
         raise TypeError(
             f"fastml_strategy.accelerate.local_sgd: the model is a {type(model).__name__} (accelerator.prepare "

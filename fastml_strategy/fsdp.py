@@ -47,6 +47,7 @@ parameter list and mesh); :func:`register` checks they exist and names the torch
 # No `from __future__ import annotations`: torch's ReduceScatter is an ABC with annotated signatures.
 
 import json
+import logging
 import math
 import warnings
 from typing import Any, Optional, Sequence
@@ -62,6 +63,8 @@ from fastml_strategy.hook import (agreed_plan, check_saved_state, fitting_residu
                                   own_rank_state)
 
 __all__ = ["register", "FSDPState", "shard_chunks", "save_distributed", "load_distributed", "TESTED_TORCH"]
+
+log = logging.getLogger(__name__)
 
 STATE_FORMAT_VERSION = 1
 TESTED_TORCH = "2.13"
@@ -136,6 +139,13 @@ class _Unit:
         (a parameter no rank used travels as zeros, as FSDP does it) and not the frozen ones."""
         out = []
         for fp, name in zip(self.params, self.names):
+            # FSDPParam's private unsharded parameter (set by the first all-gather; no public query
+            # whether a parameter takes a gradient). tests/test_upstream_internals.py fails if torch
+            # renames it; here a logged warning says why the layout will not match.
+            if not hasattr(fp, "_unsharded_param"):
+                log.warning("FastML: FSDP's FSDPParam has no _unsharded_param in torch %s (tested with %s): "
+                            "%s is treated as frozen, and the reduce-scatter layout will not match FSDP's",
+                            torch.__version__, TESTED_TORCH, name)
             up = getattr(fp, "_unsharded_param", None)
             if up is None or not up.requires_grad:
                 continue

@@ -464,25 +464,39 @@ def _fastml_hook(state, bucket):
 
 
 def _default_group_timeout():
-    """The timeout the user gave ``init_process_group`` (None, torch's default, if unreadable: then
-    a warning says so, since a dead peer would stall the others for torch's default of 30 minutes).
-    Reads torch internals (``_get_default_group``, ``options._timeout``); tests/test_hook_dist.py
-    fails if torch renames them."""
+    """The timeout the user gave ``init_process_group``, or None (torch's default) when it cannot be
+    read; then a logged warning says so, since a dead peer would stall the others for torch's default
+    of 30 minutes. Reads torch internals (``distributed_c10d._get_default_group()``,
+    ``ProcessGroup._get_backend(device).options._timeout``);
+    tests/test_upstream_internals.py fails if torch renames them."""
     try:
         pg = dist.distributed_c10d._get_default_group()
     except Exception as e:  # noqa: BLE001
-        warnings.warn(f"FastML: cannot read the default process group ({e}); FastML's own group uses "
-                      f"torch's default timeout", stacklevel=3)
+        log.warning("FastML: cannot read the default process group (%s: %s; torch internals changed?): "
+                    "FastML's own group uses torch's default timeout (30 minutes), so a dead rank is "
+                    "noticed that late", type(e).__name__, e)
         return None
     for device in ("cpu", "cuda"):
         try:
             return pg._get_backend(torch.device(device)).options._timeout
         except Exception:  # noqa: BLE001 - no backend for this device, or a torch without the field
             continue
-    warnings.warn("FastML: cannot read the timeout of init_process_group (torch internals changed); "
-                  "FastML's own group uses torch's default (30 minutes): a dead rank is noticed that late",
-                  stacklevel=3)
+    log.warning("FastML: cannot read the timeout of init_process_group (torch %s has no "
+                "ProcessGroup._get_backend(device).options._timeout): FastML's own group uses torch's "
+                "default (30 minutes), so a dead rank is noticed that late", torch.__version__)
     return None
+
+
+def _has_comm_hook(model: torch.nn.parallel.DistributedDataParallel) -> bool:
+    """Whether a comm hook is registered on this DDP model (DDP's private ``_comm_hooks`` list; torch
+    has no public query). On a torch without it: False, with a logged warning (registering twice then
+    fails inside DDP instead). tests/test_upstream_internals.py fails if torch renames it."""
+    hooks = getattr(model, "_comm_hooks", None)
+    if not isinstance(hooks, list):
+        log.warning("FastML: DistributedDataParallel has no _comm_hooks list in torch %s (torch internals "
+                    "changed): FastML cannot check that no other comm hook is registered", torch.__version__)
+        return False
+    return bool(hooks)
 
 
 def _agree(group, world_size: int, payload: Any) -> list:
@@ -605,7 +619,7 @@ def register_hook(
             f"register_hook: model is a {type(model).__name__}, not a DistributedDataParallel; wrap it "
             f"first (model = torch.nn.parallel.DistributedDataParallel(model)) and pass the wrapper"
         )
-    if getattr(model, "_comm_hooks", None):
+    if _has_comm_hook(model):
         raise ValueError(
             "register_hook: this DistributedDataParallel model already has a comm hook (register_hook "
             "was called on it before, or another hook was registered); register FastML once per DDP "

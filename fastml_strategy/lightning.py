@@ -9,9 +9,9 @@ every gradient bucket is compressed as the plan says (quantized, top-k, or cast)
 the network. Everything else (launching processes, samplers, precision, accumulation, loggers) is
 Lightning's own.
 
-1. Lightning's ``DDPStrategy._register_ddp_hooks`` registers a comm hook only when the device is CUDA:
-   on CPU a ``ddp_comm_hook`` is silently ignored. ``FastMLStrategy`` overrides that method and
-   registers FastML's hook on every device (gloo on CPU, NCCL on CUDA).
+1. Lightning's ``DDPStrategy`` registers a ``ddp_comm_hook`` only when the device is CUDA: on CPU it
+   is silently ignored. ``FastMLStrategy`` extends the public ``configure_ddp`` (which wraps the model
+   in DDP) and registers FastML's hook after it, on every device (gloo on CPU, NCCL on CUDA).
 2. The plan comes from ``FastMLStrategy(plan=...)`` (a :class:`~fastml_strategy.Plan`, a recipe name
    such as ``"int4"``, or a plan JSON path) or, for ``strategy="fastml"``, from the environment
    variable ``FASTML_PLAN`` (default ``int4``). It is resolved when the strategy is built, so a wrong
@@ -25,7 +25,7 @@ Lightning's own.
    Weights-only checkpoints (``save_weights_only=True``) carry no FastML state: they cannot resume.
 4. Statistics: every ``log_every_n_steps`` optimizer steps rank 0 sends ``fastml/compression_ratio``
    and ``fastml/bytes_sent_per_step`` to the Trainer's loggers, and every
-   ``layer_errors_every_n_steps`` the relative compression error of each layer
+   ``layer_stats_every`` the relative compression error of each layer
    (``fastml/rel_error/<parameter>``). ``trainer.strategy.compression_stats()`` returns the full
    dictionary of :meth:`fastml_strategy.FastMLState.stats`, during and after ``fit``.
 
@@ -97,19 +97,26 @@ metric sync are kept): the inner steps do not communicate at all.
    closed, a fragment update still waiting for its delay kept pending (``localsgd.synchronize()``
    applies it), so a second ``fit`` leaks nothing and the end of ``fit`` does not move the trajectory.
 
-Registering the names without paying for them
----------------------------------------------
-``import fastml_strategy`` calls :func:`_register_strategies`. Importing Lightning costs about 2.6 s
-and pulls in Triton, so it is not imported here: the names are registered at once with the frameworks
-already imported, and for the others a small import hook registers them right after
-``lightning.pytorch`` / ``pytorch_lightning`` / ``lightning.fabric`` / ``lightning_fabric`` finishes
-importing. The strategy classes are built on first use (``fastml_strategy.lightning.FastMLStrategy``
-imports ``lightning.pytorch``), once per framework, because ``lightning.pytorch`` and the standalone
-``pytorch_lightning`` keep separate class hierarchies and registries.
+Registering the names: ``import fastml_strategy.lightning``
+----------------------------------------------------------
+``Trainer(strategy="fastml")`` (``"fastml_fsdp"``, ``"fastml_localsgd"``; Fabric alike) needs the names
+in Lightning's strategy registries (``StrategyRegistry.register``, Lightning's extension point).
+Importing this module registers them (:func:`register_strategies`): with every Lightning flavour
+already imported, or, if none is, with every installed one (``lightning``, ``pytorch_lightning``,
+``lightning_fabric``), which it imports. ``import fastml_strategy`` does it too, but only when Lightning
+was imported before it (a look at ``sys.modules``): the package itself never imports Lightning (about
+2.5 s, and Triton) and touches no other package's import machinery. So write
+``import fastml_strategy.lightning``, or import Lightning first. Lightning 2.6 has no entry point for
+strategies (its entry points add callbacks, after the strategy name has been resolved), so no
+installed-package mechanism can make the names work without an import.
+
+The classes are built per framework (``lightning.pytorch`` and the standalone ``pytorch_lightning``
+keep separate class hierarchies and registries): ``FastMLStrategy`` is ``lightning.pytorch``'s,
+:func:`strategy_class` gives any flavour's.
 
 Example::
 
-    import fastml_strategy  # registers "fastml", "fastml_fsdp" and "fastml_localsgd"
+    import fastml_strategy.lightning  # registers "fastml", "fastml_fsdp" and "fastml_localsgd"
     trainer = L.Trainer(strategy="fastml", accelerator="cpu", devices=2)  # plan from FASTML_PLAN
     # or explicitly:
     from fastml_strategy.lightning import FastMLFSDPStrategy, FastMLStrategy
@@ -124,7 +131,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import importlib.abc
+import importlib.util
 import inspect
 import json
 import logging
@@ -138,6 +145,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
+from fastml_strategy._validate import env_whole_number, renamed, whole_number
 from fastml_strategy.config import Plan, resolve_plan
 from fastml_strategy.hook import own_rank_state, register_hook
 from fastml_strategy.localsgd import STATE_FORMAT_VERSION as LOCALSGD_FORMAT_VERSION
@@ -152,8 +160,9 @@ if TYPE_CHECKING:  # the real classes are built lazily, see strategy_class()
     from lightning.pytorch.strategies import DDPStrategy as FastMLLocalSGDStrategy  # noqa: F401
 
 __all__ = ["FastMLStrategy", "FastMLFabricStrategy", "FastMLFSDPStrategy", "FastMLFSDPFabricStrategy",
-           "FastMLLocalSGDStrategy", "FastMLLocalSGDFabricStrategy", "strategy_class", "CHECKPOINT_KEY",
-           "STRATEGY_NAME", "FSDP_STRATEGY_NAME", "LOCALSGD_STRATEGY_NAME", "DEFAULT_MIN_WRAP_NUMEL"]
+           "FastMLLocalSGDStrategy", "FastMLLocalSGDFabricStrategy", "strategy_class", "register_strategies",
+           "CHECKPOINT_KEY", "STRATEGY_NAME", "FSDP_STRATEGY_NAME", "LOCALSGD_STRATEGY_NAME",
+           "DEFAULT_MIN_WRAP_NUMEL"]
 
 log = logging.getLogger(__name__)
 
@@ -210,26 +219,16 @@ _lock = threading.RLock()
 
 
 # -- settings shared by the strategies ---------------------------------------------------------------------
-def _check_every(value: int | None) -> int:
+def _check_every(owner: str, value: int | None) -> int:
     """``check_replicas_every``: the argument, else ``FASTML_CHECK_REPLICAS_EVERY``, else 0 (off)."""
-    if value is None:
-        raw = os.environ.get("FASTML_CHECK_REPLICAS_EVERY", "0").strip() or "0"
-        try:
-            value = int(raw)
-        except ValueError:
-            raise ValueError(
-                f"FASTML_CHECK_REPLICAS_EVERY={raw!r} is not a whole number; set it to N >= 1 to compare "
-                f"replicas every N steps, or 0 (or unset it) to switch the check off"
-            ) from None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"check_replicas_every={value!r}; use a whole number >= 0 (0 switches the check off)")
-    return value
+    return env_whole_number("FASTML_CHECK_REPLICAS_EVERY", value, 0, owner=owner)
 
 
-def _positive_or_none(name: str, value: int | None) -> int | None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise ValueError(f"{name}={value!r}; use a whole number >= 1, 0 to switch it off, or None for the default")
-    return value
+def _layer_stats_every(owner: str, value: int | None, old_value: int | None, default: int | None) -> int | None:
+    """``layer_stats_every`` (the old keyword ``layer_errors_every_n_steps`` still accepted, with a
+    FutureWarning): the argument, else ``FASTML_LAYER_STATS_EVERY``, else ``default``; 0 is off."""
+    value = renamed(owner, "layer_errors_every_n_steps", old_value, "layer_stats_every", value, stacklevel=5)
+    return env_whole_number("FASTML_LAYER_STATS_EVERY", value, default, owner=owner)
 
 
 def _resolve(plan: Any) -> Plan:
@@ -261,6 +260,16 @@ def _lightning_private(package: str, module: str, name: str) -> Any:
                           f"tested with 2.6.6); this Lightning lacks it ({e}). Install lightning==2.6.*") from e
 
 
+def _set_private(obj: Any, attr: str, value: Any, consequence: str) -> None:
+    """Set a private attribute that Lightning (2.6) itself sets and reads, as its own strategies do.
+    If this Lightning has no such attribute, setting it would do nothing: log a warning saying what is
+    lost (tests/integrations/test_upstream_internals.py fails on such a Lightning)."""
+    if not hasattr(obj, attr):
+        log.warning("FastML: %s has no attribute %s (Lightning internals changed; FastML was tested with "
+                    "Lightning 2.6): %s", type(obj).__name__, attr, consequence)
+    setattr(obj, attr, value)
+
+
 def _reject_sharded(module: torch.nn.Module, owner: str) -> None:
     """The DDP strategies compress DDP's all-reduce: a model already sharded by FSDP belongs elsewhere."""
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
@@ -289,7 +298,7 @@ class _FastMLStateHolder:
     def _fastml_init(self, plan: Any, check_replicas_every: int | None = 0) -> None:
         # -- tuned by the user
         self._fastml_plan: Plan = _resolve(plan)  # a bad FASTML_PLAN fails here, on every process
-        self._fastml_check_every = _check_every(check_replicas_every)
+        self._fastml_check_every = _check_every(type(self).__name__, check_replicas_every)
         # -- internal state
         self._fastml_state: Any = None  # FastMLState (DDP) or FSDPState, once the model is prepared
         self._fastml_pending: dict | None = None  # read from a checkpoint before the state existed
@@ -394,14 +403,24 @@ def _layer_errors(stats: dict, prefix: str) -> dict[str, float]:
 class _TrainerLogging:
     """Sends compression figures to the Trainer's loggers after optimizer steps (rank 0 only)."""
 
-    def _fastml_log_init(self, log_every_n_steps: int | None, layer_errors_every_n_steps: int | None) -> None:
-        self._fastml_log_every = _positive_or_none("log_every_n_steps", log_every_n_steps)
-        self._fastml_layer_every = _positive_or_none("layer_errors_every_n_steps", layer_errors_every_n_steps)
+    def _fastml_log_init(self, log_every_n_steps: int | None, layer_stats_every: int | None,
+                         layer_errors_every_n_steps: int | None) -> None:
+        owner = type(self).__name__
+        if log_every_n_steps is not None:
+            whole_number("log_every_n_steps", log_every_n_steps, 0, owner=owner, note=" (0 turns it off)")
+        self._fastml_log_every = log_every_n_steps
+        # None: ten times the scalars' interval (see _fastml_intervals)
+        self._fastml_layer_every = _layer_stats_every(owner, layer_stats_every, layer_errors_every_n_steps, None)
         self._fastml_logged_step = -1
 
     def _fastml_trainer(self) -> Any:
         module = self.lightning_module
-        return getattr(module, "_trainer", None) if module is not None else None
+        if module is None:
+            return None
+        try:
+            return module.trainer
+        except RuntimeError:  # "not attached to a Trainer"
+            return None
 
     def _fastml_intervals(self) -> tuple[int, int]:
         """(scalars, per-layer errors) logging intervals in optimizer steps; 0 is off."""
@@ -451,8 +470,9 @@ class _TrainerStrategy(_TrainerLogging, _FastMLStateHolder):
             on every rank if they differ (0: never; None: ``FASTML_CHECK_REPLICAS_EVERY``, default 0).
         log_every_n_steps: send compression ratio and bytes per step to the loggers every N optimizer
             steps (None: the Trainer's ``log_every_n_steps``; 0: never).
-        layer_errors_every_n_steps: log each layer's relative compression error every N steps
-            (None: ten times ``log_every_n_steps``; 0: never).
+        layer_stats_every: measure and log each layer's relative compression error every N steps
+            (None: ``FASTML_LAYER_STATS_EVERY``, else ten times ``log_every_n_steps``; 0: never).
+        layer_errors_every_n_steps: deprecated name of ``layer_stats_every`` (warns; will be removed).
         **ddp_kwargs: everything Lightning's ``DDPStrategy`` takes (``static_graph``,
             ``find_unused_parameters``, ``process_group_backend``, ``timeout``, ``start_method``...),
             except the comm-hook arguments.
@@ -465,12 +485,13 @@ class _TrainerStrategy(_TrainerLogging, _FastMLStateHolder):
         plan: Plan | str | os.PathLike | dict | None = None,
         check_replicas_every: int | None = None,
         log_every_n_steps: int | None = None,
+        layer_stats_every: int | None = None,
         layer_errors_every_n_steps: int | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         _reject_kwargs(type(self).__name__, ddp_kwargs, _HOOK_KWARGS, "registers FastML's own DDP comm hook")
         self._fastml_init(plan, check_replicas_every)
-        self._fastml_log_init(log_every_n_steps, layer_errors_every_n_steps)
+        self._fastml_log_init(log_every_n_steps, layer_stats_every, layer_errors_every_n_steps)
         self._fastml_loaded_ckpt = False
         super().__init__(**ddp_kwargs)
 
@@ -479,8 +500,10 @@ class _TrainerStrategy(_TrainerLogging, _FastMLStateHolder):
             _reject_sharded(self.model, type(self).__name__)
         super().setup(trainer)
 
-    def _register_ddp_hooks(self) -> None:
-        # Replaces DDPStrategy's version, which registers hooks only on CUDA.
+    def configure_ddp(self) -> None:
+        # DDPStrategy.configure_ddp wraps the model, then registers a comm hook only on CUDA (and none
+        # here: the hook arguments are refused). FastML's hook goes on after it, on every device.
+        super().configure_ddp()
         had_checkpoint, self._fastml_loaded_ckpt = self._fastml_loaded_ckpt, False
         if had_checkpoint and self._fastml_pending is None:
             self._fastml_warn_missing()
@@ -523,8 +546,8 @@ class _FabricStrategy(_FastMLStateHolder):
     Args:
         plan: as for :class:`FastMLStrategy` (None reads ``FASTML_PLAN``).
         check_replicas_every: as for :class:`FastMLStrategy`.
-        layer_stats_every: measure each layer's compression error every N steps (0: never); it costs
-            one extra pass over the gradients of that step.
+        layer_stats_every: measure each layer's compression error every N steps (0: never; None:
+            ``FASTML_LAYER_STATS_EVERY``, else 10); it costs one extra pass over the gradients of that step.
         **ddp_kwargs: everything Fabric's ``DDPStrategy`` takes.
     """
 
@@ -534,12 +557,13 @@ class _FabricStrategy(_FastMLStateHolder):
         self,
         plan: Plan | str | os.PathLike | dict | None = None,
         check_replicas_every: int | None = None,
-        layer_stats_every: int = 10,
+        layer_stats_every: int | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         _reject_kwargs(type(self).__name__, ddp_kwargs, _HOOK_KWARGS, "registers FastML's own DDP comm hook")
         self._fastml_init(plan, check_replicas_every)
-        self._fastml_layer_every = _positive_or_none("layer_stats_every", layer_stats_every) or 0
+        self._fastml_layer_every = env_whole_number("FASTML_LAYER_STATS_EVERY", layer_stats_every, 10,
+                                                    owner=type(self).__name__)
         super().__init__(**ddp_kwargs)
 
     def setup_module(self, module: Any) -> Any:
@@ -728,7 +752,8 @@ class _FSDPMixin:
         log.debug(f"{type(self).__name__}: device mesh {mesh}")
         module = getattr(self, "lightning_module", None)
         if module is not None:  # the Trainer: LightningModule.device_mesh, for configure_model
-            module._device_mesh = mesh
+            # As Lightning's ModelParallelStrategy.setup_environment does it.
+            _set_private(module, "_device_mesh", mesh, "self.device_mesh in configure_model will be None")
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -831,7 +856,8 @@ class _TrainerFSDPStrategy(_TrainerLogging, _FSDPMixin, _FastMLStateHolder):
             optimizer updates the exact shards. None (default): FSDP's own all-gather.
         fully_shard_kwargs: passed to every ``fully_shard`` the strategy applies (``mp_policy``,
             ``reshard_after_forward``, ``offload_policy``...), not ``mesh``.
-        log_every_n_steps / layer_errors_every_n_steps: as for :class:`FastMLStrategy`.
+        log_every_n_steps, layer_stats_every (and its deprecated name layer_errors_every_n_steps): as for
+            :class:`FastMLStrategy`.
         **kwargs: ``save_distributed_checkpoint`` (default True), ``process_group_backend``, ``timeout``.
     """
 
@@ -848,13 +874,14 @@ class _TrainerFSDPStrategy(_TrainerLogging, _FSDPMixin, _FastMLStateHolder):
         all_gather_bits: int | None = None,
         fully_shard_kwargs: dict[str, Any] | None = None,
         log_every_n_steps: int | None = None,
+        layer_stats_every: int | None = None,
         layer_errors_every_n_steps: int | None = None,
         **kwargs: Any,
     ) -> None:
         self._fastml_init(plan)
         self._fastml_fsdp_init(auto_wrap_policy, replicate_size, hybrid, shard_plan, all_gather_bits,
                                fully_shard_kwargs, kwargs)
-        self._fastml_log_init(log_every_n_steps, layer_errors_every_n_steps)
+        self._fastml_log_init(log_every_n_steps, layer_stats_every, layer_errors_every_n_steps)
         super().__init__(**kwargs)
 
     def _fastml_fitting(self) -> bool:
@@ -944,7 +971,8 @@ class _FabricFSDPStrategy(_FSDPMixin, _FastMLStateHolder):
             as for :class:`FastMLFSDPStrategy`.
         parallelize_fn: ``(module, device_mesh) -> module`` applying your own ``fully_shard`` (pass it
             ``mesh=device_mesh``); the strategy adds the root unit if you did not.
-        layer_stats_every: measure each layer's compression error every N steps (0: never).
+        layer_stats_every: measure each layer's compression error every N steps (0: never; None:
+            ``FASTML_LAYER_STATS_EVERY``, else 10).
         **kwargs: ``save_distributed_checkpoint`` (default True), ``process_group_backend``, ``timeout``.
     """
 
@@ -961,7 +989,7 @@ class _FabricFSDPStrategy(_FSDPMixin, _FastMLStateHolder):
         shard_plan: Plan | str | os.PathLike | dict | None = None,
         all_gather_bits: int | None = None,
         fully_shard_kwargs: dict[str, Any] | None = None,
-        layer_stats_every: int = 10,
+        layer_stats_every: int | None = None,
         **kwargs: Any,
     ) -> None:
         if parallelize_fn is not None and not callable(parallelize_fn):
@@ -970,7 +998,8 @@ class _FabricFSDPStrategy(_FSDPMixin, _FastMLStateHolder):
         self._fastml_fsdp_init(auto_wrap_policy, replicate_size, hybrid, shard_plan, all_gather_bits,
                                fully_shard_kwargs, kwargs)
         self._fastml_parallelize = parallelize_fn
-        self._fastml_layer_every = _positive_or_none("layer_stats_every", layer_stats_every) or 0
+        self._fastml_layer_every = env_whole_number("FASTML_LAYER_STATS_EVERY", layer_stats_every, 10,
+                                                    owner=type(self).__name__)
         super().__init__(parallelize_fn=_keep, **kwargs)
 
     def setup_module_and_optimizers(self, module: Any, optimizers: list, scheduler: Any = None) -> Any:
@@ -1030,9 +1059,12 @@ class _LocalSGDMixin:
         resolved, self._fastml_settings = resolve_settings(plan, **settings)  # fails here, on every process
         self._fastml_init(resolved)
 
-    def _fastml_reject_ddp_kwargs(self) -> None:
-        # DDPStrategy keeps what it does not know for DistributedDataParallel, which this strategy never builds.
-        given = sorted(getattr(self, "_ddp_kwargs", None) or {})
+    def _fastml_reject_ddp_kwargs(self, kwargs: dict[str, Any]) -> None:
+        # DDPStrategy keeps the arguments its __init__ does not name for DistributedDataParallel, which
+        # this strategy never builds: refuse them (read from the public signature, before any setup).
+        params = inspect.signature(self._fastml_base.__init__).parameters.values()
+        known = {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        given = sorted(set(kwargs) - known)
         if given:
             raise ValueError(f"{type(self).__name__} does not wrap the model in DistributedDataParallel, so "
                              f"DDP's arguments {given} do not apply; remove them")
@@ -1147,8 +1179,9 @@ class _TrainerLocalSGDStrategy(_TrainerLogging, _LocalSGDMixin, _FastMLStateHold
             ``"nesterov"``, 0.7, 0.9, 1, 0).
         log_every_n_steps: send the LocalSGD figures to the loggers every N optimizer steps (None: the
             Trainer's ``log_every_n_steps``; 0: never).
-        layer_errors_every_n_steps: log each layer's relative compression error every N steps
-            (None: ten times ``log_every_n_steps``; 0: never).
+        layer_stats_every: measure and log each layer's relative compression error every N steps
+            (None: ``FASTML_LAYER_STATS_EVERY``, else ten times ``log_every_n_steps``; 0: never).
+        layer_errors_every_n_steps: deprecated name of ``layer_stats_every`` (warns; will be removed).
         **kwargs: ``process_group_backend``, ``timeout``, ``start_method`` and the other arguments of
             Lightning's ``DDPStrategy`` that are not DDP's own.
     """
@@ -1164,15 +1197,16 @@ class _TrainerLocalSGDStrategy(_TrainerLogging, _LocalSGDMixin, _FastMLStateHold
         fragments: int | None = None,
         delay: int | None = None,
         log_every_n_steps: int | None = None,
+        layer_stats_every: int | None = None,
         layer_errors_every_n_steps: int | None = None,
         **kwargs: Any,
     ) -> None:
         self._fastml_localsgd_init(plan, dict(every=every, outer=outer, outer_lr=outer_lr,
                                               outer_momentum=outer_momentum, fragments=fragments, delay=delay),
                                    kwargs)
-        self._fastml_log_init(log_every_n_steps, layer_errors_every_n_steps)
+        self._fastml_log_init(log_every_n_steps, layer_stats_every, layer_errors_every_n_steps)
+        self._fastml_reject_ddp_kwargs(kwargs)
         super().__init__(**kwargs)
-        self._fastml_reject_ddp_kwargs()
 
     def configure_ddp(self) -> None:
         # Replaces DDPStrategy's: no DistributedDataParallel wrapper, so no all-reduce in the inner steps.
@@ -1234,7 +1268,8 @@ class _FabricLocalSGDStrategy(_LocalSGDMixin, _FastMLStateHolder):
     Args:
         plan, every, outer, outer_lr, outer_momentum, fragments, delay: as for
             :class:`FastMLLocalSGDStrategy`.
-        layer_stats_every: measure each layer's compression error every N outer steps (0: never).
+        layer_stats_every: measure each layer's compression error every N outer steps (0: never; None:
+            ``FASTML_LAYER_STATS_EVERY``, else 1).
         **kwargs: the arguments of Fabric's ``DDPStrategy`` that are not DDP's own.
     """
 
@@ -1248,17 +1283,19 @@ class _FabricLocalSGDStrategy(_LocalSGDMixin, _FastMLStateHolder):
         outer_momentum: float | None = None,
         fragments: int | None = None,
         delay: int | None = None,
-        layer_stats_every: int = 1,
+        layer_stats_every: int | None = None,
         **kwargs: Any,
     ) -> None:
         self._fastml_localsgd_init(plan, dict(every=every, outer=outer, outer_lr=outer_lr,
                                               outer_momentum=outer_momentum, fragments=fragments, delay=delay),
                                    kwargs)
-        self._fastml_layer_every = _positive_or_none("layer_stats_every", layer_stats_every) or 0
+        self._fastml_layer_every = env_whole_number("FASTML_LAYER_STATS_EVERY", layer_stats_every, 1,
+                                                    owner=type(self).__name__)
         self._fastml_objects: dict[str, Any] = {}  # what fabric.load restores into: each rank's own goes back
+        self._fastml_reject_ddp_kwargs(kwargs)
         super().__init__(**kwargs)
-        self._fastml_reject_ddp_kwargs()
-        self._backward_sync_control = _NoBackwardSync()
+        _set_private(self, "_backward_sync_control", _NoBackwardSync(),
+                     "fabric.no_backward_sync(model) would call DDP's no_sync on a model with no DDP wrapper")
 
     def setup_module(self, module: Any) -> Any:
         # Replaces DDPStrategy's: the module stays as it is (Fabric has moved it to the device).
@@ -1365,7 +1402,7 @@ def __getattr__(attr: str) -> type:
 
 
 def _register_in(package: str) -> None:
-    """Register ``"fastml"`` and ``"fastml_fsdp"`` in one framework's registry (idempotent)."""
+    """Register the FastML strategy names in one framework's registry (idempotent)."""
     _, registry_attr, _ = _FRAMEWORKS[package]
     registry = getattr(importlib.import_module(f"{package}.strategies"), registry_attr)
     for name, (_, description) in _STRATEGIES.items():
@@ -1376,10 +1413,10 @@ def _register_in(package: str) -> None:
         registry.register(name, cls, override=True, description=description)
 
 
-def _register_safely(package: str) -> None:
+def _register_safely(package: str) -> bool:
     try:
         _register_in(package)
-    except Exception as e:  # never break the user's `import lightning`
+    except Exception as e:  # never break the user's import
         warnings.warn(
             f"FastML could not register strategy='{STRATEGY_NAME}' / '{FSDP_STRATEGY_NAME}' / "
             f"'{LOCALSGD_STRATEGY_NAME}' with {package} "
@@ -1387,64 +1424,36 @@ def _register_safely(package: str) -> None:
             f"fastml_strategy.lightning.strategy_class({package!r}, 'fastml')()",
             stacklevel=2,
         )
+        return False
+    log.debug("FastML: registered %s, %s and %s with %s", STRATEGY_NAME, FSDP_STRATEGY_NAME,
+              LOCALSGD_STRATEGY_NAME, package)
+    return True
 
 
-class _RegisterAfterImport(importlib.abc.MetaPathFinder):
-    """Registers the strategy name right after a watched framework package finishes importing.
-
-    It finds nothing itself: for a watched name it asks the other finders for the spec and wraps that
-    one module's ``loader.exec_module`` so the registration runs when the package is complete.
-    """
-
-    def __init__(self) -> None:
-        self.watched: set[str] = set()
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname not in self.watched:
-            return None
-        with _lock:
-            if fullname not in self.watched:
-                return None
-            self.watched.discard(fullname)  # one shot; also keeps the search below from recursing
-            if not self.watched and self in sys.meta_path:
-                sys.meta_path.remove(self)
-        for finder in list(sys.meta_path):
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        loader = spec.loader
-        exec_module = getattr(loader, "exec_module", None)
-        if exec_module is None:
-            return spec
-
-        def exec_then_register(module: Any) -> None:
-            exec_module(module)
-            _register_safely(fullname)
-
-        loader.exec_module = exec_then_register  # an attribute of this module's own loader only
-        return spec
+def _imported(package: str) -> bool:
+    return package in sys.modules and f"{package}.strategies" in sys.modules
 
 
-_finder = _RegisterAfterImport()
+def _installed(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package.split(".")[0]) is not None
+    except (ImportError, ValueError):
+        return False
 
 
-def _register_strategies() -> None:
-    """Make ``strategy="fastml"`` and ``"fastml_fsdp"`` work in every installed Lightning flavour; cheap and
-    idempotent.
+def register_strategies() -> list[str]:
+    """Register ``"fastml"``, ``"fastml_fsdp"`` and ``"fastml_localsgd"`` with the strategy registry of
+    every Lightning flavour already imported (``lightning.pytorch``, ``lightning.fabric``,
+    ``pytorch_lightning``, ``lightning_fabric``) or, when none is, of every installed one (importing
+    it); idempotent. Returns the packages that have the names.
 
-    Frameworks already imported get the name now; the others get it when they are imported.
+    Runs when this module is imported, and from ``import fastml_strategy`` when Lightning was imported
+    before it. Call it again only for a flavour imported later (say ``pytorch_lightning`` after
+    ``lightning``), or pass the strategy object (``Trainer(strategy=FastMLStrategy())``).
     """
     with _lock:
-        for package in _FRAMEWORKS:
-            module = sys.modules.get(package)
-            strategies = sys.modules.get(f"{package}.strategies")
-            if module is not None and strategies is not None:
-                _register_safely(package)
-            elif module is None:
-                _finder.watched.add(package)
-        if _finder.watched and _finder not in sys.meta_path:
-            sys.meta_path.insert(0, _finder)
+        packages = [p for p in _FRAMEWORKS if _imported(p)] or [p for p in _FRAMEWORKS if _installed(p)]
+        return [p for p in packages if _register_safely(p)]
+
+
+register_strategies()

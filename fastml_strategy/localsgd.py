@@ -52,7 +52,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from fastml_strategy._validate import whole_number
+from fastml_strategy._validate import env_whole_number, whole_number
 from fastml_strategy.collective import CompressedAllReduce, CompressionError, DecodeError
 from fastml_strategy.config import Plan
 from fastml_strategy.hook import (_default_group_timeout, agreed_plan, check_saved_state, fitting_residuals,
@@ -95,17 +95,24 @@ def check_arguments(every: int, outer: str, outer_lr: float, outer_momentum: flo
             f"synchronisations (every // fragments = {every // fragments}); lower delay or raise every")
 
 
+# The least value of each whole-number setting (as check_arguments requires it).
+_WHOLE_MINIMUM = {"every": 1, "fragments": 1, "delay": 0}
+
+
 def _from_env(name: str) -> Any:
+    """``FASTML_LOCALSGD_<NAME>`` as the setting's type, or None when it is unset or blank. Whole numbers
+    go through :func:`~fastml_strategy._validate.env_whole_number` (one rule and message for every
+    FASTML_* variable); ``outer`` is a name, ``outer_lr``/``outer_momentum`` are numbers."""
     var = f"FASTML_LOCALSGD_{name.upper()}"
+    if name in _WHOLE_MINIMUM:
+        return env_whole_number(var, None, None, _WHOLE_MINIMUM[name], owner="LocalSGD")
     raw = os.environ.get(var, "").strip()
-    if not raw:
-        return None
-    kind = type(SETTINGS[name])
+    if not raw or isinstance(SETTINGS[name], str):
+        return raw or None
     try:
-        return raw if kind is str else kind(raw)
+        return float(raw)
     except ValueError:
-        raise ValueError(f"{var}={raw!r} is not a {'whole number' if kind is int else 'number'}; set it like "
-                         f"{var}={SETTINGS[name]}, or unset it") from None
+        raise ValueError(f"{var}={raw!r} is not a number; set it like {var}={SETTINGS[name]}, or unset it") from None
 
 
 def resolve_settings(plan: Any = None, **given: Any) -> tuple[Plan, dict]:
