@@ -1,5 +1,6 @@
 """`import fastml_strategy` stays light (one test for the whole package, the autotuner's CLI module
-and the kernels included): it imports no optuna, accelerate, triton, pandas or matplotlib, does not
+and the kernels included): it imports no optuna, accelerate, triton, pandas, matplotlib or Lightning
+(nor ``fastml_strategy.lightning``, which registers the strategy names when imported), does not
 load or compile the CPU codec, does not initialise CUDA, and prints nothing. Optional pieces load
 when they are used; the test checks that one of them (the kernels' compiled path) really does."""
 
@@ -8,15 +9,18 @@ import os
 import subprocess
 import sys
 
-HEAVY = ("optuna", "accelerate", "triton", "pandas", "matplotlib")
+HEAVY = ("optuna", "accelerate", "triton", "pandas", "matplotlib", "lightning", "pytorch_lightning",
+         "lightning_fabric", "fastml_strategy.lightning")
 
 
 def test_import_is_lean():
     code = (
         "import json, sys, torch\n"
+        "finders = list(sys.meta_path)\n"
         "import fastml_strategy, fastml_strategy.kernels, fastml_strategy.autotune, fastml_strategy.autotune.cli\n"
         f"before = sorted(m for m in {HEAVY!r} + ('fastml_strategy.kernels.cpu',) if m in sys.modules)\n"
         "cuda = torch.cuda.is_initialized()\n"
+        "assert sys.meta_path == finders, 'import fastml_strategy changed sys.meta_path'\n"
         "fastml_strategy.kernels.quantize(torch.randn(64), 4)  # the first use loads the codec it needs\n"
         "after = 'fastml_strategy.kernels.cpu' in sys.modules\n"
         "sys.stderr.write(json.dumps([before, cuda, after]))\n"

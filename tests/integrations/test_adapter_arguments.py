@@ -29,6 +29,34 @@ def test_strategy_rejects_comm_hook_arguments_and_bad_settings(monkeypatch):
     assert FastMLStrategy(plan=Plan.uniform(bits=3)).plan.default.bits == 3  # the argument wins
 
 
+def test_layer_stats_every_is_one_setting_and_the_old_keyword_still_works(monkeypatch):
+    # One name everywhere: the keyword layer_stats_every and the variable FASTML_LAYER_STATS_EVERY; the
+    # Trainer strategies' old keyword layer_errors_every_n_steps warns and still sets it.
+    from fastml_strategy.lightning import (FastMLFabricStrategy, FastMLFSDPStrategy, FastMLLocalSGDFabricStrategy,
+                                           FastMLLocalSGDStrategy, FastMLStrategy)
+
+    monkeypatch.delenv("FASTML_LAYER_STATS_EVERY", raising=False)
+    monkeypatch.setenv("FASTML_PLAN", "int4")
+    for cls in (FastMLStrategy, FastMLFSDPStrategy, FastMLLocalSGDStrategy):
+        assert cls(layer_stats_every=7)._fastml_layer_every == 7
+        assert cls()._fastml_layer_every is None  # ten times the logging interval, decided at fit()
+        with pytest.warns(FutureWarning, match=r"layer_errors_every_n_steps= is deprecated.*layer_stats_every=3"):
+            s = cls(layer_errors_every_n_steps=3)
+        assert s._fastml_layer_every == 3
+        with pytest.raises(TypeError, match="pass only layer_stats_every="):
+            cls(layer_stats_every=3, layer_errors_every_n_steps=3)
+    assert FastMLFabricStrategy()._fastml_layer_every == 10
+    assert FastMLLocalSGDFabricStrategy()._fastml_layer_every == 1
+    monkeypatch.setenv("FASTML_LAYER_STATS_EVERY", "4")
+    for cls in (FastMLStrategy, FastMLFSDPStrategy, FastMLLocalSGDStrategy, FastMLFabricStrategy,
+                FastMLLocalSGDFabricStrategy):
+        assert cls()._fastml_layer_every == 4, cls  # the variable, when the argument is not given
+        assert cls(layer_stats_every=0)._fastml_layer_every == 0, cls  # the argument wins
+    monkeypatch.setenv("FASTML_LAYER_STATS_EVERY", "often")
+    with pytest.raises(ValueError, match="FASTML_LAYER_STATS_EVERY='often' is not a whole number"):
+        FastMLStrategy()
+
+
 def test_compression_stats_before_fit_says_when_they_exist():
     from fastml_strategy.lightning import FastMLStrategy
 
@@ -63,7 +91,7 @@ def test_accelerate_setup_in_one_process_is_a_no_op_but_checks_the_plan(monkeypa
         fa.setup(acc, model)
     monkeypatch.setenv("FASTML_PLAN", "int4")
     monkeypatch.setenv("FASTML_LAYER_STATS_EVERY", "-3")
-    with pytest.raises(ValueError, match="layer_stats_every=-3"):
+    with pytest.raises(ValueError, match="FASTML_LAYER_STATS_EVERY='-3'; set it to a whole number >= 0"):
         fa.setup(acc, model)
 
 

@@ -114,12 +114,18 @@ def test_fp16_overflow_on_one_rank_is_skipped_on_every_rank(job):
 
 
 @pytest.mark.timeout(120)
-def test_import_registers_lazily_in_every_lightning_flavour():
+def test_importing_fastml_strategy_lightning_registers_the_names_in_every_flavour():
+    # The contract: `import fastml_strategy` never imports Lightning nor touches the import system;
+    # `import fastml_strategy.lightning` registers the names with every installed Lightning flavour.
     code = """
-import sys, time
-t = time.perf_counter()
+import sys
+meta_path = list(sys.meta_path)
 import fastml_strategy
-assert not any(m in sys.modules for m in ("lightning", "pytorch_lightning", "triton")), "import pulled Lightning"
+assert not any(m in sys.modules for m in ("lightning", "pytorch_lightning", "lightning_fabric", "triton",
+                                          "fastml_strategy.lightning")), "import fastml_strategy pulled Lightning"
+assert sys.meta_path == meta_path, "import fastml_strategy changed sys.meta_path"
+import fastml_strategy.lightning
+assert not [f for f in sys.meta_path if type(f).__module__.startswith("fastml_strategy")], sys.meta_path
 import lightning.pytorch, pytorch_lightning, lightning.fabric, lightning_fabric
 from lightning.pytorch.strategies import StrategyRegistry as A
 from pytorch_lightning.strategies import StrategyRegistry as B
@@ -133,7 +139,10 @@ assert [c.__name__ for c in fsdp] == ["FastMLFSDPStrategy", "_PLFastMLFSDPStrate
                                       "_LFFastMLFSDPFabricStrategy"], fsdp
 for cls, pkg in zip(fsdp, (lightning.pytorch, pytorch_lightning, lightning.fabric, lightning_fabric)):
     assert issubclass(cls, pkg.strategies.ModelParallelStrategy), cls
-fastml_strategy.lightning._register_strategies()  # idempotent
+assert [r["fastml_localsgd"]["strategy"].__name__ for r in (A, C)] == ["FastMLLocalSGDStrategy",
+                                                                      "FastMLLocalSGDFabricStrategy"]
+assert sorted(fastml_strategy.lightning.register_strategies()) == sorted(
+    ["lightning.pytorch", "pytorch_lightning", "lightning.fabric", "lightning_fabric"])  # idempotent
 t2 = lightning.pytorch.Trainer(strategy="fastml", accelerator="cpu", devices=2, logger=False)
 assert type(t2.strategy).__name__ == "FastMLStrategy" and t2.strategy.plan.name == "int2"
 t4 = lightning.pytorch.Trainer(strategy="fastml_fsdp", accelerator="cpu", devices=2, logger=False)
@@ -159,11 +168,17 @@ print("OK")
 """
     res = run([sys.executable, "-c", code], timeout=100, FASTML_PLAN="int2").check()
     assert "OK" in res.output
-    # the other order: Lightning first, then FastML
-    code2 = ("import lightning.pytorch as L, fastml_strategy; "
+    # Lightning first, then `import fastml_strategy`: registered (only with what is imported), without
+    # importing another flavour.
+    code2 = ("import sys, lightning.pytorch as L, fastml_strategy; "
              "t = L.Trainer(strategy='fastml', accelerator='cpu', devices=1, logger=False); "
-             "print(type(t.strategy).__name__)")
-    assert "FastMLStrategy" in run([sys.executable, "-c", code2], timeout=100).check().output
+             "print(type(t.strategy).__name__, 'pytorch_lightning' in sys.modules)")
+    assert "FastMLStrategy False" in run([sys.executable, "-c", code2], timeout=100).check().output
+    # Neither: the name is unknown, and Lightning's error lists the strategies it knows.
+    code3 = ("import lightning.pytorch as L\n"
+             "try:\n    L.Trainer(strategy='fastml', accelerator='cpu', devices=1, logger=False)\n"
+             "except Exception as e:\n    print('REFUSED', type(e).__name__)\n")
+    assert "REFUSED" in run([sys.executable, "-c", code3], timeout=100).check().output
 
 
 @pytest.mark.timeout(120)

@@ -1,0 +1,123 @@
+"""Every private torch / Lightning name FastML reads, checked on the installed versions.
+
+FastML touches a private attribute only where upstream offers no public way (the timeout given to
+``init_process_group``, whether a DDP model has a comm hook, what ``torch.compile`` wraps, FSDP's
+unsharded parameter, two attributes Lightning's own strategies set). Each sits behind one function
+that logs a warning at run time when the name is gone; these tests fail loudly instead, so that an
+upgrade of torch or Lightning that renames one is caught here, not by a run that silently stops
+compressing or waiting on the user's timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _dist import run_workers
+
+
+# -- torch.distributed: the default group's timeout, DDP's comm hooks ----------------------------------------
+def _torch_internals(rank, world_size):
+    from fastml_strategy.hook import _default_group_timeout, _has_comm_hook
+
+    pg = dist.distributed_c10d._get_default_group()
+    assert isinstance(pg, dist.ProcessGroup)
+    timeout = pg._get_backend(torch.device("cpu")).options._timeout
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+    hooks_before = type(ddp._comm_hooks).__name__, len(ddp._comm_hooks), _has_comm_hook(ddp)
+    ddp.register_comm_hook(None, lambda state, bucket: torch.futures.Future())
+    return {"timeout": timeout.total_seconds(), "fastml_timeout": _default_group_timeout().total_seconds(),
+            "hooks_before": hooks_before, "hooks_after": (len(ddp._comm_hooks), _has_comm_hook(ddp))}
+
+
+def test_torch_distributed_internals_exist_and_hold_what_fastml_reads():
+    r = run_workers(_torch_internals, 1, pg_timeout=37, timeout=90)[0]
+    assert r["timeout"] == r["fastml_timeout"] == 37.0  # the user's init_process_group(timeout=...)
+    assert r["hooks_before"] == ("list", 0, False)
+    assert r["hooks_after"] == (1, True)
+
+
+def test_unreadable_internals_log_a_warning(caplog):
+    from fastml_strategy.hook import _default_group_timeout, _has_comm_hook
+
+    assert not dist.is_initialized()
+    with caplog.at_level(logging.WARNING, logger="fastml_strategy.hook"):
+        assert _default_group_timeout() is None  # no default group: the read fails
+        assert _has_comm_hook(types.SimpleNamespace()) is False  # a DDP without _comm_hooks
+    text = caplog.text
+    assert "cannot read the default process group" in text and "30 minutes" in text
+    assert "no _comm_hooks" in text
+
+
+# -- torch.compile, FSDP2 ----------------------------------------------------------------------------------------
+def test_torch_compile_keeps_the_module_in_orig_mod(caplog):
+    from fastml_strategy.accelerate import _unwrap
+
+    m = torch.nn.Linear(4, 4)
+    compiled = torch.compile(m)  # wrapping only: nothing compiles before the first call
+    assert type(compiled).__name__ == "OptimizedModule" and compiled._orig_mod is m
+    assert list(_unwrap(compiled)) == [compiled, m]
+
+    class OptimizedModule:  # what a torch that renamed _orig_mod would hand over
+        pass
+
+    with caplog.at_level(logging.WARNING, logger="fastml_strategy.accelerate"):
+        assert len(list(_unwrap(OptimizedModule()))) == 1
+    assert "no _orig_mod" in caplog.text
+
+
+def test_fsdp2_internals_fastml_reads_exist():
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    from fastml_strategy.fsdp import _fsdp_api
+
+    _fsdp_api()  # ReduceScatter, FSDPMeshInfo, HSDPMeshInfo and the FSDPModule hooks FastML needs
+    assert callable(getattr(FSDPModule, "_get_fsdp_state", None))
+    # _unsharded_param is read with getattr (a missing one would pass for a frozen parameter): it must
+    # exist. The others fail with an AttributeError on use (and tests/fsdp trains through them).
+    assert "_unsharded_param" in FSDPParam.__annotations__  # set by the first all-gather
+    assert "_orig_size" in FSDPParam.__annotations__
+
+
+# -- Lightning ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("package", ["lightning", "pytorch_lightning"])
+def test_lightning_internals_fastml_sets_and_calls_exist(package):
+    pl = pytest.importorskip(package)
+    fabric_pkg = "lightning.fabric" if package == "lightning" else "lightning_fabric"
+    fabric = pytest.importorskip(fabric_pkg)
+    trainer_pkg = pl.pytorch if package == "lightning" else pl
+
+    module = trainer_pkg.LightningModule()
+    assert module._device_mesh is None  # LightningModule.device_mesh reads what the strategy sets here
+    module._device_mesh = mesh = object()
+    assert module.device_mesh is mesh
+    with pytest.raises(RuntimeError, match="not attached"):  # _fastml_trainer relies on this
+        module.trainer  # noqa: B018
+    assert fabric.strategies.DDPStrategy()._backward_sync_control is not None  # replaced by LocalSGD's
+    # Called or read by the FastML strategies (an AttributeError at run time if renamed):
+    for cls, attrs in ((trainer_pkg.strategies.DDPStrategy, ("configure_ddp",)),
+                       (trainer_pkg.strategies.ModelParallelStrategy, ("_setup_distributed",)),
+                       (fabric.strategies.DDPStrategy, ("setup_module", "_convert_stateful_objects_in_state")),
+                       (fabric.strategies.ModelParallelStrategy, ("_setup_distributed",))):
+        for attr in attrs:
+            assert callable(getattr(cls, attr, None)), f"{cls.__module__}.{cls.__name__}.{attr}"
+    import importlib
+
+    for mod, name in (("init", "_materialize_distributed_module"), ("optimizer", "_optimizers_to_device")):
+        assert callable(getattr(importlib.import_module(f"{fabric_pkg}.utilities.{mod}"), name))
+
+
+def test_a_missing_lightning_attribute_is_logged(caplog):
+    pytest.importorskip("lightning")
+    from fastml_strategy.lightning import _set_private
+
+    obj = types.SimpleNamespace()
+    with caplog.at_level(logging.WARNING, logger="fastml_strategy.lightning"):
+        _set_private(obj, "_device_mesh", 1, "self.device_mesh in configure_model will be None")
+    assert obj._device_mesh == 1
+    assert "has no attribute _device_mesh" in caplog.text and "device_mesh in configure_model" in caplog.text
