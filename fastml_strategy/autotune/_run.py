@@ -14,13 +14,15 @@ import json
 import math
 import os
 import shutil
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 from fastml_strategy.autotune.catalog import HardwareOption, Link, load_catalog, parse_link
 from fastml_strategy.autotune.costmodel import (CANDIDATES, DEFAULT_LOCAL_EVERY, DEFAULT_LOCAL_FRAGMENTS,
-                                                SHARDINGS, Convergence, LocalCalibration, Profile, Sharding,
+                                                SHARDINGS, AccuracyRule, Convergence, LocalCalibration,
+                                                Profile, Sharding, accuracy_rule,
                                                 default_options, evaluate, family, fit_alpha_beta,
                                                 fit_codec_scale, fit_collective_overhead,
                                                 fit_convergence, pareto_front, step_time)
@@ -41,6 +43,9 @@ LOCAL = "local"
 # with it, the choice of plan does not (it multiplies every option and plan alike). The report says it
 # was assumed, never that the user gave it.
 ASSUMED_TARGET_STEPS = 10_000
+# --budget's default, minutes: the optional runs (repeats, local steps, verification) are skipped
+# when they would not fit; the search then uses what was measured by then.
+DEFAULT_BUDGET_MIN = 15.0
 # Where the training length came from, as the report words it.
 TARGET_STEPS_SOURCES = {"given": "--target-steps", "entered": "entered at the prompt",
                         "assumed": "assumed; pass --target-steps N for your run"}
@@ -67,6 +72,9 @@ class Settings:
     trials: int = 200
     calibration_trials: int = 6
     calibration_steps: int = 60
+    # Accuracy rule: reruns (other seeds) of the plans nearest the limit, and reference runs
+    calibration_repeats: int = 2
+    references: int = 2
     profile_steps: int = 5
     measure_steps: int = 10
     max_accuracy_loss: float = 0.01
@@ -85,10 +93,15 @@ class Settings:
     local_steps: bool = False
     local_every: tuple[int, ...] = DEFAULT_LOCAL_EVERY  # sync periods H calibrated and searched
     local_fragments: tuple[int, ...] = DEFAULT_LOCAL_FRAGMENTS  # fragment counts F searched
+    # Threads one rank's compute is timed with (None: as launched, under torchrun), and why
+    threads_per_rank: int | None = None
+    threads_source: str = "as launched"
+    budget_s: float | None = DEFAULT_BUDGET_MIN * 60.0  # wall-time cap (--budget); None: no cap
     distributed: bool = False
     rank: int = 0
     storage: Any = None  # the opened optuna storage (rank 0)
     created_out: bool = False
+    deadline: float | None = None  # time.time() by which the run should end (set by run from budget_s)
 
 
 @dataclass
@@ -118,6 +131,19 @@ class AutotuneResult:
     # Local steps: option -> best feasible LocalSGD row (None: none feasible), and the calibration.
     local_best: dict[str, dict[str, Any] | None] = field(default_factory=dict)
     local_calibration: LocalCalibration | None = None
+    # How the accuracy limit was decided (fit, band, noise, pairing): costmodel.accuracy_rule
+    accuracy_rule: AccuracyRule | None = None
+    # Wall seconds per phase (profiling, calibrating, ..., writing the report) and in all
+    phase_s: dict[str, float] = field(default_factory=dict)
+    # What --budget left out (empty: nothing)
+    budget_notes: list[str] = field(default_factory=list)
+
+    @property
+    def plan_uses_hook(self) -> bool:
+        """Whether plan.json asks for FastML (a hook, FSDP registration or LocalSGD); False: plain
+        DDP (or FSDP/HSDP's own collectives), no hook."""
+        w = self.winner(self.option)
+        return bool(w.get("use_hook", True)) or uses_local_steps(w)
 
     def winner(self, option: str) -> dict[str, Any]:
         """The row the option should use: its local-steps row when that beats per-step compression
@@ -189,7 +215,9 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
             intra_node_link: str | Link | None = None,
             max_residual_gb: float | None = None, overwrite: bool = False,
             target_steps_source: str | None = None, local_steps: bool | None = None,
-            local_every: Any = None, local_fragments: Any = None) -> Settings:
+            local_every: Any = None, local_fragments: Any = None, calibration_repeats: int = 2,
+            references: int = 2, threads_per_rank: int | None = None,
+            budget: float | None = DEFAULT_BUDGET_MIN) -> Settings:
     """Validate every input and open the storage; raise ValueError (one line) on the first problem.
     Writes nothing unless everything else is valid (then: the output folder and the default SQLite).
 
@@ -210,7 +238,15 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
     Local steps (DDP only; default on): ``local_steps=False`` searches per-step compression alone;
     ``local_every`` (sync periods H >= 2, default :data:`DEFAULT_LOCAL_EVERY`) and
     ``local_fragments`` (F >= 1, default :data:`DEFAULT_LOCAL_FRAGMENTS`) set what is calibrated and
-    searched."""
+    searched.
+
+    Accuracy rule (:func:`~fastml_strategy.autotune.costmodel.accuracy_rule`): ``references``
+    reference runs (seeds ``seed``, ``seed + 1``, ...) measure the noise; ``calibration_repeats``
+    plans nearest the limit run again with other seeds.
+
+    ``threads_per_rank``: intra-op threads compute is profiled and timed with (default: the cores
+    divided by the world size, one process standing in for every rank; under torchrun, as launched).
+    ``budget``: minutes the run may take (default :data:`DEFAULT_BUDGET_MIN`; 0 or None: no cap)."""
     import torch.distributed as dist
 
     distributed = dist.is_available() and dist.is_initialized()
@@ -223,7 +259,8 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
     for name, v, lo in (("--trials", trials, 1), ("--calibration-trials", calibration_trials, 1),
                         ("--calibration-steps", calibration_steps, 10), ("--profile-steps", profile_steps, 1),
                         ("--measure-steps", measure_steps, 1), ("--max-groups", max_groups, 1),
-                        ("--min-numel", min_numel, 0), ("--verify-rounds", verify_rounds, 0)):
+                        ("--min-numel", min_numel, 0), ("--verify-rounds", verify_rounds, 0),
+                        ("--calibration-repeats", calibration_repeats, 0), ("--references", references, 1)):
         _positive_int(name, v, lo)
     if isinstance(max_accuracy_loss, bool) or not isinstance(max_accuracy_loss, (int, float)) \
             or not max_accuracy_loss >= 0:
@@ -255,6 +292,22 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
     elif world_size is None:
         world_size = 2
     _positive_int("--world-size", world_size, 1)
+    if threads_per_rank is not None:
+        _positive_int("--threads-per-rank", threads_per_rank, 1)
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                               or not budget >= 0 or math.isinf(budget)):
+        raise ValueError(f"--budget is {budget!r}; give the minutes the tuner may take (> 0), or 0 for "
+                         f"no limit")
+    if distributed:
+        threads_v, threads_src = threads_per_rank, (
+            "--threads-per-rank" if threads_per_rank is not None else "as launched")
+    elif threads_per_rank is not None:
+        threads_v, threads_src = threads_per_rank, "--threads-per-rank"
+    else:
+        from fastml_strategy.autotune.profile import available_cores
+
+        threads_v = max(1, available_cores() // world_size)
+        threads_src = f"cores / world size ({available_cores()} / {world_size})"
     link_v = parse_link(link) if isinstance(link, str) else link
     if link_v is not None and world_size < 2:
         raise ValueError("--link describes the link between ranks, but --world-size is 1; "
@@ -311,6 +364,9 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
                     progress=progress, sharding=sharding_v, ranks_per_node=rpn,
                     max_residual_bytes=None if max_residual_gb is None else float(max_residual_gb) * 2 ** 30,
                     local_steps=local_v, local_every=every_v, local_fragments=frags_v,
+                    calibration_repeats=calibration_repeats, references=references,
+                    threads_per_rank=threads_v, threads_source=threads_src,
+                    budget_s=float(budget) * 60.0 if budget else None,
                     distributed=distributed, rank=rank, storage=st, created_out=created)
 
 
@@ -406,11 +462,14 @@ class _Progress:
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self.bar: Any = None
+        self.times: dict[str, float] = {}  # wall seconds per phase (a repeated phase adds up)
+        self._phase: tuple[str, float] | None = None
 
     def phase(self, name: str, total: int, unit: str) -> None:
         from tqdm.auto import tqdm
 
         self.close()
+        self._phase = (name.split(" (")[0], time.perf_counter())
         self.bar = tqdm(total=max(1, int(total)), desc=name, unit=unit, disable=not self.enabled,
                         dynamic_ncols=True, leave=True)
 
@@ -423,6 +482,10 @@ class _Progress:
             self.bar.update(max(0, min(int(n), self.bar.total - self.bar.n)))
 
     def close(self) -> None:
+        if self._phase is not None:
+            name, t0 = self._phase
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+            self._phase = None
         if self.bar is not None:
             self.bar.close()
             self.bar = None
@@ -449,7 +512,7 @@ def _one_machine_warning(s: Settings, link: Link) -> str | None:
 def _fingerprint(s: Settings) -> str:
     shapes = [(n, tuple(p.shape)) for n, p in s.workload.model.named_parameters()]
     key = json.dumps([s.workload.name, shapes, s.options, s.profile_steps, s.calibration_steps,
-                      s.seed, s.min_numel, s.max_groups, s.world_size], default=str)
+                      s.seed, s.min_numel, s.max_groups, s.world_size, s.threads_per_rank], default=str)
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
@@ -494,10 +557,20 @@ def _option_plan(profile: Profile, groups: Mapping[str, list[str]], result: "Aut
     from fastml_strategy.autotune import search
 
     w = result.winner(option)
+    meta = _meta(s, option, result.best[option], result.baseline[option], result.convergence,
+                 local=result.local_best.get(option), winner=w)
+    # Plain DDP: every layer and the default are fp32 (``none``) and the file says not to register a
+    # hook. Registered anyway, such a plan runs one plain all-reduce per bucket (DDP's own arithmetic)
+    # plus a 64-byte status exchange per step.
+    meta["hook"] = bool(w.get("use_hook", True)) or uses_local_steps(w)
+    rule = result.accuracy_rule
+    if rule is not None:
+        f = (lambda v: None if isinstance(v, float) and not math.isfinite(v) else v)
+        meta["accuracy_rule"] = {"e_max": rule.e_max, "e_sure": rule.e_sure,
+                                 "confidence": f(rule.confidence), "sigma": f(rule.sigma),
+                                 "runs": rule.trials, "repeats": rule.repeats, "paired": rule.paired}
     return _plan_from_choice(
-        profile, search.expand(groups, w["choice"]), f"autotuned-{option}",
-        meta=_meta(s, option, result.best[option], result.baseline[option], result.convergence,
-                   local=result.local_best.get(option), winner=w),
+        profile, search.expand(groups, w["choice"]), f"autotuned-{option}", meta=meta,
         local_steps=_local_steps_of(w, result.local_calibration))
 
 
@@ -516,6 +589,8 @@ def run(s: Settings) -> AutotuneResult:
     lead = s.rank == 0
     fp = _fingerprint(s)
     bar = _Progress(s.progress and lead)
+    started = time.time()
+    s.deadline = None if not s.budget_s else started + s.budget_s
     try:
         # -- 1. profile (cached in the storage, so a resumed run skips it) -----------------------------
         bar.phase("profiling", s.profile_steps, "step")
@@ -532,9 +607,11 @@ def run(s: Settings) -> AutotuneResult:
         # Launched distributed, every rank profiles at once (rank 0's figures are kept): compute and
         # codec times are then measured under the same contention as real training.
         if _broadcast(cached is None, s.distributed):
-            measured = prof.profile_workload(s.workload, steps=s.profile_steps, options=s.options,
-                                             min_numel=s.min_numel, world_size=s.world_size,
-                                             progress=bar.update)
+            with prof.rank_threads(s.threads_per_rank):  # compute timed as one rank will run it
+                measured = prof.profile_workload(s.workload, steps=s.profile_steps, options=s.options,
+                                                 min_numel=s.min_numel, world_size=s.world_size,
+                                                 progress=bar.update)
+            measured.threads_source = s.threads_source
             if lead:
                 profile = measured
                 cal_study.set_user_attr("profile", profile.to_dict())
@@ -601,7 +678,7 @@ def run(s: Settings) -> AutotuneResult:
         if isinstance(result_core, _Failed):
             raise RuntimeError(f"rank 0 failed: {result_core.message}")
         (ref, points, conv, target_steps, rows, best, baseline, front, chosen, local_best,
-         local_cal) = result_core
+         local_cal, rule, notes) = result_core
 
         # -- 4. measure step times: the tuned plan (never used in a fit) and the recipes -----------
         opt_by_name = {o.name: o for o in options}
@@ -629,9 +706,11 @@ def run(s: Settings) -> AutotuneResult:
                                   "used_in_fit": fitted})
         elif lead:
             choices.update(recipe_choices)
-            measured = measure_local(s.workload, choices, steps=s.measure_steps)
+            with prof.rank_threads(s.threads_per_rank):
+                measured = measure_local(s.workload, choices, steps=s.measure_steps)
             for k, c in choices.items():
-                step_rows.append({"plan": k, "where": "1 process: compute + codecs (no link)",
+                step_rows.append({"plan": k, "where": f"1 process, {profile.threads} thread(s): compute + "
+                                                       f"codecs (no link)",
                                   "predicted_s": predict_local(profile, c), "measured_s": measured[k],
                                   "used_in_fit": False})
         bar.update(len(choices))
@@ -657,7 +736,10 @@ def run(s: Settings) -> AutotuneResult:
                                 scaling=scaling, pareto=front, groups=dict(groups), sharding=sh,
                                 whatif=whatif, target_steps=target_steps,
                                 target_steps_source=s.target_steps_source, link_warning=link_warning,
-                                local_best=local_best, local_calibration=local_cal)
+                                local_best=local_best, local_calibration=local_cal,
+                                accuracy_rule=rule, budget_notes=notes)
+        bar.close()
+        result.phase_s = dict(bar.times)
         result.plan, main_dict = _option_plan(profile, groups, result, s, chosen)
         if lead:
             bar.phase("writing the report", 1, "file set")
@@ -665,6 +747,9 @@ def run(s: Settings) -> AutotuneResult:
                                 for o in options}
             report.write_outputs(result, s, main_dict, per_option_plans)
             bar.update(1)
+        bar.close()
+        result.phase_s = dict(bar.times)
+        result.phase_s["total"] = time.time() - started
         return result
     finally:
         bar.close()
@@ -673,33 +758,74 @@ def run(s: Settings) -> AutotuneResult:
 def _calibrate_and_search(s: Settings, profile: Profile, groups: Mapping[str, list[str]],
                           options: list[HardwareOption], cal_name: str, fp: str, bar: Any,
                           calibrate: Any, search: Any) -> tuple:
-    """Calibrate, search every option, then verify: train the plans the search chose, refit, and search
-    again, until every chosen plan has been trained or ``verify_rounds`` rounds are done.
+    """Calibrate (reference runs, the candidate plans, then repeats of the runs nearest the limit),
+    calibrate local steps, search every option, then verify: train the plans the search chose, refit,
+    and search again, until every chosen plan has been trained or ``verify_rounds`` rounds are done.
 
     Every study lives in the storage (search studies are named by the fit they used), so a resumed
-    run replays finished rounds from the database instead of recomputing them.
+    run replays finished rounds from the database instead of recomputing them. With a deadline
+    (``--budget``), runs that would end past it are not started (the reason is in the notes returned).
     """
     target_steps = float(s.target_steps)
     local_cal: LocalCalibration | None = None
-    if s.local_steps:
-        bar.phase("calibrating local steps", 1 + len(s.local_every), "run")
-        steps = calibrate.local_calibration_steps(s.calibration_steps, s.local_every)
-        local_cal = calibrate.run_local_calibration(
-            s.workload, profile, s.local_every, world_size=s.world_size, steps=steps, seed=s.seed,
-            max_accuracy_loss=s.max_accuracy_loss, storage=s.storage,
-            study_name=f"{cal_name}-local-{_hash([list(s.local_every), steps])}", progress=bar)
-    plans = calibrate.calibration_candidates(profile, groups, s.calibration_trials, s.seed)
+    notes: list[str] = []
+    # time kept for timing the plans and writing the report: (plans x steps) of compute and a margin
+    reserve = (len(UNIFORM_RECIPES) + 2) * (s.measure_steps + 2) * max(profile.compute_s, 1e-3) + 10.0
+    cal_deadline = None if s.deadline is None else s.deadline - reserve
+
+    def fits(seconds: float) -> bool:
+        return cal_deadline is None or time.time() + seconds <= cal_deadline
+
+    plans: list[Any] = list(calibrate.calibration_candidates(profile, groups, s.calibration_trials, s.seed))
     trials_per_option = max(s.trials, len(s.options))
     none_choice = {n: "none" for names in groups.values() for n in names}
     rnd = 0
+    run_s = 0.0  # wall seconds of one calibration run (measured on the first round)
     while True:
         # the reference run and every plan (finished ones from the storage tick at once)
         bar.phase("calibrating" if rnd == 0 else f"verifying the chosen plans (round {rnd} of up to "
                   f"{s.verify_rounds})", 1 + len(plans), "run")
+        t_cal = time.time()
         ref, points = calibrate.run_calibration(
             s.workload, profile, groups, plans, storage=s.storage, study_name=cal_name,
-            steps=s.calibration_steps, seed=s.seed, progress=bar)
-        conv = fit_convergence(points, s.max_accuracy_loss)
+            steps=s.calibration_steps, seed=s.seed, progress=bar, references=s.references,
+            deadline=cal_deadline)
+        if rnd == 0:
+            # a resumed run reads its runs back in no time: the profile's step time bounds them
+            ran = max(1, len(points) + len(ref.get("references") or {}))
+            run_s = max((time.time() - t_cal) / ran, s.calibration_steps * profile.compute_s)
+            missing = [p for p in plans if not isinstance(p, tuple) and p not in [q["choice"] for q in points]]
+            if missing:
+                notes.append(f"--budget: {len(missing)} of {len(plans)} calibration plans not run")
+        rule = _rule(s, ref, points)
+        if rnd == 0 and s.calibration_repeats > 0:
+            # chosen from the first calibration's runs alone, so a resumed run picks the same ones
+            first = [q for q in points if q.get("seed", s.seed) == s.seed and q["choice"] in plans]
+            reps = calibrate.repeat_candidates(_rule(s, ref, first), first, s.calibration_repeats, s.seed)
+            fit_n = reps if fits(run_s * (len(reps) + 1)) else []
+            if reps and not fit_n:
+                notes.append(f"--budget: the {len(reps)} repeats nearest the limit were not run")
+            if fit_n:  # the plans nearest the limit, again with other seeds
+                bar.phase("repeating the runs nearest the limit", 1 + len(fit_n), "run")
+                plans = list(plans) + fit_n
+                ref, points = calibrate.run_calibration(
+                    s.workload, profile, groups, plans, storage=s.storage, study_name=cal_name,
+                    steps=s.calibration_steps, seed=s.seed, progress=bar, references=s.references,
+                    deadline=cal_deadline)
+                rule = _rule(s, ref, points)
+        if rnd == 0 and s.local_steps:
+            steps = calibrate.local_calibration_steps(s.calibration_steps, s.local_every)
+            cost = run_s * (steps / s.calibration_steps) * s.world_size * (1 + len(s.local_every))
+            if fits(cost):
+                bar.phase("calibrating local steps", 1 + len(s.local_every), "run")
+                local_cal = calibrate.run_local_calibration(
+                    s.workload, profile, s.local_every, world_size=s.world_size, steps=steps, seed=s.seed,
+                    max_accuracy_loss=s.max_accuracy_loss, storage=s.storage,
+                    study_name=f"{cal_name}-local-{_hash([list(s.local_every), steps])}", progress=bar)
+            else:
+                notes.append(f"--budget: local steps not calibrated (about {cost / 60:.1f} min of runs), "
+                             f"so not searched")
+        conv = fit_convergence(points, s.max_accuracy_loss, rule=rule)
         rows: list[dict[str, Any]] = []
         best: dict[str, dict[str, Any]] = {}
         baseline: dict[str, dict[str, Any]] = {}
@@ -743,6 +869,9 @@ def _calibrate_and_search(s: Settings, profile: Profile, groups: Mapping[str, li
                 new.append(c)
         if not new or rnd >= s.verify_rounds:
             break
+        if not fits(run_s * len(new)):
+            notes.append(f"--budget: verification round {rnd + 1} ({len(new)} chosen plans) not run")
+            break
         plans = list(plans) + new
         rnd += 1
     # The Pareto front compares priced options (a cluster you already have costs nothing here).
@@ -757,7 +886,14 @@ def _calibrate_and_search(s: Settings, profile: Profile, groups: Mapping[str, li
 
     chosen = LOCAL if LOCAL in best else min(
         (o.name for o in options), key=lambda n: (winner(n)["cost_usd"], winner(n)["tta_s"]))
-    return ref, points, conv, target_steps, rows, best, baseline, front, chosen, local_best, local_cal
+    return (ref, points, conv, target_steps, rows, best, baseline, front, chosen, local_best, local_cal,
+            rule, notes)
+
+
+def _rule(s: Settings, ref: Mapping[str, Any], points: list[dict[str, Any]]) -> AccuracyRule:
+    """The accuracy rule over every calibration run so far (costmodel.accuracy_rule)."""
+    return accuracy_rule(points, s.max_accuracy_loss, reference_sigma=ref.get("sigma"),
+                         paired=ref.get("paired"), references=len(ref.get("references") or {0: 0}))
 
 
 def _option_key(opt: HardwareOption, sharded: bool = False) -> Any:

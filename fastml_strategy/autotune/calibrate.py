@@ -65,7 +65,8 @@ from fastml_strategy.autotune.profile import SimulatedCompression
 from fastml_strategy.autotune.workload import Workload
 
 __all__ = ["train_curve", "smooth", "steps_ratio", "lag_ratio", "calibration_candidates",
-           "run_calibration", "local_curve", "local_calibration_steps", "run_local_calibration"]
+           "run_calibration", "build_run", "runs_paired", "final_loss", "reference_sigma",
+           "repeat_candidates", "local_curve", "local_calibration_steps", "run_local_calibration"]
 
 
 def _seed_all(seed: int) -> None:
@@ -74,11 +75,60 @@ def _seed_all(seed: int) -> None:
     np.random.seed(seed % (2 ** 32))
 
 
+def build_run(wl: Workload, seed: int) -> Workload:
+    """The workload of one calibration run: rebuilt from its factory (when it has one) with every
+    random generator seeded, then seeded again, so the model starts from the same weights and a
+    deterministic factory (or DataLoader) yields the same batches in every run of that seed."""
+    _seed_all(seed)
+    wl = wl.rebuild()
+    _seed_all(seed)
+    return wl
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and bool(torch.equal(a, b)))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    try:
+        return bool(a == b)
+    except Exception:  # an object without a usable ==: cannot say they are the same
+        return False
+
+
+def runs_paired(wl: Workload, seed: int, batches: int = 3) -> bool:
+    """Whether two runs of one seed are paired: built the way calibration runs are built
+    (:func:`build_run`), they start from the same weights and draw the same first ``batches`` batches.
+    Then a candidate's loss differs from the reference's by what its compression did, not by the data
+    it happened to see."""
+    a, b = build_run(wl, seed), None
+    sa = [p.detach().clone() for p in a.fresh_model().parameters()]
+    ba = [x for _, x in zip(range(batches), a.batch_stream())]
+    b = build_run(wl, seed)
+    sb = [p.detach().clone() for p in b.fresh_model().parameters()]
+    bb = [x for _, x in zip(range(batches), b.batch_stream())]
+    return _same(sa, sb) and _same(ba, bb)
+
+
+def window(n: int) -> int:
+    """Steps the final loss is averaged over: the last fifth of a run of ``n`` steps, at least 5."""
+    return min(n, max(5, n // 5))
+
+
+def final_loss(losses: Sequence[float]) -> float:
+    """Mean training loss over the last :func:`window` steps (inf when any of them diverged)."""
+    x = np.asarray(losses[-window(len(losses)):], dtype=float) if len(losses) else np.array([np.inf])
+    return float(x.mean()) if np.isfinite(x).all() else math.inf
+
+
 def train_curve(wl: Workload, choice: Mapping[str, str] | None, steps: int, seed: int,
                 report: Callable[[int, list[float]], None] | None = None,
                 report_every: int = 5) -> tuple[list[float], float | None]:
     """Train ``steps`` steps from the initial weights; return the loss curve and the eval metric."""
-    _seed_all(seed)
+    wl = build_run(wl, seed)
     model = wl.fresh_model()
     model.train()
     opt = wl.make_optimizer(model)
@@ -121,7 +171,7 @@ def local_curve(wl: Workload, world_size: int, every: int, steps: int, seed: int
     the per-step reference: one model, the mean gradient of ``world_size`` batches per step."""
     from fastml_strategy.codecs import roundtrip
 
-    _seed_all(seed)
+    wl = build_run(wl, seed)
     stream = wl.batch_stream()
     W = max(1, world_size)
     losses: list[float] = []
@@ -310,7 +360,7 @@ def run_calibration(
     wl: Workload,
     profile: Profile,
     groups: Mapping[str, list[str]],
-    plans: Sequence[Mapping[str, str]],
+    plans: Sequence[Mapping[str, str] | tuple[Mapping[str, str], int]],
     *,
     storage: Any,
     study_name: str,
@@ -318,10 +368,22 @@ def run_calibration(
     seed: int,
     prune_ratio: float = 3.0,
     progress: Any = None,
+    references: int = 2,
+    deadline: float | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Make sure every plan in ``plans`` (group -> option) has a finished calibration trial in the study
+    """Make sure every plan in ``plans`` (group -> option, or ``(choice, seed)`` for a repeat with
+    another seed; plain choices run with ``seed``) has a finished calibration trial in the study
     (running only the missing ones, so a stopped run resumes), and return the reference run and one
-    point per finished trial."""
+    point per finished trial.
+
+    Reference runs: one per seed a trial uses, and at least ``references`` (seeds ``seed``,
+    ``seed + 1``, ...): their spread is the noise of one run. Every trial is compared with the
+    reference of its own seed (paired when the workload replays its batches, :func:`runs_paired`).
+    The returned reference dict adds ``references`` (seed -> run), ``paired`` and ``sigma``
+    (:func:`reference_sigma`). ``deadline`` (a ``time.time()``): trials not started by then are
+    skipped (the search uses what was measured)."""
+    import time
+
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -330,24 +392,39 @@ def run_calibration(
         sampler=optuna.samplers.RandomSampler(seed=seed),
         pruner=optuna.pruners.ThresholdPruner(upper=prune_ratio, n_warmup_steps=max(1, steps // 4)),
     )
-    ref = study.user_attrs.get("reference")
-    if ref is None:
-        losses, metric = train_curve(wl, None, steps, seed)
-        ref = {"losses": losses, "metric": metric}
-        study.set_user_attr("reference", ref)
+    items = [(dict(p[0]), int(p[1])) if isinstance(p, tuple) else (dict(p), seed) for p in plans]
+    seeds = sorted({seed + i for i in range(max(1, references))} | {s_ for _, s_ in items})
+    refs: dict[int, dict[str, Any]] = {}
+    for s_ in seeds:
+        key = "reference" if s_ == seed else f"reference-seed{s_}"
+        got = study.user_attrs.get(key)
+        if got is None:
+            if s_ != seed and deadline is not None and time.time() > deadline:
+                continue
+            losses, metric = train_curve(wl, None, steps, s_)
+            got = {"losses": losses, "metric": metric}
+            study.set_user_attr(key, got)
+        refs[s_] = got
+    paired = study.user_attrs.get("paired")
+    if paired is None:
+        paired = runs_paired(wl, seed)
+        study.set_user_attr("paired", paired)
     if progress is not None:
         progress.update(1)
-    ref_losses = ref["losses"]
-    ref_s = smooth(ref_losses)
+    ref = dict(refs[seed])
     names = list(groups)
     keys = {g: f"g{i}" for i, g in enumerate(names)}
     finished_states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
-    done = {tuple(sorted(t.params.items())) for t in study.trials if t.state in finished_states}
-    todo: list[dict[str, str]] = []
-    for p in plans:
-        params = {keys[g]: p[g] for g in names}
-        k = tuple(sorted(params.items()))
-        if k in done:
+
+    def key_of(params: Mapping[str, Any]) -> tuple:
+        return tuple(sorted({"seed": seed, **params}.items()))
+
+    done = {key_of(t.params) for t in study.trials if t.state in finished_states}
+    todo: list[dict[str, Any]] = []
+    for p, s_ in items:
+        params = {**{keys[g]: p[g] for g in names}, "seed": s_}
+        k = key_of(params)
+        if k in done or s_ not in refs:
             if progress is not None:
                 progress.update(1)
             continue
@@ -356,54 +433,115 @@ def run_calibration(
     if todo:
         for params in todo:
             study.enqueue_trial(params, skip_if_exists=True)
+        top = seed + 10_000  # one distribution for every trial of the study
 
         def objective(trial: optuna.Trial) -> float:
             gchoice = {g: trial.suggest_categorical(keys[g], profile.options) for g in names}
+            s_ = trial.suggest_int("seed", seed, top)
+            r = refs[s_]
+            r_s = smooth(r["losses"])
             choice = {n: o for g, o in gchoice.items() for n in groups[g]}
             e = plan_error(profile, choice)
             trial.set_user_attr("error", e)
 
             def report(step: int, losses: list[float]) -> None:
-                lag = lag_ratio(ref_s, losses)
+                lag = lag_ratio(r_s, losses)
                 trial.report(lag if math.isfinite(lag) else 1e9, step)
                 if trial.should_prune():
                     trial.set_user_attr("pruned_at", step)
                     raise optuna.TrialPruned()
 
-            losses, metric = train_curve(wl, choice, steps, seed, report=report,
+            losses, metric = train_curve(wl, choice, steps, s_, report=report,
                                          report_every=max(1, steps // 10))
-            ratio, censored = steps_ratio(ref_losses, losses)
+            ratio, censored = steps_ratio(r["losses"], losses)
             trial.set_user_attr("censored", censored)
             trial.set_user_attr("metric", metric)
-            trial.set_user_attr("accuracy_loss", _accuracy_loss(ref, losses, metric))
+            trial.set_user_attr("accuracy_loss", _accuracy_loss(r, losses, metric))
             return ratio
 
         def tick(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
             if progress is not None:
                 progress.update(1)
+            if deadline is not None and time.time() > deadline:
+                study.stop()  # out of time: the search uses what was measured
 
+        # (enqueued trials the deadline left unrun stay waiting: a resumed run takes them first)
         study.optimize(objective, n_trials=len(todo), callbacks=[tick])
     points = []
     for t in study.trials:
         choice = {g: t.params[keys[g]] for g in names if keys[g] in t.params}
+        s_ = int(t.params.get("seed", seed))
         if t.state is optuna.trial.TrialState.COMPLETE:
             points.append({"trial": t.number, "error": t.user_attrs["error"], "ratio": t.value,
                            "censored": t.user_attrs["censored"], "pruned": False,
                            "accuracy_loss": t.user_attrs["accuracy_loss"],
-                           "metric": t.user_attrs.get("metric"), "choice": choice})
+                           "metric": t.user_attrs.get("metric"), "choice": choice, "seed": s_})
         elif t.state is optuna.trial.TrialState.PRUNED:
             last = t.intermediate_values[max(t.intermediate_values)] if t.intermediate_values else math.inf
             points.append({"trial": t.number, "error": t.user_attrs.get("error", math.inf),
                            "ratio": float(last), "censored": True, "pruned": True,
-                           "accuracy_loss": math.inf, "metric": None, "choice": choice})
+                           "accuracy_loss": math.inf, "metric": None, "choice": choice, "seed": s_})
+    ref["references"] = refs
+    ref["paired"] = bool(paired)
+    ref["sigma"] = reference_sigma(list(refs.values()))
     return ref, points
 
 
 def _accuracy_loss(ref: Mapping[str, Any], losses: Sequence[float], metric: float | None) -> float:
+    """Reference metric minus the run's, or without an eval function the relative increase of the
+    final loss averaged over the last :func:`window` steps (one step's loss is mostly batch noise)."""
     if ref.get("metric") is not None and metric is not None:
         return float(ref["metric"]) - float(metric)
-    r = smooth(ref["losses"])[-1]
-    c = smooth(losses, span=_span(len(ref["losses"])))[-1]
+    r = final_loss(ref["losses"])
+    c = final_loss(losses)
     if not math.isfinite(c):
         return math.inf
     return float((c - r) / abs(r)) if r != 0 else float(c - r)
+
+
+def reference_sigma(refs: Sequence[Mapping[str, Any]]) -> float:
+    """Standard deviation of one reference run's outcome across seeds, in accuracy-loss units (metric
+    points, or relative final loss); nan with fewer than two references."""
+    if len(refs) < 2:
+        return math.nan
+    if all(r.get("metric") is not None for r in refs):
+        v = np.array([float(r["metric"]) for r in refs])
+    else:
+        v = np.array([final_loss(r["losses"]) for r in refs])
+        if not np.isfinite(v).all() or v.mean() == 0:
+            return math.nan
+        v = v / abs(v.mean())
+    return float(v.std(ddof=1))
+
+
+def repeat_candidates(rule: Any, points: Sequence[Mapping[str, Any]], n: int,
+                      seed: int) -> list[tuple[dict[str, str], int]]:
+    """The ``n`` plans whose fitted accuracy loss is nearest the limit (in band widths when the noise
+    is known), each to be run again with a seed none of its runs used: ``(choice, seed)`` pairs."""
+    if n <= 0 or not rule.errors:
+        return []
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for p in points:
+        if p.get("choice") and any(o != "none" for o in p["choice"].values()):
+            runs.setdefault(json_key(p["choice"]), []).append(p)
+
+    def distance(ps: list[dict[str, Any]]) -> tuple[float, int, float]:
+        f, b = rule.at(ps[0]["error"])
+        d = abs(f - rule.limit) if math.isfinite(f) else math.inf
+        scale = b if math.isfinite(b) and b > 0 else 1.0
+        return (d / scale, len(ps), ps[0]["error"])
+
+    out = []
+    for ps in sorted(runs.values(), key=distance)[:n]:
+        if not math.isfinite(distance(ps)[0]):
+            continue
+        used = {int(p.get("seed", seed)) for p in ps}
+        s = seed + 1
+        while s in used:
+            s += 1
+        out.append((dict(ps[0]["choice"]), s))
+    return out
+
+
+def json_key(choice: Mapping[str, str]) -> str:
+    return "|".join(f"{k}={v}" for k, v in sorted(choice.items()))

@@ -78,6 +78,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="short training runs of candidate plans against uncompressed training")
     g.add_argument("--calibration-steps", type=int, default=60, metavar="N",
                    help="steps of each calibration run (at least 10)")
+    g.add_argument("--calibration-repeats", type=int, default=2, metavar="N",
+                   help="rerun the N plans whose accuracy loss is nearest the limit with another seed "
+                        "(0: none); the accuracy rule fits every run, so one noisy run cannot decide it")
+    g.add_argument("--references", type=int, default=2, metavar="N",
+                   help="uncompressed reference runs (seeds SEED, SEED+1, ...): their spread is the noise "
+                        "the report's band and confidence use")
+    g.add_argument("--threads-per-rank", type=int, default=None, metavar="N",
+                   help="threads compute is profiled and timed with: what one rank of your training "
+                        "has. Default: cores / --world-size in one process; under torchrun, as launched")
+    g.add_argument("--budget", type=float, default=15.0, metavar="MINUTES",
+                   help="wall-time cap: repeats, local-steps calibration and verification runs that "
+                        "would not fit are skipped and the search uses what was measured (0: no cap)")
     g.add_argument("--profile-steps", type=int, default=5, metavar="N",
                    help="steps over which gradients, compute time and codec errors are measured")
     g.add_argument("--measure-steps", type=int, default=10, metavar="N",
@@ -222,7 +234,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_residual_gb=args.max_residual_gb, overwrite=args.overwrite,
             target_steps_source=steps_source if args.target_steps is not None else None,
             local_steps=args.local_steps, local_every=args.local_every,
-            local_fragments=args.local_fragments)
+            local_fragments=args.local_fragments, calibration_repeats=args.calibration_repeats,
+            references=args.references, threads_per_rank=args.threads_per_rank,
+            budget=args.budget)
     except ValueError as e:
         failure = str(e)
     if distributed:  # every rank learns whether any rank failed validation, so none hangs
@@ -261,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 finally:
                     dist.destroy_process_group()
     if settings.rank == 0:
-        from fastml_strategy.autotune.report import headline, winner_line
+        from fastml_strategy.autotune.report import headline, phase_words, winner_line
 
         # The report's answer, in words, then where the files are. Markdown bold is dropped here.
         lines = [line.replace("**", "") for line in headline(result)]
@@ -274,8 +288,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  {line}")
         print(f"  Wrote {settings.out}/plan.json (tuned for {result.option}), report.html, report.md and the "
               f"CSV tables.", flush=True)
-        if settings.local_steps:  # the last line: which mode wins
+        if result.phase_s:
+            print(f"  Wall time: {phase_words(result.phase_s)}.", flush=True)
+        if settings.local_steps:  # which mode wins (the last line, unless plain DDP wins)
             print(f"  {winner_line(result)}", flush=True)
+        if not settings.sharding.sharded and not result.plan_uses_hook:  # the last line
+            print(f"  Plain DDP on {result.option}: do not register FastML; plan.json is fp32 throughout "
+                  f"(meta.hook = false).", flush=True)
     return 0
 
 

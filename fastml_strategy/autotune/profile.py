@@ -20,6 +20,7 @@ calibration trains with: the same per-layer codecs and error feedback, applied t
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from typing import Any, Callable, Iterator, Mapping
@@ -30,7 +31,8 @@ from fastml_strategy.autotune.costmodel import BASE_OPTIONS, CANDIDATES, LayerPr
 from fastml_strategy.autotune.workload import Workload
 from fastml_strategy.config import CodecConfig
 
-__all__ = ["profile_workload", "measure_link", "SimulatedCompression", "fsdp_unit_modules"]
+__all__ = ["profile_workload", "measure_link", "SimulatedCompression", "fsdp_unit_modules",
+           "rank_threads", "available_cores"]
 
 _CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
 
@@ -87,6 +89,31 @@ class SimulatedCompression:
             if cfg.uses_residual:  # kept in the residual's dtype, as the collective keeps it
                 self.residuals[name] = (x - dec).to(cfg.residual_torch_dtype)
             g.copy_(dec)
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its CPU affinity, else the machine's count)."""
+    import os
+
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+@contextlib.contextmanager
+def rank_threads(threads: int | None) -> Iterator[None]:
+    """Run the block with ``threads`` intra-op threads (what one rank will have), then restore.
+    None: leave torch's setting alone (a torchrun rank already runs as it will)."""
+    if threads is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, int(threads)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _sync() -> None:
@@ -227,7 +254,8 @@ def profile_workload(
         layers.append(lp)
     return Profile(layers=layers, forward_s=statistics.median(fwd_t), backward_s=statistics.median(bwd_t),
                    optimizer_s=statistics.median(opt_t), world_size=world_size, min_numel=min_numel,
-                   options=options, optimizer_state_bytes=int(opt_bytes))
+                   options=options, optimizer_state_bytes=int(opt_bytes),
+                   threads=torch.get_num_threads())
 
 
 def measure_link(sizes: tuple[int, ...] = (1 << 14, 1 << 18, 1 << 20, 1 << 22),

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from fastml_strategy.autotune._run import AutotuneResult, Settings
 
 __all__ = ["write_outputs", "bits_per_element", "headline", "winner_line", "human_time", "human_money",
+           "phase_words",
            "OUTPUT_FILES"]
 
 OUTPUT_FILES = ("plan.json", "report.html", "report.md", "trials.csv", "layers.csv", "calibration.csv",
@@ -228,6 +229,13 @@ def headline(result: "AutotuneResult") -> list[str]:
     return lines
 
 
+def phase_words(phase_s: Mapping[str, float]) -> str:
+    """Wall time per phase in words: 'profiling 12.3 s, calibrating 4.1 min, ...; total 6.0 min'."""
+    parts = [f"{k} {human_time(v)}" for k, v in phase_s.items() if k != "total"]
+    total = phase_s.get("total", sum(v for k, v in phase_s.items() if k != "total"))
+    return ", ".join(parts) + f"; total {human_time(total)}"
+
+
 def bits_per_element(cfg: CodecConfig, numel: int) -> float:
     """Bits one element costs in the encoded message (values, metadata and indices)."""
     if cfg.codec is Codec.FP32:
@@ -251,7 +259,8 @@ def tables(result: "AutotuneResult") -> dict[str, pd.DataFrame]:
     group_of = {n: g for g, names in result.groups.items() for n in names}
     from fastml_strategy.autotune.search import expand
 
-    choice_by_opt = {o: expand(result.groups, r["choice"]) for o, r in result.best.items()}
+    # what each option's plan file holds: its winner (local steps' codecs when they win)
+    choice_by_opt = {o: expand(result.groups, result.winner(o)["choice"]) for o in result.best}
     layer_rows = []
     for lp in prof.layers:
         o = choice_by_opt[result.option].get(lp.name, "none") if lp.tunable else "none"
@@ -582,10 +591,11 @@ def figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) -> dict[str
     _legend_right(ax)
     figs["scaling"] = _png(fig)
 
-    # 6. calibration: g(e)
+    # 6. calibration: g(e), and the accuracy rule (fit, band, limit)
     cal = t["calibration"]
-    fig = _fig(5.5, 3.8)
-    ax = fig.add_subplot(111)
+    fig = _fig(11.0, 3.8)
+    ax = fig.add_subplot(121)
+    _accuracy_panel(fig.add_subplot(122), result, cal)
     conv = result.convergence
     if len(cal):
         ok = cal[~cal["pruned"]]
@@ -607,6 +617,37 @@ def figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) -> dict[str
     if result.sharding.sharded:
         figs.update(_sharded_figures(result, t))
     return figs
+
+
+def _accuracy_panel(ax: Any, result: "AutotuneResult", cal: pd.DataFrame) -> None:
+    """Accuracy loss of every calibration run against its error, the monotone fit with its ~95% band,
+    the limit (horizontal) and the error limit it gives (vertical)."""
+    rule = result.accuracy_rule
+    if len(cal):
+        ok = cal[~cal["pruned"] & cal["accuracy_loss"].apply(math.isfinite)]
+        seeds = ok["seed"] if "seed" in ok else pd.Series(0, index=ok.index)
+        first = ok[seeds == seeds.min()] if len(ok) else ok
+        ax.scatter(first["error"], first["accuracy_loss"], s=16, label="calibration runs")
+        rest = ok.drop(first.index)
+        if len(rest):
+            ax.scatter(rest["error"], rest["accuracy_loss"], s=16, marker="s", color="#8e44ad",
+                       label="repeats (other seeds)")
+    if rule is not None and rule.errors:
+        es = np.asarray(rule.errors, dtype=float)
+        fit = np.asarray(rule.fit, dtype=float)
+        band = np.asarray(rule.band, dtype=float)
+        finite = np.isfinite(fit)
+        ax.step(es[finite], fit[finite], where="post", color="black", lw=1, label="monotone fit")
+        if np.isfinite(band).any():
+            ax.fill_between(es[finite], (fit - band)[finite], (fit + band)[finite], step="post",
+                            color="grey", alpha=0.3, label="~95% band")
+        ax.axhline(rule.limit, color="#c0392b", ls="--", lw=1, label=f"limit {rule.limit:g}")
+        ax.axvline(rule.e_max, color="#c0392b", ls=":", label=f"e_max = {rule.e_max:.3g}")
+    ax.set_xscale("symlog", linthresh=1e-3)
+    ax.set_xlabel("plan gradient error e")
+    ax.set_ylabel("accuracy loss vs reference")
+    ax.set_title("Accuracy rule: every run, the fit and its band", fontsize=9)
+    _legend_right(ax)
 
 
 def _sharded_figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) -> dict[str, str]:
@@ -707,9 +748,18 @@ def _summary(result: "AutotuneResult", s: "Settings") -> list[str]:
         f"{_ms(prof.backward_s)}, optimizer {_ms(prof.optimizer_s)})."
         + (f" Link: {prof.link.describe()}." if prof.link else " Link: from the catalog."),
         f"Convergence: g(e) = 1 + {conv.k:.3g} e^{conv.gamma:.2g}; plans with error above "
-        f"{conv.e_max:.3g} lost more than {s.max_accuracy_loss:g} accuracy in calibration and are "
-        f"excluded. Training length: {_steps_words(result)}.",
+        f"{conv.e_max:.3g} are excluded (accuracy limit {s.max_accuracy_loss:g}). Training length: "
+        f"{_steps_words(result)}.",
     ]
+    if result.accuracy_rule is not None:
+        lines.append(result.accuracy_rule.words())
+    if prof.threads:
+        lines.append(f"Compute was timed with {prof.threads} thread(s) per rank "
+                     f"({prof.threads_source or 'as profiled'}).")
+    if result.phase_s:
+        lines.append("Tuner wall time: " + phase_words(result.phase_s) + ".")
+    for note in result.budget_notes:
+        lines.append(note + ".")
     sh = result.sharding
     if sh.sharded:
         from fastml_strategy.autotune.costmodel import fsdp_units

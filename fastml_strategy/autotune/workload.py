@@ -50,6 +50,18 @@ class Workload:
     # Filled by as_workload for LightningModules: builds the optimizer from a fresh model copy.
     _optimizer_from_model: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = field(
         default=None, repr=False)
+    # Filled by load_target: the TARGET's factory, so every calibration run is built afresh (a
+    # deterministic factory then replays the same batches: runs are paired, see calibrate.runs_paired).
+    factory: Callable[[], Any] | None = field(default=None, repr=False)
+
+    def rebuild(self) -> "Workload":
+        """A new Workload from the factory (the same one when there is no factory): its model in its
+        initial state and its batches from the start, whatever earlier runs drew."""
+        if self.factory is None:
+            return self
+        wl = as_workload(self.factory(), name=self.name)
+        wl.factory = self.factory
+        return wl
 
     # -- helpers the profiler and the calibration use ------------------------------------------------
     def batch_stream(self) -> Iterator[Any]:
@@ -271,4 +283,5 @@ def load_target(spec: str) -> Workload:
         raise ValueError(f"target {spec!r}: {attr}() raised {type(e).__name__}: {_first_line(e)}") from None
     wl = as_workload(obj, name=attr)
     wl.validate()
+    wl.factory = factory
     return wl
