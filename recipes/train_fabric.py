@@ -34,7 +34,7 @@ from torch import nn
 import lightning.fabric as LF
 from lightning.fabric.loggers import CSVLogger
 
-import fastml_strategy  # noqa: F401  registers strategy="fastml" and "fastml_fsdp"
+# Importing fastml_strategy.lightning registers strategy="fastml", "fastml_fsdp" and "fastml_localsgd".
 from fastml_strategy.lightning import FastMLFabricStrategy, FastMLFSDPFabricStrategy
 
 

@@ -57,7 +57,7 @@ import lightning.pytorch as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-import fastml_strategy  # noqa: F401  registers strategy="fastml" and "fastml_fsdp"
+# Importing fastml_strategy.lightning registers strategy="fastml", "fastml_fsdp" and "fastml_localsgd".
 from fastml_strategy.lightning import FastMLFSDPStrategy, FastMLStrategy
 
 

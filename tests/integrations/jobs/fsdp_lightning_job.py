@@ -29,7 +29,6 @@ from torch import nn
 import lightning.pytorch as L
 from lightning.pytorch.loggers import CSVLogger
 
-import fastml_strategy  # noqa: F401  (registers strategy="fastml_fsdp")
 from fastml_strategy.lightning import CHECKPOINT_KEY, FastMLFSDPStrategy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

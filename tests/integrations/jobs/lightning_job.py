@@ -27,7 +27,6 @@ import lightning.pytorch as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-import fastml_strategy  # noqa: F401  (registers strategy="fastml")
 from fastml_strategy.lightning import CHECKPOINT_KEY, FastMLStrategy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

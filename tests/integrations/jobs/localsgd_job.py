@@ -301,7 +301,7 @@ def part_accelerate(out: str) -> dict:
 
 def main() -> None:
     out, parts = sys.argv[1], sys.argv[2].split(",")
-    import fastml_strategy  # noqa: F401  registers strategy="fastml_localsgd" when Lightning is imported
+    import fastml_strategy.lightning  # noqa: F401  registers strategy="fastml_localsgd"
 
     for part in parts:
         res = {"trainer": part_trainer, "resume": part_resume, "fabric": part_fabric,
