@@ -11,8 +11,8 @@ What it measures
 3. A table: measured ms/step, predicted ms/step and the prediction error, steps and seconds to the
    target accuracy; also written as CSV.
 
-The emulated link (DESIGN.md, "Measuring on one machine")
-----------------------------------------------------------
+The emulated link: a commodity 1 Gbit/s cluster link on one machine
+------------------------------------------------------------------
 Run as root. The benchmark creates a private network namespace, brings its loopback up, rate-limits
 it with a token bucket filter and runs every rank inside it, so both ranks share one 1 Gbit/s link::
 
