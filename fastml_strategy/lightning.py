@@ -133,7 +133,6 @@ import functools
 import importlib
 import importlib.util
 import inspect
-import json
 import logging
 import math
 import os
@@ -231,11 +230,6 @@ def _layer_stats_every(owner: str, value: int | None, old_value: int | None, def
     return env_whole_number("FASTML_LAYER_STATS_EVERY", value, default, owner=owner)
 
 
-def _resolve(plan: Any) -> Plan:
-    """resolve_plan (which names FASTML_PLAN when the plan came from the environment)."""
-    return resolve_plan(plan)
-
-
 def _reject_kwargs(owner: str, kwargs: dict[str, Any], names: tuple[str, ...], why: str) -> None:
     given = [k for k in names if kwargs.get(k) is not None]
     if given:
@@ -263,7 +257,7 @@ def _lightning_private(package: str, module: str, name: str) -> Any:
 def _set_private(obj: Any, attr: str, value: Any, consequence: str) -> None:
     """Set a private attribute that Lightning (2.6) itself sets and reads, as its own strategies do.
     If this Lightning has no such attribute, setting it would do nothing: log a warning saying what is
-    lost (tests/integrations/test_upstream_internals.py fails on such a Lightning)."""
+    lost (tests/test_upstream_internals.py fails on such a Lightning)."""
     if not hasattr(obj, attr):
         log.warning("FastML: %s has no attribute %s (Lightning internals changed; FastML was tested with "
                     "Lightning 2.6): %s", type(obj).__name__, attr, consequence)
@@ -297,7 +291,7 @@ class _FastMLStateHolder:
 
     def _fastml_init(self, plan: Any, check_replicas_every: int | None = 0) -> None:
         # -- tuned by the user
-        self._fastml_plan: Plan = _resolve(plan)  # a bad FASTML_PLAN fails here, on every process
+        self._fastml_plan: Plan = resolve_plan(plan)  # a bad FASTML_PLAN fails here, on every process
         self._fastml_check_every = _check_every(type(self).__name__, check_replicas_every)
         # -- internal state
         self._fastml_state: Any = None  # FastMLState (DDP) or FSDPState, once the model is prepared
@@ -692,10 +686,9 @@ class _FSDPMixin:
         # -- tuned by the user
         self._fastml_wrap = _wrap_policy(auto_wrap_policy)
         self._fastml_wrap_given = auto_wrap_policy is not None  # ignored (with a warning) if the user shards
-        if replicate_size is not None and (isinstance(replicate_size, bool) or not isinstance(replicate_size, int)
-                                           or replicate_size < 1):
-            raise ValueError(f"replicate_size={replicate_size!r}; use a whole number >= 1 (the number of "
-                             f"replicas of the model, usually the number of nodes), or hybrid=True")
+        if replicate_size is not None:
+            whole_number("replicate_size", replicate_size, 1, owner=owner,
+                         note=" (the number of replicas of the model, usually the number of nodes), or hybrid=True")
         if not isinstance(hybrid, bool):
             raise TypeError(f"hybrid={hybrid!r}; use True (shard inside a node, replicate across nodes) or False")
         if hybrid and replicate_size is not None:
@@ -704,7 +697,7 @@ class _FSDPMixin:
         self._fastml_replicate_size = replicate_size
         self._fastml_hybrid = hybrid
         # None: FSDP's own intra-node reduce-scatter (HSDP); a plan: compress it too
-        self._fastml_shard_plan = _resolve(shard_plan) if shard_plan is not None else None
+        self._fastml_shard_plan = resolve_plan(shard_plan) if shard_plan is not None else None
         if self._fastml_shard_plan is not None and not hybrid and (replicate_size or 1) == 1:
             raise ValueError("shard_plan compresses HSDP's intra-node reduce-scatter; it needs replicate_size=R "
                              "(R > 1) or hybrid=True. For plain FSDP give the plan as plan=")
