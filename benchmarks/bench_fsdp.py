@@ -422,7 +422,7 @@ def _stop(p: subprocess.Popen) -> None:
     for pid in [p.pid] + tree:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                mine = os.path.basename(__file__).encode() in f.read()  # not a reused pid
+                mine = os.path.basename(sys.argv[0]).encode() in f.read()  # this script's, not a reused pid
             if mine:
                 os.kill(pid, signal.SIGKILL)
         except (OSError, ProcessLookupError):

@@ -75,7 +75,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # Benchmarks are scripts: the GPT model, its synthetic language and the machine description are
 # bench_fsdp.py's (its import is light: no torch at module level).
-from bench_fsdp import _bigram_batch, _fmt, _machine, _model, _net_bytes, _rate_bits  # noqa: E402
+from bench_fsdp import (_CHILDREN, _NAMESPACES, _bigram_batch, _cleanup, _fmt, _machine, _model,  # noqa: E402
+                        _net_bytes, _rate_bits, _sh, _stop)
 
 # -- what is measured ------------------------------------------------------------------------------------------
 # method -> (label, kind, settings). kind "ddp": DDP with hook None / "fp16" / "fastml" (int4);
@@ -381,64 +382,8 @@ def _worker(a: argparse.Namespace) -> None:
 # ======================================================================================================
 # The driver: namespaces, launches, tables
 # ======================================================================================================
-_NAMESPACES: list[str] = []
-_CHILDREN: list[subprocess.Popen] = []
 # What torch's c10d prints in a fresh namespace (it cannot resolve the client's name; harmless)
 _NOISE = ("[c10d] The hostname of the client socket cannot be retrieved",)
-
-
-def _sh(*cmd: str) -> None:
-    r = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    if r.returncode:
-        raise RuntimeError(f"`{' '.join(cmd)}` failed ({r.returncode}): {r.stderr.strip()}")
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(d))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def _stop(p: subprocess.Popen) -> None:
-    """Stop one launcher and its workers (torchrun may start workers in sessions of their own)."""
-    if p.poll() is not None:
-        return
-    tree = _descendants(p.pid)
-    try:
-        os.killpg(p.pid, signal.SIGTERM)
-        p.wait(timeout=10)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        pass
-    for pid in [p.pid] + tree:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                mine = os.path.basename(__file__).encode() in f.read()  # not a reused pid
-            if mine:
-                os.kill(pid, signal.SIGKILL)
-        except (OSError, ProcessLookupError):
-            pass
-    p.wait()
-
-
-def _cleanup() -> None:
-    for p in _CHILDREN:
-        _stop(p)
-    _CHILDREN.clear()
-    for ns in _NAMESPACES:
-        subprocess.run(["ip", "netns", "del", ns], stderr=subprocess.DEVNULL)
-    _NAMESPACES.clear()
 
 
 def _on_signal(signum, frame):  # noqa: ARG001
