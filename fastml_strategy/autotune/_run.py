@@ -21,7 +21,8 @@ from typing import Any, Mapping
 
 from fastml_strategy.autotune.catalog import HardwareOption, Link, load_catalog, parse_link
 from fastml_strategy.autotune.costmodel import (CANDIDATES, DEFAULT_LOCAL_EVERY, DEFAULT_LOCAL_FRAGMENTS,
-                                                SHARDINGS, AccuracyRule, Convergence, LocalCalibration,
+                                                BUCKET_MB_CHOICES, SHARDINGS, AccuracyRule, Convergence,
+                                                LocalCalibration,
                                                 Profile, Sharding, accuracy_rule,
                                                 default_options, evaluate, family, fit_alpha_beta,
                                                 fit_codec_scale, fit_collective_overhead,
@@ -563,6 +564,13 @@ def _option_plan(profile: Profile, groups: Mapping[str, list[str]], result: "Aut
     # hook. Registered anyway, such a plan runs one plain all-reduce per bucket (DDP's own arithmetic)
     # plus a 64-byte status exchange per step.
     meta["hook"] = bool(w.get("use_hook", True)) or uses_local_steps(w)
+    if not s.sharding.sharded and not uses_local_steps(w):
+        mb = w.get("bucket_mb")
+        meta["ddp"] = {"bucket_cap_mb": mb, "how": (
+            "DDP's default buckets (bucket_cap_mb=None)" if mb is None else
+            f"DistributedDataParallel(model, bucket_cap_mb={mb}); Lightning/Fabric: "
+            f"FastMLStrategy(..., bucket_cap_mb={mb}) (DDPStrategy passes it to DDP); Accelerate: "
+            f"Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb={mb})])")}
     rule = result.accuracy_rule
     if rule is not None:
         f = (lambda v: None if isinstance(v, float) and not math.isfinite(v) else v)
@@ -857,6 +865,9 @@ def _calibrate_and_search(s: Settings, profile: Profile, groups: Mapping[str, li
             # Plain DDP is a candidate too: where no compression pays (a fast link), say so.
             b = search.best_row(r)
             best[opt.name] = dict(b, use_hook=True) if b["objective"] < base["objective"] else dict(base)
+            if not sh.sharded:  # DDP's bucket size for the chosen plan (plain DDP's too)
+                best[opt.name] = _best_bucket(profile, groups, opt, conv, target_steps, best[opt.name],
+                                              search)
             try:
                 local_best[opt.name] = dict(search.best_row(r, local=True), use_hook=False)
             except ValueError:  # local steps off, or no H within the accuracy limit
@@ -888,6 +899,22 @@ def _calibrate_and_search(s: Settings, profile: Profile, groups: Mapping[str, li
         (o.name for o in options), key=lambda n: (winner(n)["cost_usd"], winner(n)["tta_s"]))
     return (ref, points, conv, target_steps, rows, best, baseline, front, chosen, local_best, local_cal,
             rule, notes)
+
+
+def _best_bucket(profile: Profile, groups: Mapping[str, list[str]], opt: HardwareOption, conv: Convergence,
+                 target_steps: float, row: Mapping[str, Any], search: Any) -> dict[str, Any]:
+    """The row with the bucket cap (``bucket_mb``: DDP's ``bucket_cap_mb``; None: DDP's default) of
+    :data:`BUCKET_MB_CHOICES` that minimises the option's objective for the row's plan."""
+    choice = search.expand(groups, row["choice"])
+    hook = bool(row.get("use_hook", True))
+    out = dict(row, bucket_mb=None)
+    for mb in BUCKET_MB_CHOICES[1:]:
+        r = evaluate(profile, choice, opt, conv, target_steps, hook=hook, bucket_mb=mb)
+        obj = r["cost_usd"] if opt.price_per_hour > 0 else r["tta_s"]
+        if obj < out["objective"] * (1 - 1e-9):
+            out.update({k: r[k] for k in ("step_s", "exposed_s", "tta_s", "cost_usd", "wire_s")},
+                       objective=obj, bucket_mb=mb)
+    return out
 
 
 def _rule(s: Settings, ref: Mapping[str, Any], points: list[dict[str, Any]]) -> AccuracyRule:

@@ -462,8 +462,10 @@ def run_calibration(
         def tick(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
             if progress is not None:
                 progress.update(1)
-            if deadline is not None and time.time() > deadline:
-                study.stop()  # out of time: the search uses what was measured
+            took = ((trial.datetime_complete - trial.datetime_start).total_seconds()
+                    if trial.datetime_complete and trial.datetime_start else 0.0)
+            if deadline is not None and time.time() + took > deadline:
+                study.stop()  # the next run would end past the deadline: the search uses what was measured
 
         # (enqueued trials the deadline left unrun stay waiting: a resumed run takes them first)
         study.optimize(objective, n_trials=len(todo), callbacks=[tick])

@@ -148,6 +148,10 @@ LOCAL_CALIBRATION_OPTION = "int4"
 # dist._DEFAULT_FIRST_BUCKET_BYTES = 1 MiB for the first bucket, the last layers).
 FIRST_BUCKET_BYTES = 1 << 20
 BUCKET_BYTES = 25 << 20
+# Bucket caps (MiB, DDP's bucket_cap_mb) the search tries on each option's chosen plan, beside DDP's
+# default (None: 1 MiB first, then 25). A small model fits in one default bucket, so nothing overlaps
+# backward; smaller buckets overlap more but pay 2(N-1) latency rounds each.
+BUCKET_MB_CHOICES: tuple[int | None, ...] = (None, 1, 2, 4, 8, 16)
 
 
 def _q(bits: int, **kw: Any) -> CodecConfig:
@@ -260,6 +264,9 @@ class LayerProfile:
     codec_s: dict[str, float] = field(default_factory=dict)  # option -> one round trip, seconds
     shape: list[int] | None = None  # FSDP2 shards dim 0 (None, in older profiles: (numel,))
     unit: str | None = None  # module path of its FSDP unit ("" the root; None: from the name)
+    # "embedding" for an nn.Embedding's weight (a row-sparse gradient: only the rows of the batch's
+    # tokens are non-zero, so top-k pays there): kept in a search group of its own; "" otherwise
+    kind: str = ""
 
 
 @dataclass
@@ -387,18 +394,21 @@ class StepBreakdown:
 
 
 # -- buckets and plan error ------------------------------------------------------------------------
-def ddp_buckets(profile: Profile) -> list[list[LayerProfile]]:
-    """Layers grouped as DDP buckets them: reverse registration order, 1 MiB first bucket, then 25 MiB."""
+def ddp_buckets(profile: Profile, bucket_mb: float | None = None) -> list[list[LayerProfile]]:
+    """Layers grouped as DDP buckets them: reverse registration order; by default (``bucket_mb``
+    None) a 1 MiB first bucket, then 25 MiB; with ``bucket_cap_mb=bucket_mb`` given to DDP, every
+    bucket (the first too, as torch does) up to that many MiB."""
     buckets: list[list[LayerProfile]] = []
     cur: list[LayerProfile] = []
     size = 0
-    cap = FIRST_BUCKET_BYTES
+    cap = FIRST_BUCKET_BYTES if bucket_mb is None else int(bucket_mb * (1 << 20))
+    rest = BUCKET_BYTES if bucket_mb is None else cap
     for lp in sorted(profile.layers, key=lambda x: -x.index):
         cur.append(lp)
         size += 4 * lp.numel
         if size >= cap:
             buckets.append(cur)
-            cur, size, cap = [], 0, BUCKET_BYTES
+            cur, size, cap = [], 0, rest
     if cur:
         buckets.append(cur)
     return buckets
@@ -449,7 +459,7 @@ def _layer_cost(profile: Profile, lp: LayerProfile, choice: Mapping[str, str], n
 
 def step_time(profile: Profile, choice: Mapping[str, str], option: HardwareOption,
               nodes: int | None = None, hook: bool = True,
-              sharding: Sharding | None = None) -> StepBreakdown:
+              sharding: Sharding | None = None, bucket_mb: float | None = None) -> StepBreakdown:
     """Predicted step time of a plan (``choice``: layer name -> CANDIDATES key) on ``option``
     (with ``nodes`` overriding the option's node count, for scaling predictions). ``hook=False`` is
     plain DDP (fp32 all-reduce, no encode/decode), the uncompressed baseline. With a sharded
@@ -465,7 +475,7 @@ def step_time(profile: Profile, choice: Mapping[str, str], option: HardwareOptio
     free = 0.0
     wire_total = 0.0
     total_bytes = 0
-    for bucket in ddp_buckets(profile):
+    for bucket in ddp_buckets(profile, bucket_mb):
         nbytes = 0
         codec_b = 0.0
         for lp in bucket:
@@ -852,12 +862,12 @@ def _candidate_name(cfg: CodecConfig) -> str:
 
 def evaluate(profile: Profile, choice: Mapping[str, str], option: HardwareOption, conv: Convergence,
              target_steps: float, hook: bool = True, sharding: Sharding | None = None,
-             max_residual_bytes: float | None = None) -> dict[str, float]:
+             max_residual_bytes: float | None = None, bucket_mb: float | None = None) -> dict[str, float]:
     """All the numbers of one (plan, option) pair: error, steps, step time, time to accuracy, cost.
     Sharded: also the bytes per collective and the memory per rank; a plan whose residuals exceed
     ``max_residual_bytes`` per rank is infeasible."""
     e = plan_error(profile, choice)
-    br = step_time(profile, choice, option, hook=hook, sharding=sharding)
+    br = step_time(profile, choice, option, hook=hook, sharding=sharding, bucket_mb=bucket_mb)
     steps = target_steps * conv.g(e)
     tta = steps * br.step_s
     cost = tta * option.nodes * option.price_per_hour / 3600.0

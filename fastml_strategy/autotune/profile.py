@@ -236,13 +236,16 @@ def profile_workload(
             h.remove()
 
     units = fsdp_unit_modules(model)
+    embeddings = {f"{prefix}{'.' if prefix else ''}weight" for prefix, m in model.named_modules()
+                  if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))}
     opt_bytes = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
                     if isinstance(v, torch.Tensor) and v.dim() > 0)
     layers = []
     for n, p in named:
         lp = LayerProfile(name=n, numel=p.numel(), index=index[n],
                           ready_s=statistics.median(ready_t[n]), grad_sq=grad_sq[n],
-                          tunable=n in tunable, shape=list(p.shape), unit=unit_of(n, units))
+                          tunable=n in tunable, shape=list(p.shape), unit=unit_of(n, units),
+                          kind="embedding" if n in embeddings else "")
         total = grad_sq[n] * steps
         for o in options:
             if n not in tunable:

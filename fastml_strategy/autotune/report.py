@@ -593,9 +593,9 @@ def figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) -> dict[str
 
     # 6. calibration: g(e), and the accuracy rule (fit, band, limit)
     cal = t["calibration"]
-    fig = _fig(11.0, 3.8)
-    ax = fig.add_subplot(121)
-    _accuracy_panel(fig.add_subplot(122), result, cal)
+    fig = _fig(5.5, 7.8)
+    ax = fig.add_subplot(211)
+    _accuracy_panel(fig.add_subplot(212), result, cal)
     conv = result.convergence
     if len(cal):
         ok = cal[~cal["pruned"]]
@@ -753,6 +753,19 @@ def _summary(result: "AutotuneResult", s: "Settings") -> list[str]:
     ]
     if result.accuracy_rule is not None:
         lines.append(result.accuracy_rule.words())
+    mb = result.winner(result.option).get("bucket_mb") if not result.sharding.sharded else None
+    if mb is not None:
+        lines.append(f"DDP buckets: plan.json's plan is predicted fastest with bucket_cap_mb={mb} (DDP's "
+                     f"default puts the last 1 MiB, then 25 MiB, in a bucket): pass it to "
+                     f"DistributedDataParallel(model, bucket_cap_mb={mb}), FastMLStrategy(..., "
+                     f"bucket_cap_mb={mb}) or Accelerate's DistributedDataParallelKwargs(bucket_cap_mb={mb}); "
+                     f"plan.json's meta.ddp holds it (register_hook cannot change the buckets of a "
+                     f"model already wrapped).")
+    emb = [lp.name for lp in prof.layers if lp.kind == "embedding" and lp.tunable]
+    if emb:
+        ch = search_expand(result)
+        lines.append("Embeddings (row-sparse gradients, searched on their own): "
+                     + ", ".join(f"{n} -> {ch.get(n, 'none')}" for n in emb) + ".")
     if prof.threads:
         lines.append(f"Compute was timed with {prof.threads} thread(s) per rank "
                      f"({prof.threads_source or 'as profiled'}).")
@@ -781,6 +794,13 @@ def _summary(result: "AutotuneResult", s: "Settings") -> list[str]:
             + (f" Each FSDP collective costs {1e3 * prof.collective_overhead_s:.3g} ms beyond the link "
                f"(fitted to {short}'s measured step time)." if prof.collective_overhead_s else ""))
     return lines
+
+
+def search_expand(result: "AutotuneResult") -> dict[str, str]:
+    """plan.json's layer -> codec option."""
+    from fastml_strategy.autotune.search import expand
+
+    return expand(result.groups, result.winner(result.option)["choice"])
 
 
 def _options_table(result: "AutotuneResult") -> pd.DataFrame:

@@ -60,10 +60,15 @@ def group_layers(profile: Profile, max_groups: int = 24) -> "OrderedDict[str, li
         by_role.setdefault(key, []).append(lp.name)
     if len(by_role) <= max_groups:
         return by_role
+    # embeddings keep a group of their own (row-sparse gradients: their best codec differs)
+    own = [k for k, v in by_role.items() if all(profile.layer(n).kind == "embedding" for n in v)]
+    own = own[:max(0, max_groups - 1)]
     size = {k: sum(profile.layer(n).numel for n in v) for k, v in by_role.items()}
-    keys = sorted(by_role, key=lambda k: size[k])
-    merged: "OrderedDict[str, list[str]]" = OrderedDict()
-    for chunk in np.array_split(np.arange(len(keys)), max_groups):
+    keys = sorted((k for k in by_role if k not in own), key=lambda k: size[k])
+    merged: "OrderedDict[str, list[str]]" = OrderedDict((k, by_role[k]) for k in own)
+    for chunk in np.array_split(np.arange(len(keys)), max_groups - len(own)):
+        if not len(chunk):
+            continue
         ks = [keys[i] for i in chunk]
         label = ks[0] if len(ks) == 1 else f"{ks[0]} (+{len(ks) - 1} of similar size)"
         merged[label] = [n for k in ks for n in by_role[k]]

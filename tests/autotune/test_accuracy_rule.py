@@ -247,3 +247,56 @@ def test_plain_ddp_recommendation_means_no_hook(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(plain, hooked))
         n = sum(t.numel() for t in plain)
         assert sent == pytest.approx(2 * 2 * (2 - 1) / 2 * 4 * n, rel=0.01)  # fp32 ring bytes, 2 steps
+
+
+@pytest.mark.timeout(200)
+def test_budget_caps_the_run_and_the_report_says_what_it_left_out(tmp_path):
+    out = tmp_path / "b"
+    args = [TARGET, "--world-size", "2", "--link", "100mbit", "--out", str(out), "--budget", "0.01",
+            *[a for a in FAST if a != "--no-local-steps"]]
+    r = _run(args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cal = pd.read_csv(out / "calibration.csv")
+    assert 1 <= len(cal) < 3  # the first run after the reference, then out of time
+    md = (out / "report.md").read_text()
+    assert "--budget: " in md and "calibration plans not run" in md
+    assert "local steps not calibrated" in md
+    assert json.loads((out / "plan.json").read_text())["meta"]["tuned_by"] == "fastml-autotune"
+
+
+# -- bucket size and embeddings in the search ----------------------------------------------------------
+def test_bucket_size_is_searched_and_small_models_get_smaller_buckets():
+    from fastml_strategy.autotune._run import _best_bucket
+    from fastml_strategy.autotune import search
+    from fastml_strategy.autotune.costmodel import Convergence, ddp_buckets, evaluate, step_time
+
+    from test_costmodel import make_profile, option
+
+    prof = make_profile(numels=(1 << 20,) * 6, codec_s=1e-4)  # 6 x 4 MiB
+    assert [len(b) for b in ddp_buckets(prof)] == [1, 5]  # DDP default: 1 MiB first, then 25 MiB
+    assert [len(b) for b in ddp_buckets(prof, 4)] == [1] * 6  # bucket_cap_mb=4: one layer each
+    assert [len(b) for b in ddp_buckets(prof, 8)] == [2, 2, 2]
+    opt = option(gbps=0.5)
+    groups = search.group_layers(prof)
+    none = {g: "none" for g in groups}
+    conv = Convergence(0.0, 1.0, 1.0)
+    base = evaluate(prof, search.expand(groups, none), opt, conv, 1000, hook=False)
+    row = dict(base, choice=none, use_hook=False, objective=base["tta_s"])
+    got = _best_bucket(prof, groups, opt, conv, 1000, row, search)
+    assert got["bucket_mb"] is not None and got["tta_s"] < base["tta_s"]  # more overlap with backward
+    assert got["step_s"] == pytest.approx(step_time(prof, {}, opt, hook=False, bucket_mb=got["bucket_mb"]).step_s)
+
+
+def test_embeddings_keep_a_search_group_of_their_own():
+    from fastml_strategy.autotune.search import group_layers
+
+    from test_costmodel import make_profile
+
+    prof = make_profile(numels=(1 << 16,) * 6)
+    names = ["tok.weight", "blocks.0.a.weight", "blocks.1.a.weight", "blocks.0.b.weight", "blocks.1.b.weight",
+             "head.weight"]
+    for lp, n in zip(prof.layers, names):
+        lp.name = n
+    prof.layers[0].kind = "embedding"
+    g = group_layers(prof, max_groups=2)
+    assert g["tok.weight"] == ["tok.weight"] and len(g) == 2

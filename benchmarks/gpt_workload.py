@@ -1,0 +1,86 @@
+"""A 4-block byte-level GPT (3.3M parameters, 54 tensors) as a ``fastml-autotune`` target: issue 12's
+workload, for timing the tuner and for ``bench_autotune``-style comparisons on a transformer.
+
+    fastml-autotune benchmarks/gpt_workload.py:make --link 50mbit --world-size 2
+
+Model: token + position embeddings (256 bytes x 256, 128 positions x 256), 4 pre-LN blocks of causal
+attention (4 heads) and a 4x GELU MLP, a final LayerNorm and an untied head. Data: a synthetic byte
+language (each byte followed by one of 4 fixed successors, so the loss falls from ln 256 towards
+ln 4), drawn from a ``torch.Generator`` the factory owns, as a streaming dataset would: the batches
+replay only because the tuner rebuilds the workload from this factory for every calibration run.
+Batch 8 x 64 tokens, AdamW lr 1e-3; the eval function is none (accuracy loss = relative final loss).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastml_strategy.autotune import Workload
+
+VOCAB, D, HEADS, LAYERS, SEQ, BATCH = 256, 256, 4, 4, 64, 8
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.out = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, D)
+        self.pos = nn.Embedding(2 * SEQ, D)
+        self.blocks = nn.ModuleList(Block(D, HEADS) for _ in range(LAYERS))
+        self.ln_f = nn.LayerNorm(D)
+        self.head = nn.Linear(D, VOCAB)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln_f(x))
+
+
+def make() -> Workload:
+    torch.manual_seed(0)
+    model = GPT()
+    succ = torch.randint(VOCAB, (VOCAB, 4), generator=torch.Generator().manual_seed(1234))
+    gen = torch.Generator().manual_seed(7)  # the workload's own stream of batches
+
+    def batches():
+        while True:
+            toks = torch.empty(BATCH, SEQ + 1, dtype=torch.long)
+            toks[:, 0] = torch.randint(VOCAB, (BATCH,), generator=gen)
+            pick = torch.randint(4, (BATCH, SEQ), generator=gen)
+            for i in range(SEQ):
+                toks[:, i + 1] = succ[toks[:, i], pick[:, i]]
+            yield toks[:, :-1], toks[:, 1:]
+
+    def loss_fn(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(m(x).reshape(-1, VOCAB), y.reshape(-1))
+
+    return Workload(model=model, batches=batches, loss_fn=loss_fn,
+                    optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), name="gpt-3.3m")
