@@ -57,6 +57,24 @@ def test_layer_stats_every_is_one_setting_and_the_old_keyword_still_works(monkey
         FastMLStrategy()
 
 
+def test_localsgd_variables_are_checked_by_type_and_name_the_variable(monkeypatch):
+    from fastml_strategy.localsgd import resolve_settings
+
+    monkeypatch.setenv("FASTML_LOCALSGD_FRAGMENTS", "2")
+    monkeypatch.setenv("FASTML_LOCALSGD_OUTER_LR", "0.5")
+    monkeypatch.setenv("FASTML_LOCALSGD_OUTER", "sgd")
+    _, settings = resolve_settings("int4", outer_momentum=0.0)
+    assert (settings["fragments"], settings["outer_lr"], settings["outer"]) == (2, 0.5, "sgd")
+    for var, raw, message in (("FASTML_LOCALSGD_FRAGMENTS", "0", "FASTML_LOCALSGD_FRAGMENTS='0'; set it to a whole "
+                                                                 "number >= 1, or unset it"),
+                              ("FASTML_LOCALSGD_DELAY", "1.5", "FASTML_LOCALSGD_DELAY='1.5' is not a whole number"),
+                              ("FASTML_LOCALSGD_OUTER_LR", "fast", "FASTML_LOCALSGD_OUTER_LR='fast' is not a number")):
+        monkeypatch.setenv(var, raw)
+        with pytest.raises(ValueError, match=message):
+            resolve_settings("int4")
+        monkeypatch.delenv(var)
+
+
 def test_compression_stats_before_fit_says_when_they_exist():
     from fastml_strategy.lightning import FastMLStrategy
 
