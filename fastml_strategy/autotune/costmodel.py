@@ -1129,8 +1129,12 @@ def accuracy_rule(points: Sequence[Mapping[str, Any]], max_accuracy_loss: float,
         if fit[i] <= lim:
             e_max = e
             se = band[i] / BAND_Z if math.isfinite(band[i]) else math.nan
-            conf = (1.0 if fit[i] < lim else 0.5) if not se > 0 else 0.5 * math.erfc(
-                -(lim - fit[i]) / (se * math.sqrt(2)))
+            if not math.isfinite(se):  # noise unknown: no probability to give
+                conf = math.nan
+            elif se == 0:
+                conf = 1.0 if fit[i] < lim else 0.5
+            else:
+                conf = 0.5 * math.erfc(-(lim - fit[i]) / (se * math.sqrt(2)))
             if math.isfinite(band[i]) and fit[i] + band[i] <= lim:
                 e_sure = e
     rule.errors, rule.fit, rule.band, rule.runs = errs, fit, band, runs

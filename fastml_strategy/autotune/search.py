@@ -214,11 +214,20 @@ def local_fragments(profile: Profile, fragments: tuple[int, ...] = DEFAULT_LOCAL
     return sorted({1, *(f for f in fragments if 1 <= f <= len(profile.layers))})
 
 
+# Predicted objectives this close (relative) are a tie, settled by the lower gradient error: codec
+# times are measured, and noise of a few percent must not flip the plan between runs of one command
+# (int4 and int4-noef send the same bytes; only their measured codec times and errors differ).
+TIE_TOLERANCE = 0.02
+
+
 def best_row(rows: list[dict[str, Any]], local: bool | None = False) -> dict[str, Any]:
-    """The feasible trial with the lowest objective (ties: lower error): among per-step rows
-    (``local`` False, the default), local-steps rows (True), or all (None)."""
+    """The feasible trial with the lowest objective, where objectives within :data:`TIE_TOLERANCE`
+    of the lowest are a tie settled by the lower error (then the lower objective): among per-step
+    rows (``local`` False, the default), local-steps rows (True), or all (None)."""
     feas = [r for r in rows if r["feasible"] and math.isfinite(r["objective"])
             and (local is None or (r.get("every", 1) > 1) == local)]
     if not feas:
         raise ValueError("no feasible plan was found (not even uncompressed); raise --trials")
-    return min(feas, key=lambda r: (r["objective"], r["error"]))
+    low = min(r["objective"] for r in feas)
+    near = [r for r in feas if r["objective"] <= low * (1 + TIE_TOLERANCE) + 1e-15]
+    return min(near, key=lambda r: (round(r["error"], 12), r["objective"]))

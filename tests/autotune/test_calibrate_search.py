@@ -5,7 +5,8 @@ import pytest
 
 from fastml_strategy.autotune.calibrate import calibration_candidates, lag_ratio, smooth, steps_ratio
 from fastml_strategy.autotune.costmodel import CANDIDATES, Convergence, evaluate, plan_error
-from fastml_strategy.autotune.search import best_row, expand, group_layers, lagrangian_plans, run_search
+from fastml_strategy.autotune.search import (TIE_TOLERANCE, best_row, expand, group_layers, lagrangian_plans,
+                                             run_search)
 
 from test_costmodel import make_profile, option
 
@@ -79,7 +80,7 @@ def test_search_never_predicts_worse_than_the_best_uniform_plan(tmp_path):
     for o in CANDIDATES:
         r = evaluate(prof, {n: o for ns in groups.values() for n in ns}, opt, conv, 1000)
         if r["feasible"]:
-            assert best["cost_usd"] <= r["cost_usd"] + 1e-12
+            assert best["cost_usd"] <= r["cost_usd"] * (1 + TIE_TOLERANCE) + 1e-12  # near ties: lower error
     # saved to the storage, and read back instead of searched again
     url = f"sqlite:///{tmp_path}/s.db"
     rows1 = run_search(prof, groups, opt, conv, 1000, storage=url, study_name="t", trials=15, seed=0)
