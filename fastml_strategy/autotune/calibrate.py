@@ -60,7 +60,7 @@ import numpy as np
 import torch
 
 from fastml_strategy.autotune.costmodel import (CANDIDATES, LOCAL_CALIBRATION_OPTION, LocalCalibration,
-                                                Profile, plan_error)
+                                                Profile, json_key, plan_error)
 from fastml_strategy.autotune.profile import SimulatedCompression
 from fastml_strategy.autotune.workload import Workload
 
@@ -73,6 +73,20 @@ def _seed_all(seed: int) -> None:
     torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed % (2 ** 32))
+
+
+# A run of seed s starts s % SEED_SKIP batches into the workload's stream (the reference of that seed
+# too): a workload that seeds itself (its own torch.manual_seed and generators) still sees another
+# data order under another seed, so a repeat measures something new.
+SEED_SKIP = 16
+
+
+def seeded_stream(wl: Workload, seed: int) -> Any:
+    """The batch stream of a run of ``seed``: ``seed % SEED_SKIP`` batches in."""
+    stream = wl.batch_stream()
+    for _ in range(seed % SEED_SKIP):
+        next(stream)
+    return stream
 
 
 def build_run(wl: Workload, seed: int) -> Workload:
@@ -137,7 +151,7 @@ def train_curve(wl: Workload, choice: Mapping[str, str] | None, steps: int, seed
         configs = {n: CANDIDATES[o] for n, o in choice.items() if o != "none"}
         sim = SimulatedCompression(model, configs)
     losses: list[float] = []
-    stream = wl.batch_stream()
+    stream = seeded_stream(wl, seed)
     for t in range(steps):
         batch = next(stream)
         opt.zero_grad(set_to_none=True)
@@ -172,7 +186,7 @@ def local_curve(wl: Workload, world_size: int, every: int, steps: int, seed: int
     from fastml_strategy.codecs import roundtrip
 
     wl = build_run(wl, seed)
-    stream = wl.batch_stream()
+    stream = seeded_stream(wl, seed)
     W = max(1, world_size)
     losses: list[float] = []
     if every == 0:
@@ -545,5 +559,4 @@ def repeat_candidates(rule: Any, points: Sequence[Mapping[str, Any]], n: int,
     return out
 
 
-def json_key(choice: Mapping[str, str]) -> str:
-    return "|".join(f"{k}={v}" for k, v in sorted(choice.items()))
+

@@ -985,6 +985,15 @@ def fit_alpha_beta(samples: Sequence[tuple[float, float, float]], source: str = 
 BAND_Z = 1.645
 # Standard error of a median over that of a mean for normal noise (sqrt(pi / 2)).
 MEDIAN_SE = 1.2533
+# The noise estimate uses blocks fitted at most this many times the limit (when they have any spread).
+NOISE_NEAR = 10.0
+
+
+def json_key(choice: Any) -> str:
+    """A stable text key of a plan choice (group -> option)."""
+    if not isinstance(choice, Mapping):
+        return repr(choice)
+    return "|".join(f"{k}={v}" for k, v in sorted(choice.items()))
 
 
 @dataclass
@@ -1009,7 +1018,8 @@ class AccuracyRule:
     e_sure: float = 0.0
     confidence: float = math.nan
     trials: int = 0
-    repeats: int = 0  # runs of a plan already run once (other seeds)
+    repeats: int = 0  # runs of a plan already run once (other seeds) that measured something new
+    replays: int = 0  # repeats whose seed changed nothing (the workload seeds itself): counted once
     paired: bool | None = None  # every run saw the reference's batches (None: not checked)
     references: int = 1  # reference runs (one per seed used)
 
@@ -1040,10 +1050,12 @@ class AccuracyRule:
         warn = (f" The noise is larger than the limit ({self.limit:g}): single runs cannot tell plans "
                 f"apart; lengthen --calibration-steps or add --calibration-repeats."
                 if math.isfinite(self.sigma) and self.sigma > self.limit else "")
+        replay = (f" {self.replays} repeat(s) replayed their first run exactly (counted once)."
+                  if self.replays else "")
         return (f"Accuracy rule: a monotone (L1 isotonic) fit of accuracy loss against plan error over "
                 f"all {self.trials} calibration runs ({self.repeats} repeats with other seeds, "
                 f"{self.references} reference runs); runs {pair}; noise {sig}. Plans with error up to "
-                f"{self.e_max:.3g} are within the limit {self.limit:g} by the fit.{sure}{warn}")
+                f"{self.e_max:.3g} are within the limit {self.limit:g} by the fit.{sure}{warn}{replay}")
 
 
 def _isotonic_median(ys: Sequence[Sequence[float]]) -> list[tuple[int, int, float]]:
@@ -1085,31 +1097,43 @@ def accuracy_rule(points: Sequence[Mapping[str, Any]], max_accuracy_loss: float,
        largest whose band's upper edge is; ``confidence`` = Phi((limit - fit) / se) at ``e_max``.
     """
     groups: dict[float, list[float]] = {}
+    seen: set[tuple] = set()
+    replays = 0
     for p in points:
         e = float(p["error"])
         if not math.isfinite(e):
             continue
         v = math.inf if p.get("pruned") else float(p["accuracy_loss"])
+        key = (json_key(p.get("choice")), v)
+        if p.get("choice") is not None and key in seen:
+            replays += 1  # a repeat that replayed its first run exactly: one measurement, not two
+            continue
+        seen.add(key)
         groups.setdefault(e, []).append(v if not math.isnan(v) else math.inf)
     errs = sorted(groups)
     rule = AccuracyRule(limit=float(max_accuracy_loss), paired=paired, references=references,
-                        trials=sum(len(v) for v in groups.values()),
-                        repeats=sum(len(v) - 1 for v in groups.values()))
+                        trials=sum(len(v) for v in groups.values()) + replays,
+                        repeats=sum(len(v) - 1 for v in groups.values()), replays=replays)
     if not errs:
         return rule
     ys = [groups[e] for e in errs]
     blocks = _isotonic_median(ys)
     fit = [0.0] * len(errs)
     runs = [0] * len(errs)
-    sq, dof = 0.0, 0
+    # the noise that decides is near the limit: blocks fitted far past it (a codec family the error
+    # number does not capture, a diverging run) are spread of another kind; used only when no other
+    near_sq, near_dof, all_sq, all_dof = 0.0, 0, 0.0, 0
     for a, b, m in blocks:
         vals = [v for g in ys[a:b + 1] for v in g]
         for i in range(a, b + 1):
             fit[i], runs[i] = m, len(vals)
         if math.isfinite(m):
             fin = [v for v in vals if math.isfinite(v)]
-            sq += sum((v - m) ** 2 for v in fin)
-            dof += max(0, len(fin) - 1)
+            sq_b, dof_b = sum((v - m) ** 2 for v in fin), max(0, len(fin) - 1)
+            all_sq, all_dof = all_sq + sq_b, all_dof + dof_b
+            if m <= NOISE_NEAR * max(abs(float(max_accuracy_loss)), 1e-12):
+                near_sq, near_dof = near_sq + sq_b, near_dof + dof_b
+    sq, dof = (near_sq, near_dof) if near_dof > 0 else (all_sq, all_dof)
     s_fit = math.sqrt(sq / dof) if dof > 0 else math.nan
     s_ref = math.sqrt(2.0) * reference_sigma if reference_sigma is not None and math.isfinite(
         reference_sigma) else math.nan
