@@ -3,6 +3,10 @@
     sudo python benchmarks/bench_allreduce.py                 # 1 Gbit/s link and no limit, all methods
     python benchmarks/bench_allreduce.py --links none         # no root: only the unlimited loopback
     python benchmarks/bench_allreduce.py --methods ddp-fp32 fastml-int4 --steps 5
+    # before/after: this checkout against another one (e.g. `git worktree add /tmp/before HEAD~1`),
+    # interleaved over 3 rounds on a shared machine
+    sudo python benchmarks/bench_allreduce.py --methods fastml-int4@before fastml-int4 \
+        --before /tmp/before --rounds 3
 
 Model: a 25.2M-parameter MLP, Linear(1024, 4096) - ReLU - Linear(4096, 4096) - ReLU - Linear(4096, 1024)
 (100.7 MB of fp32 gradient per step, in DDP's default 25 MB buckets), trained on a fixed random batch of
@@ -14,6 +18,13 @@ The link: as root, each link setting gets a private network namespace whose loop
 with ``tc qdisc add dev lo root tbf rate 1gbit burst 512kb latency 100ms``; all ranks run inside it,
 so they share one 1 Gbit/s link, like nodes behind a commodity switch port. Without root the link
 cannot be shaped and only ``--links none`` runs. Prints a table and writes CSV (``--csv``).
+
+Every row carries its physical bound, max(compute, wire bytes / link rate): "compute" is the same
+training step without any communication (forward, backward, SGD step, zero_grad; both ranks at once,
+measured in the same process just before), "wire bytes" what the namespace's loopback counted per
+step (/proc/net/dev: both ranks' traffic, TCP/IP headers included). No step can beat it; "/ bound"
+says how far a method is from it. The machine's load average is printed and written with each row:
+on a shared machine compare rows of one run, not figures of different runs.
 """
 
 from __future__ import annotations
@@ -28,8 +39,32 @@ import sys
 import tempfile
 import time
 
-METHODS = ["ddp-fp32", "torch-fp16", "torch-powersgd-r4", "fastml-int8", "fastml-int4", "fastml-int2",
-           "fastml-topk1"]
+METHODS = ["ddp-fp32", "torch-fp16", "torch-powersgd-r4", "fastml-none", "fastml-int8", "fastml-int4",
+           "fastml-int2", "fastml-topk1"]
+# "METHOD@before": the same method with the fastml_strategy of another checkout (--before DIR, e.g. a
+# `git worktree` of the previous commit), run in the same invocation so the two compare side by side.
+BEFORE = "@before"
+
+
+def _lo_tx_bytes() -> int:
+    """Bytes sent on the loopback of this process's network namespace (/proc/net/dev): every rank's
+    traffic, headers included, since all ranks share the namespace's one (shaped) loopback."""
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name.strip() == "lo":
+                return int(rest.split()[8])
+    return 0
+
+
+def _rate_bits(link: str) -> float | None:
+    """A tc rate ("1gbit", "250mbit", "100kbit") in bits per second; None for "none"."""
+    if link == "none":
+        return None
+    for unit, mult in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1.0)):
+        if link.endswith(unit):
+            return float(link[: -len(unit)]) * mult
+    raise ValueError(f"link {link!r}: give a tc rate such as 1gbit or 250mbit, or none")
 
 
 # -- one method, 2 ranks (runs inside the namespace) ---------------------------------------------------
@@ -45,6 +80,21 @@ def _worker(rank: int, world: int, method: str, steps: int, warmup: int, port: i
     model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 4096),
                                 torch.nn.ReLU(), torch.nn.Linear(4096, 1024))
     nparams = sum(p.numel() for p in model.parameters())
+    x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(rank))
+    # The compute of one step (forward, backward, SGD step, zero_grad) without any communication, both
+    # ranks at once as in the measured steps: the lower bound of a step when the link is fast.
+    plain = torch.optim.SGD(model.parameters(), lr=0.0)
+    compute = []
+    for i in range(warmup + steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        model(x).square().mean().backward()
+        plain.step()
+        plain.zero_grad(set_to_none=False)
+        compute.append(time.perf_counter() - t0)
+    plain.zero_grad(set_to_none=True)
+    del plain
+    method = method.removesuffix(BEFORE)  # the other checkout is on sys.path (PYTHONPATH): same method
     state = None
     if method == "torch-powersgd-r4":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
@@ -63,17 +113,21 @@ def _worker(rank: int, world: int, method: str, steps: int, warmup: int, port: i
 
             state = fm.register_hook(ddp, plan=method[len("fastml-"):], layer_stats_every=0)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
-    x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(rank))
     times = []
     for i in range(warmup + steps):
         dist.barrier()
+        if i == warmup:
+            tx0 = _lo_tx_bytes()
         t0 = time.perf_counter()
         loss = ddp(x).square().mean()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=False)
         times.append(time.perf_counter() - t0)
-    res = {"method": method, "ms": [t * 1000 for t in times[warmup:]], "params": nparams}
+    # the barriers' few bytes are counted too
+    wire = (_lo_tx_bytes() - tx0) / steps
+    res = {"method": method, "ms": [t * 1000 for t in times[warmup:]], "params": nparams,
+           "compute_ms": [t * 1000 for t in compute[warmup:]], "wire_bytes": wire}
     if state is not None:
         s = state.stats()
         res["ratio"] = s["compression_ratio"]
@@ -102,11 +156,11 @@ def _run_method(method: str, steps: int, warmup: int, out: str) -> None:
 _NOISE = ("[c10d] The hostname of the client socket cannot be retrieved",)
 
 
-def _run_quietly(cmd: list[str], timeout: float) -> None:
+def _run_quietly(cmd: list[str], timeout: float, env: dict | None = None) -> None:
     """Run one method's ranks, passing their stderr through except the lines in ``_NOISE``."""
     import threading
 
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace")
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", env=env)
     watchdog = threading.Timer(timeout, proc.kill)  # a hung method: killed, as subprocess.run(timeout=) did
     watchdog.start()
     try:
@@ -139,10 +193,17 @@ def _setup_ns(name: str, rate: str | None) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    ap.add_argument("--methods", nargs="+", default=METHODS,
+                    choices=METHODS + [m + BEFORE for m in METHODS if m.startswith("fastml-")],
+                    help=f"METHOD{BEFORE} runs METHOD with the fastml_strategy of --before")
+    ap.add_argument("--before", help=f"a checkout (e.g. a git worktree of an earlier commit) whose "
+                                     f"fastml_strategy the METHOD{BEFORE} methods import")
     ap.add_argument("--links", nargs="+", default=["1gbit", "none"],
                     help="tc rates to emulate ('none': no limit); anything but 'none' needs root")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the list of methods this many times, interleaved, and report the median "
+                         "over every round's steps (a shared machine's load drifts between methods)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--csv", default="benchmarks/out/bench_allreduce.csv")
     ap.add_argument("--_run", help=argparse.SUPPRESS)
@@ -153,6 +214,9 @@ def main() -> None:
         return
 
     root = os.geteuid() == 0
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    print(f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())} on {os.cpu_count()} cores",
+          flush=True)
     rows = []
     for link in args.links:
         ns = None
@@ -164,33 +228,63 @@ def main() -> None:
                   f"or pass --links none", file=sys.stderr)
             continue
         try:
-            for method in args.methods:
+            for method in [m for _ in range(args.rounds) for m in args.methods]:
                 with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
                     out = f.name
                 cmd = [sys.executable, os.path.abspath(__file__), "--_run", method, "--_out", out,
                        "--steps", str(args.steps), "--warmup", str(args.warmup)]
                 if ns:
                     cmd = ["ip", "netns", "exec", ns] + cmd
-                _run_quietly(cmd, timeout=900)
+                if method.endswith(BEFORE) and not args.before:
+                    ap.error(f"{method}: pass --before DIR (the checkout to compare against)")
+                # the workers import this checkout's package, or --before's, installed or not
+                code = os.path.abspath(args.before) if method.endswith(BEFORE) else repo
+                env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+                    [code] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+                _run_quietly(cmd, timeout=900, env=env)
                 with open(out) as f:
                     res = json.load(f)
                 os.unlink(out)
                 med = statistics.median(res["ms"])
+                compute = statistics.median(res["compute_ms"])
+                rate = _rate_bits(link)
+                wire_ms = res["wire_bytes"] * 8 / rate * 1000 if (rate and ns) else float("nan")
+                bound = max(compute, wire_ms) if rate and ns else compute
                 rows.append({"link": link, "method": method, "ms_per_step": med,
                              "ms_min": min(res["ms"]), "ms_max": max(res["ms"]),
-                             "compression_ratio": res["ratio"], "params": res["params"]})
-                print(f"{link:6s} {method:20s} {med:9.1f} ms/step  (ratio {res['ratio']:.2f})", flush=True)
+                             "compute_ms": compute, "wire_mb_per_step": res["wire_bytes"] / 1e6 if ns else float("nan"),
+                             "wire_ms": wire_ms, "bound_ms": bound, "x_bound": med / bound,
+                             "compression_ratio": res["ratio"], "params": res["params"],
+                             "load_avg_1m": os.getloadavg()[0]})
+                print(f"{link:6s} {method:26s} {med:9.1f} ms/step  bound {bound:7.1f} ms "
+                      f"(compute {compute:.1f}, wire {wire_ms:.1f})  x bound {med / bound:.2f}  "
+                      f"(ratio {res['ratio']:.2f}, load {os.getloadavg()[0]:.1f})", flush=True)
         finally:
             if ns:
                 subprocess.run(["ip", "netns", "del", ns], stderr=subprocess.DEVNULL)
 
     import pandas as pd
 
-    df = pd.DataFrame(rows)
+    raw = pd.DataFrame(rows)
+    if args.rounds > 1:
+        os.makedirs(os.path.dirname(args.csv) or ".", exist_ok=True)
+        raw.to_csv(args.csv.replace(".csv", "_rounds.csv"), index=False)
+    # one row per link and method: medians over the rounds (each round's figure is a median of steps)
+    df = raw.groupby(["link", "method"], sort=False).agg(
+        ms_per_step=("ms_per_step", "median"), ms_min=("ms_min", "min"), ms_max=("ms_max", "max"),
+        compute_ms=("compute_ms", "median"), wire_mb_per_step=("wire_mb_per_step", "median"),
+        wire_ms=("wire_ms", "median"), bound_ms=("bound_ms", "median"),
+        compression_ratio=("compression_ratio", "first"), params=("params", "first"),
+        load_avg_1m=("load_avg_1m", "median"), rounds=("ms_per_step", "size")).reset_index()
+    df["x_bound"] = df.ms_per_step / df.bound_ms
     os.makedirs(os.path.dirname(args.csv) or ".", exist_ok=True)
     df.to_csv(args.csv, index=False)
     table = df.pivot(index="method", columns="link", values="ms_per_step").reindex(args.methods)
-    for link in table.columns:
+    links = list(table.columns)
+    for link in links:
+        table[f"bound ({link})"] = df[df.link == link].set_index("method")["bound_ms"]
+        table[f"/ bound ({link})"] = table[link] / table[f"bound ({link})"]
+    for link in links:
         base = table.loc["ddp-fp32", link] if "ddp-fp32" in table.index else float("nan")
         table[f"x vs fp32 ({link})"] = base / table[link]
         if "torch-fp16" in table.index:
@@ -200,7 +294,8 @@ def main() -> None:
         for link in [c for c in args.links if c != "none" and c in table.columns]:
             table[f"/ floor ({link})"] = table[link] / floor
     print(f"\n2 ranks x 1 thread, gloo, MLP of {rows[0]['params'] / 1e6:.1f}M parameters, batch 8, "
-          f"median of {args.steps} steps (ms/step); floor = ddp-fp32 with no rate limit")
+          f"median of {args.steps} steps (ms/step); floor = ddp-fp32 with no rate limit; bound = "
+          f"max(compute, wire bytes / link rate), compute = the same step without communication")
     print(table.to_markdown(floatfmt=".2f"))
     print(f"\nCSV: {args.csv}")
 

@@ -20,6 +20,15 @@ Algorithm (per bucket, on every rank; W ranks, this one ``r``)
    the chunk's owner included, decodes the same bytes in the same order, so replicas stay
    bit-identical. Top-k messages are scatter-added in rank order, then divided by W.
 
+Pipelining (:class:`BucketLayout` ``pieces``): steps 3 and 4 run per piece of about
+:data:`PIECE_NUMEL` elements, not per bucket. A group longer than that is cut into slices on
+quantization-block boundaries, each slice into W chunks of its own; small groups share a piece. Every
+rank issues the pieces' collectives asynchronously in one fixed order (all_to_all 0, all_to_all 1,
+all_gather 0, all_to_all 2, all_gather 1, ...), so that while piece k is on the wire, piece k+1 is
+encoded and piece k-1 decoded. Every block holds the same elements as without pieces, and each
+element is summed over the ranks in the same order, so a deterministic codec gives bit for bit the
+result of one piece (stochastic rounding draws other, equally distributed numbers for a slice).
+
 Per-rank traffic of a dense codec is 2(W-1)/W of its encoded size, as for a ring all-reduce; a top-k
 layer costs (W-1) messages, which is why :func:`fastml_strategy.codecs.effective_config` falls back to
 a dense codec past the world size where that stops paying.
@@ -34,7 +43,9 @@ row it sends, i.e. the unsharded gradient.
 
 Every message starts with a 64-byte header. A rank whose encoder raises still takes part in the
 collective with an error header, so every rank (that one included) raises the same
-:class:`CompressionError`, naming the lowest failing rank, instead of hanging.
+:class:`CompressionError`, naming the lowest failing rank, instead of hanging. In a pipelined bucket
+a failing rank sends error headers for the rest of the bucket and every rank completes every
+collective of the bucket before raising, so none is left pending.
 """
 
 from __future__ import annotations
@@ -105,6 +116,15 @@ class _DenseGroup:
     res_cur: torch.Tensor | None = None
     res_next: torch.Tensor | None = None  # None: the residual is updated in place (one buffer)
     acc: torch.Tensor | None = None  # this rank's chunk sum
+    # A segment of a pipelined bucket: a slice [bounds[0], bounds[W]) of ``parent``'s flat vector,
+    # cut into W chunks of its own. The parent keeps the staging vector and the residuals; ``bounds``
+    # are positions in the parent's flat vector, so ``parent.res_cur[a:b]`` is chunk j's residual.
+    parent: "_DenseGroup | None" = None
+
+    @property
+    def base(self) -> "_DenseGroup":
+        """The group that owns the staging vector and the residuals (itself unless a segment)."""
+        return self if self.parent is None else self.parent
 
     @property
     def ef(self) -> bool:
@@ -121,15 +141,25 @@ class _DenseGroup:
         a, b = self.bounds[j], self.bounds[j + 1]
         if self.direct:
             return buf[self.chunk_base[j]: self.chunk_base[j] + b - a]
-        return self.x[a:b]
+        return self.base.x[a:b]
+
+    def _ranges(self):
+        """(buffer offset, flat offset, elements) of the pieces that fall in this group's slice."""
+        lo, hi = self.bounds[0], self.bounds[-1]
+        for boff, goff, n in self.base.pieces:
+            a, b = max(goff, lo), min(goff + n, hi)
+            if a < b:
+                yield boff + a - goff, a, b - a
 
     def gather(self, buf: torch.Tensor) -> None:
-        for boff, goff, n in self.pieces:
-            self.x[goff: goff + n].copy_(buf[boff: boff + n])
+        x = self.base.x
+        for boff, goff, n in self._ranges():
+            x[goff: goff + n].copy_(buf[boff: boff + n])
 
     def scatter(self, buf: torch.Tensor) -> None:
-        for boff, goff, n in self.pieces:
-            buf[boff: boff + n].copy_(self.x[goff: goff + n])
+        x = self.base.x
+        for boff, goff, n in self._ranges():
+            buf[boff: boff + n].copy_(x[goff: goff + n])
 
     def alloc_residual(self, device: torch.device, double_buffer: bool) -> None:
         if self.ef:
@@ -150,6 +180,14 @@ class _TopkParam:
     gather_off: int = 0
     residual: torch.Tensor | None = None
     pending: torch.Tensor | None = None
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """Whether every element of ``t`` is finite. A NaN or inf makes the sum non-finite, so a finite sum
+    settles it in one read of ``t``; a non-finite sum may also be an overflow of finite values, and
+    only then is ``t`` checked element by element."""
+    acc = torch.float64 if t.dtype == torch.float64 else torch.float32
+    return bool(torch.isfinite(t.sum(dtype=acc))) or bool(torch.isfinite(t).all())
 
 
 def _chunk_bounds(length: int, unit: int, W: int) -> list[int]:
@@ -210,17 +248,80 @@ class _Messages:
         return sum(g.residual_nbytes() for g in self.dense)
 
 
+# Pipelining: a bucket is cut into pieces of about this many gradient elements, each with its own
+# all_to_all and all_gather, so that piece k+1 is encoded while piece k is on the wire and piece k-1
+# is decoded. 2M elements is 8 MB of fp32 gradient and 1 MB of int4 message (8 ms at 1 Gbit/s): the
+# README MLP's 16.8M-element layer becomes 8 pieces, a few times the per-collective latency of gloo on
+# loopback (about 0.1 ms) below the codec time each piece hides.
+PIECE_NUMEL = 1 << 21
+
+
+class _Piece(_Messages):
+    """One step of a bucket's pipeline: some of its segments (whole groups, or slices of one large
+    group), exchanged by one all_to_all (``send``/``recv``) and one all_gather (``gsend``/``grecv``),
+    each message starting with its 64-byte header. The buffers are views of the layout's."""
+
+    def __init__(self, segments: list[_DenseGroup], topk: list[_TopkParam], W: int, rank: int,
+                 device: torch.device) -> None:
+        self.device = device
+        self.dense = segments
+        self.topk = topk  # the bucket's top-k messages travel in its last piece's all_gather
+        self._plan_all_to_all(W, rank)
+        # all_gather message of rank j: [header | reduced segment chunks j | top-k section]
+        dense_sizes = []
+        for j in range(W):
+            size = HEADER
+            for g in segments:
+                g.gather_off.append(size)
+                size += g.nbytes[j]
+            dense_sizes.append(size)
+        pos = max(dense_sizes)
+        for t in topk:
+            t.gather_off = pos
+            pos += t.nbytes
+        self.gather_size = pos
+        self.send_starts = [sum(self.split_sizes[:j]) for j in range(W)]
+        self.gsend = self.grecv = None
+
+
+def _segments(g: _DenseGroup, W: int, piece_numel: int) -> list[_DenseGroup]:
+    """``g`` itself, or, if it is longer than ``piece_numel``, its slices: near-equal parts on chunk
+    unit boundaries, each cut into W chunks. A slice starts on a multiple of the unit (the
+    quantization block) from the group's start, so every block holds the same elements as when the
+    group is cut into W chunks only: deterministic codecs give the same values either way."""
+    if g.length <= piece_numel:
+        return [g]
+    unit = codecs.chunk_unit(g.cfg)
+    cuts = _chunk_bounds(g.length, unit, math.ceil(g.length / piece_numel))
+    out = []
+    for lo, hi in zip(cuts[:-1], cuts[1:]):
+        if hi <= lo:
+            continue
+        bounds = [lo + b for b in _chunk_bounds(hi - lo, unit, W)]
+        seg = _DenseGroup(g.cfg, g.params, hi - lo, bounds,
+                          [codecs.chunk_nbytes(bounds[j + 1] - bounds[j], g.cfg) for j in range(W)],
+                          pieces=[], direct=g.direct, parent=g,
+                          chunk_base=[g.params[0].boff + bounds[j] for j in range(W)] if g.direct else [])
+        out.append(seg)
+    return out
+
+
 class BucketLayout(_Messages):
-    """How one bucket's parameters map to groups, chunks and message offsets (built once per bucket
-    shape; DDP's bucket rebuild after iteration 1 builds a new one)."""
+    """How one bucket's parameters map to groups, pipeline pieces, chunks and message offsets (built
+    once per bucket shape; DDP's bucket rebuild after iteration 1 builds a new one).
+
+    ``dense``: the groups (one per compressed layer, one batched group of the uncompressed tensors),
+    which own the residuals; ``pieces``: the pipeline (:class:`_Piece`), in the order every rank
+    issues their collectives."""
 
     def __init__(self, names, offsets, numels, plan: Plan, world_size: int, rank: int,
                  device: torch.device, dtype: torch.dtype = torch.float32,
                  double_buffer: bool = True, persistent: bool = True,
-                 plan_numels: Sequence[int] | None = None) -> None:
+                 plan_numels: Sequence[int] | None = None, piece_numel: int = PIECE_NUMEL) -> None:
         self.device = device
         self.names = tuple(names)
         self.total_numel = int(sum(numels))
+        self.world_size, self.rank = world_size, rank
         W = world_size
         dense: dict[tuple, list[_Param]] = {}
         self.topk: list[_TopkParam] = []
@@ -256,37 +357,59 @@ class BucketLayout(_Messages):
                             chunk_base=[params[0].boff + bounds[j] for j in range(W)] if direct else [])
             g.alloc_residual(device, double_buffer)
             self.dense.append(g)
-        self._plan_all_to_all(W, rank)
-        # all_gather message of rank j: [header | reduced group chunks j | top-k section]
-        dense_sizes = []
-        for j in range(W):
-            size = HEADER
-            for g in self.dense:
-                g.gather_off.append(size)
-                size += g.nbytes[j]
-            dense_sizes.append(size)
-        pos = max(dense_sizes)
         for t in self.topk:
-            t.gather_off = pos
-            pos += t.nbytes
             t.residual = torch.zeros(t.param.numel, dtype=t.cfg.residual_torch_dtype, device=device)
-        self.gather_size = pos
-        self.gsend = self.grecv = None
+        # The pipeline: segments in bucket order, packed into pieces of about piece_numel elements (a
+        # small segment joins its neighbours rather than costing a collective of its own).
+        piece_numel = max(1, int(piece_numel))
+        runs: list[list[_DenseGroup]] = [[]]
+        filled = 0
+        for g in self.dense:
+            for seg in _segments(g, W, piece_numel):
+                if runs[-1] and filled + seg.length > piece_numel and 4 * filled >= piece_numel:
+                    runs.append([])
+                    filled = 0
+                runs[-1].append(seg)
+                filled += seg.length
+        self.pieces = [_Piece(segs, self.topk if i == len(runs) - 1 else [], W, rank, device)
+                       for i, segs in enumerate(runs)]
+        self.send = self.recv = self.gsend = self.grecv = None
         self.topk_acc: dict[str, torch.Tensor] = {}
         if persistent and not self.uncompressed:
             self._alloc()
 
+    @property
+    def segments(self) -> list[_DenseGroup]:
+        return [g for piece in self.pieces for g in piece.dense]
+
     def _alloc(self) -> None:
-        super()._alloc()
-        dev = self.device
-        self.gsend = torch.zeros(self.gather_size, dtype=torch.uint8, device=dev)
-        self.grecv = torch.zeros(self.world_size * self.gather_size, dtype=torch.uint8, device=dev)
+        # One buffer per kind for the whole bucket; each piece's messages are views of it.
+        dev, W, r = self.device, self.world_size, self.rank
+        sizes = [(p.send_size, W * p.my_chunk, p.gather_size, W * p.gather_size) for p in self.pieces]
+        self.send, self.recv, self.gsend, self.grecv = (
+            torch.zeros(sum(s[i] for s in sizes), dtype=torch.uint8, device=dev) for i in range(4))
+        pos = [0, 0, 0, 0]
+        for p, size in zip(self.pieces, sizes):
+            p.send, p.recv, p.gsend, p.grecv = (
+                whole[pos[i]: pos[i] + size[i]] for i, whole in
+                enumerate((self.send, self.recv, self.gsend, self.grecv)))
+            pos = [a + b for a, b in zip(pos, size)]
+            for g in p.dense:
+                g.acc = torch.empty(g.bounds[r + 1] - g.bounds[r], dtype=torch.float32, device=dev)
+        for g in self.dense:
+            if not g.direct:
+                g.x = torch.zeros(g.length, dtype=torch.float32, device=dev)
         self.topk_acc = {t.param.name: torch.empty(t.param.numel, dtype=torch.float32, device=dev)
                          for t in self.topk}
 
     def release(self) -> None:
-        super().release()
-        self.gsend = self.grecv = None
+        self.send = self.recv = self.gsend = self.grecv = None
+        for p in self.pieces:
+            p.send = p.recv = p.gsend = p.grecv = None
+            for g in p.dense:
+                g.acc = None
+        for g in self.dense:
+            g.x = None
         self.topk_acc = {}
 
     # residual views by parameter name (unpadded)
@@ -411,11 +534,13 @@ class CompressedAllReduce:
     :meth:`run` all-reduces a DDP bucket (:class:`BucketLayout`), :meth:`reduce_scatter` reduces an
     FSDP unit's gradients (:class:`ShardLayout`)."""
 
-    def __init__(self, plan: Plan, group, rank: int, world_size: int) -> None:
+    def __init__(self, plan: Plan, group, rank: int, world_size: int,
+                 piece_numel: int = PIECE_NUMEL) -> None:
         self.plan = plan
         self.group = group
         self.rank = rank
         self.world_size = world_size
+        self.piece_numel = piece_numel  # elements per pipeline piece of a bucket (PIECE_NUMEL)
         self.layouts: dict[tuple, BucketLayout | ShardLayout] = {}
         # residuals loaded from a checkpoint before the layout that owns them exists
         self.pending_residuals: dict[str, torch.Tensor] = {}
@@ -433,7 +558,8 @@ class CompressedAllReduce:
         if lay is not None:
             return lay
         lay = BucketLayout(names, offsets, numels, self.plan, self.world_size, self.rank, device, dtype,
-                           double_buffer=double_buffer, persistent=persistent, plan_numels=plan_numels)
+                           double_buffer=double_buffer, persistent=persistent, plan_numels=plan_numels,
+                           piece_numel=self.piece_numel)
         return self._adopt(key, lay)
 
     def shard_layout_for(self, tensors: Sequence[ShardedTensor], device, dtype) -> ShardLayout:
@@ -484,15 +610,18 @@ class CompressedAllReduce:
                 self.pending_residuals[name] = t.detach().reshape(-1).clone()
 
     # -- collectives (run at world size 1 too: one code path everywhere) ------------------------------
-    def _all_to_all(self, lay: _Messages) -> None:
-        dist.all_to_all_single(lay.recv, lay.send, output_split_sizes=[lay.my_chunk] * self.world_size,
-                               input_split_sizes=lay.split_sizes, group=self.group)
+    def _all_to_all(self, lay: _Messages, async_op: bool = False):
+        work = dist.all_to_all_single(lay.recv, lay.send, output_split_sizes=[lay.my_chunk] * self.world_size,
+                                      input_split_sizes=lay.split_sizes, group=self.group,
+                                      async_op=async_op)
         self.bytes_sent += sum(lay.split_sizes) - lay.split_sizes[self.rank]
+        return work
 
-    def _all_gather(self, lay: BucketLayout) -> None:
+    def _all_gather(self, lay: BucketLayout | _Piece, async_op: bool = False):
         outs = list(lay.grecv.view(self.world_size, lay.gather_size).unbind(0))
-        dist.all_gather(outs, lay.gsend, group=self.group)
+        work = dist.all_gather(outs, lay.gsend, group=self.group, async_op=async_op)
         self.bytes_sent += (self.world_size - 1) * lay.gather_size
+        return work
 
     # -- error headers ----------------------------------------------------------------------------------
     def _write_header(self, buf: torch.Tensor, error: BaseException | None) -> None:
@@ -507,34 +636,41 @@ class CompressedAllReduce:
         h[8: 8 + len(text)].copy_(torch.frombuffer(bytearray(text), dtype=torch.uint8))
 
     @staticmethod
-    def _check_headers(headers: list[torch.Tensor], stage: str,
-                       cause: BaseException | None = None) -> None:
-        # One device-to-host copy of the W headers (64 bytes each), not of the messages behind them.
-        # Headers are read in rank order, so every rank reports the same (lowest) failing rank with
-        # the same text; the failing rank itself reads its own header too and chains its exception.
+    def _header_error(headers: list[torch.Tensor], stage: str,
+                      cause: BaseException | None = None) -> CompressionError | None:
+        """The error the W headers report (None if none does). One device-to-host copy of the W
+        headers (64 bytes each), not of the messages behind them. Headers are read in rank order, so
+        every rank reports the same (lowest) failing rank with the same text; the failing rank itself
+        reads its own header too and chains its exception (``cause``)."""
         for h in torch.stack([h[:HEADER] for h in headers]).cpu().unbind(0):
             if int(h[:4].view(torch.int32)[0]) != _STATUS_OK:
                 rank = int(h[4:8].view(torch.int32)[0])
                 text = bytes(h[8:].tolist()).rstrip(b"\0").decode("utf-8", "replace")
-                raise CompressionError(
+                err = CompressionError(
                     f"FastML: compression failed on rank {rank} during {stage} ({text}); every rank "
-                    f"stops here so none hangs. See rank {rank}'s log for the traceback."
-                ) from cause
+                    f"stops here so none hangs. See rank {rank}'s log for the traceback.")
+                err.__cause__ = cause
+                return err
+        return None
+
+    @classmethod
+    def _check_headers(cls, headers: list[torch.Tensor], stage: str,
+                       cause: BaseException | None = None) -> None:
+        err = cls._header_error(headers, stage, cause)
+        if err is not None:
+            raise err
         if cause is not None:  # unreachable: this rank's own header carries its error
             raise CompressionError(f"FastML: compression failed during {stage}") from cause
 
     # -- the shared first half: encode every chunk, all_to_all, sum this rank's chunk -------------------
-    def _scatter_reduce(self, lay: _Messages, buf: torch.Tensor, base: int, layer_stats: bool,
-                        encode_more=None) -> None:
-        """Encode the dense groups' chunks of ``buf`` (and whatever ``encode_more`` adds) and exchange
-        them: afterwards ``lay.recv`` holds every rank's encoding of this rank's chunks."""
+    def _scatter_reduce(self, lay: _Messages, buf: torch.Tensor, base: int, layer_stats: bool) -> None:
+        """Encode the dense groups' chunks of ``buf`` and exchange them: afterwards ``lay.recv`` holds
+        every rank's encoding of this rank's chunks (the reduce-scatter's one collective)."""
         W = self.world_size
         local_error: BaseException | None = None
         try:
             for g in lay.dense:
-                self._encode_group(lay, g, buf, base, layer_stats)
-            if encode_more is not None:
-                encode_more()
+                self._record_error(g, *self._encode_group(lay, g, buf, base, layer_stats), layer_stats)
         except Exception as e:  # noqa: BLE001 - forwarded to every rank below
             local_error = e
         for j in range(W):
@@ -555,29 +691,42 @@ class CompressedAllReduce:
                 codecs.decode_chunk(lay.recv[off: off + g.nbytes[r]], n_me, g.cfg, g.acc,
                                     accumulate=src > 0)
 
+    @staticmethod
+    def _seed(base: int, stage: int, g: _DenseGroup, *more: int) -> int:
+        # A slice of a pipelined group mixes in where it starts; a whole group (start 0) keeps the
+        # seeds it had before pipelining.
+        start = g.bounds[0]
+        return _mix(base, stage, g.key, *more, start) if start else _mix(base, stage, g.key, *more)
+
     def _encode_group(self, lay: _Messages, g: _DenseGroup, buf: torch.Tensor, base: int,
-                      layer_stats: bool) -> None:
+                      layer_stats: bool) -> tuple[float, float]:
+        """Encode chunk j of ``g`` into ``lay``'s message for rank j (every j), with error feedback;
+        returns (squared error, squared norm) of the encoding when ``layer_stats`` (else zeros)."""
         if not g.direct:
             g.gather(buf)
+        owner = g.base
         err2 = nrm2 = 0.0
         for j in range(self.world_size):
             a, b = g.bounds[j], g.bounds[j + 1]
             x = g.chunk(buf, j)
             out = lay.send[g.send_off[j]: g.send_off[j] + g.nbytes[j]]
-            res = g.res_cur[a:b] if g.ef else None
-            res_out = g.res_next[a:b] if g.ef and g.res_next is not None else None
+            res = owner.res_cur[a:b] if g.ef else None
+            res_out = owner.res_next[a:b] if g.ef and owner.res_next is not None else None
             v = None
             if layer_stats and b > a:
                 v = x.to(torch.float32, copy=True)
                 if res is not None:
                     v += res
-            codecs.encode_chunk(x, g.cfg, out, res, res_out, seed=_mix(base, 0, g.key, j))
+            codecs.encode_chunk(x, g.cfg, out, res, res_out, seed=self._seed(base, 0, g, j))
             if v is not None:
                 # relative error ||decoded - input|| / ||input|| of the first-stage encoding
                 dec = torch.empty_like(v)
                 codecs.decode_chunk(out, b - a, g.cfg, dec)
                 err2 += float((dec - v).square().sum())
                 nrm2 += float(v.square().sum())
+        return err2, nrm2
+
+    def _record_error(self, g: _DenseGroup, err2: float, nrm2: float, layer_stats: bool) -> None:
         if layer_stats:
             rel = math.sqrt(err2 / nrm2) if nrm2 > 0 else 0.0
             for p in g.params:
@@ -613,7 +762,7 @@ class CompressedAllReduce:
         nbytes = buf.numel() * buf.element_size()
         self.bytes_sent += int(round(2.0 * (W - 1) / W * nbytes))
         self.bytes_uncompressed += 2.0 * (W - 1) / W * baseline_elem_size * lay.total_numel
-        return bool(torch.isfinite(buf).all())
+        return _finite(buf)
 
     @torch.no_grad()
     def sparse_all_reduce(self, buf: torch.Tensor) -> bool:
@@ -648,29 +797,97 @@ class CompressedAllReduce:
 
     def _run(self, lay: BucketLayout, buf: torch.Tensor, step: int, layer_stats: bool, commit: bool,
              baseline_elem_size: int) -> bool:
+        """The pipeline over ``lay.pieces`` (P of them). Every rank issues the same collectives in the
+        same order, whatever fails where: a2a 0, a2a 1, ag 0, a2a 2, ag 1, ..., ag P-1, so that
+
+        - piece k+1 is encoded while piece k's all_to_all is on the wire,
+        - piece k is reduced (decode W copies, sum, re-encode) and its all_gather issued,
+        - piece k-1's all_gather is awaited and decoded into ``buf`` while pieces k and k+1 travel.
+
+        Errors travel in the headers, as without pipelining: a rank whose encoding (or reduction)
+        raised sends error headers from then on and skips the work; the headers each rank reads at
+        the same point of the schedule are the same on every rank, so every rank skips the same work
+        and, once every collective of the bucket is complete (none is left pending), raises the same
+        first error. Decoding into ``buf`` follows the last collective of its piece: an error there is
+        this rank's alone (:class:`DecodeError`; the caller tells the others)."""
         W, r = self.world_size, self.rank
         base = _mix(self.plan.seed, step, r)
-        self._scatter_reduce(lay, buf, base, layer_stats,
-                             encode_more=lambda: self._encode_topk(lay, buf, base, layer_stats))
-        local_error: BaseException | None = None
-        try:
-            self._sum_own_chunks(lay)
-            for g in lay.dense:
-                g.acc.div_(W)
-                off = g.gather_off[r]
-                codecs.encode_chunk(g.acc, g.cfg, lay.gsend[off: off + g.nbytes[r]],
-                                    seed=_mix(base, 1, g.key))
-        except Exception as e:  # noqa: BLE001
-            local_error = e
-        self._write_header(lay.gsend, local_error)
-        self._all_gather(lay)
-        self._check_headers([lay.grecv[j * lay.gather_size:] for j in range(W)], "reduction",
-                            local_error)
+        pieces = lay.pieces
+        P = len(pieces)
+        enc_error: BaseException | None = None  # this rank's first error while encoding
+        red_error: BaseException | None = None  # ... while reducing (sum and re-encode)
+        failed: CompressionError | None = None  # the first error in any header read so far
+        dec_error: BaseException | None = None
+        checks: list[torch.Tensor] = []  # one sync at the end, not one per chunk (GPU)
+        stats: dict[int, list] = {}  # id(group) -> [group, err2, nrm2] (a group's slices add up)
+        a2a: list = [None] * P
+        ag: list = [None] * P
 
-        try:
-            finite = self._decode(lay, buf)
-        except Exception as e:  # noqa: BLE001 - no collective left to carry it: see exchange_status
-            raise DecodeError(f"{type(e).__name__}: {e}") from e
+        def encode(k: int) -> None:
+            nonlocal enc_error
+            piece = pieces[k]
+            if enc_error is None and failed is None:
+                try:
+                    for g in piece.dense:
+                        e2, n2 = self._encode_group(piece, g, buf, base, layer_stats)
+                        acc = stats.setdefault(id(g.base), [g.base, 0.0, 0.0])
+                        acc[1] += e2
+                        acc[2] += n2
+                    if piece.topk:
+                        self._encode_topk(lay, piece, buf, base, layer_stats)
+                except Exception as e:  # noqa: BLE001 - forwarded to every rank in the headers
+                    enc_error = e
+            for j in range(W):
+                self._write_header(piece.send[piece.send_starts[j]:], enc_error)
+            a2a[k] = self._all_to_all(piece, async_op=True)
+
+        def reduce(k: int) -> None:
+            nonlocal red_error, failed
+            piece = pieces[k]
+            a2a[k].wait()
+            failed = failed or self._header_error(
+                [piece.recv[j * piece.my_chunk:] for j in range(W)], "encoding", enc_error)
+            if failed is None and red_error is None:
+                try:
+                    self._sum_own_chunks(piece)
+                    for g in piece.dense:
+                        g.acc.div_(W)
+                        off = g.gather_off[r]
+                        codecs.encode_chunk(g.acc, g.cfg, piece.gsend[off: off + g.nbytes[r]],
+                                            seed=self._seed(base, 1, g))
+                except Exception as e:  # noqa: BLE001
+                    red_error = e
+            self._write_header(piece.gsend, red_error)
+            ag[k] = self._all_gather(piece, async_op=True)
+
+        def decode(k: int) -> None:
+            nonlocal failed, dec_error
+            piece = pieces[k]
+            ag[k].wait()
+            failed = failed or self._header_error(
+                [piece.grecv[j * piece.gather_size:] for j in range(W)], "reduction", red_error)
+            if failed is None and dec_error is None:
+                try:
+                    self._decode(lay, piece, buf, checks)
+                except Exception as e:  # noqa: BLE001 - after the piece's last collective
+                    dec_error = e
+
+        encode(0)
+        for k in range(P):
+            if k + 1 < P:
+                encode(k + 1)
+            reduce(k)
+            if k > 0:
+                decode(k - 1)
+        decode(P - 1)
+
+        if failed is not None:
+            raise failed
+        if dec_error is not None:  # no collective left to carry it: see exchange_status
+            raise DecodeError(f"{type(dec_error).__name__}: {dec_error}") from dec_error
+        for g, e2, n2 in stats.values():
+            self._record_error(g, e2, n2, layer_stats)
+        finite = bool(torch.stack(checks).all()) if checks else True
         if finite and commit:
             self.commit(lay)
         self.bytes_uncompressed += 2.0 * (W - 1) / W * baseline_elem_size * lay.total_numel
@@ -690,26 +907,28 @@ class CompressedAllReduce:
                     t.residual.copy_(t.pending)
                     t.pending = None
 
-    def _encode_topk(self, lay: BucketLayout, buf: torch.Tensor, base: int, layer_stats: bool) -> None:
-        for t in lay.topk:
+    def _encode_topk(self, lay: BucketLayout, piece: _Piece, buf: torch.Tensor, base: int,
+                     layer_stats: bool) -> None:
+        for t in piece.topk:
             p = t.param
             g = buf[p.boff: p.boff + p.numel]
             res = t.residual if t.cfg.uses_residual else None
             vn = 0.0
             if layer_stats:
                 vn = float((g.float() + res).norm() if res is not None else g.float().norm())
-            out = lay.gsend[t.gather_off: t.gather_off + t.nbytes]
+            out = piece.gsend[t.gather_off: t.gather_off + t.nbytes]
             # rest: a fresh fp32 tensor, the new residual; committed with the rest of the step
             rest, _ = codecs.encode_topk_ef(g, t.cfg, out, res, seed=_mix(base, 2, zlib.crc32(p.name.encode())))
             if layer_stats:
                 self.layer_error[p.name] = float(rest.norm()) / vn if vn > 0 else 0.0
             t.pending = rest if res is not None else None
 
-    def _decode(self, lay: BucketLayout, buf: torch.Tensor) -> bool:
+    def _decode(self, lay: BucketLayout, piece: _Piece, buf: torch.Tensor,
+                checks: list[torch.Tensor]) -> None:
+        """Decode one piece's all-gathered message into ``buf``, adding its finiteness checks."""
         W = self.world_size
-        checks: list[torch.Tensor] = []  # one sync at the end, not one per chunk (GPU)
-        grecv = lay.grecv.view(W, lay.gather_size)
-        for g in lay.dense:
+        grecv = piece.grecv.view(W, piece.gather_size)
+        for g in piece.dense:
             for j in range(W):
                 a, b = g.bounds[j], g.bounds[j + 1]
                 off = g.gather_off[j]
@@ -718,7 +937,7 @@ class CompressedAllReduce:
                 checks.append(codecs.chunk_finite(chunk, b - a, g.cfg))
             if not g.direct:
                 g.scatter(buf)
-        for t in lay.topk:
+        for t in piece.topk:
             p = t.param
             acc = lay.topk_acc[p.name]
             acc.zero_()
@@ -728,7 +947,6 @@ class CompressedAllReduce:
                 checks.append(codecs.chunk_finite(msg, p.numel, t.cfg))
             acc.div_(W)
             buf[p.boff: p.boff + p.numel].copy_(acc)
-        return bool(torch.stack(checks).all()) if checks else True
 
     # -- the reduce-scatter of an FSDP unit --------------------------------------------------------------
     @torch.no_grad()

@@ -13,7 +13,16 @@ collectives (:mod:`fastml_strategy.collective`) and completes the future. So
   and torch's PowerSGD hook, which issues follow-up collectives from future callbacks, aborts on gloo
   as soon as a model has two buckets ("Received data size doesn't match expected size");
 - the thread uses a process group of its own, so collectives that DDP or the user issue on the main
-  thread (unused-parameter maps, buffer broadcasts, metric syncs) cannot interleave with ours.
+  thread (unused-parameter maps, buffer broadcasts, metric syncs) cannot interleave with ours;
+- inside a bucket the work is pipelined (:data:`fastml_strategy.collective.PIECE_NUMEL`): the bucket
+  is cut into pieces of about 2M elements, each with its own pair of collectives, so that piece k+1
+  is encoded while piece k is on the wire and piece k-1 is decoded.
+
+Overlap with backward needs several buckets. The hook is called once per bucket, when all of the
+bucket's gradients are ready; a model that DDP packs into one or two buckets (its default
+``bucket_cap_mb=25`` holds a 6M-parameter model in one) communicates only after backward. Give DDP a
+smaller cap, ``DDP(model, bucket_cap_mb=suggest_bucket_cap_mb(model))`` (about four buckets); FastML
+logs this advice after the first steps of a model with fewer than three buckets.
 
 Usage::
 
@@ -42,7 +51,7 @@ from fastml_strategy._validate import whole_number
 from fastml_strategy.collective import CompressedAllReduce, CompressionError, DecodeError
 from fastml_strategy.config import Plan, resolve_plan
 
-__all__ = ["FastMLState", "register_hook", "ReplicaDriftError", "CompressionError"]
+__all__ = ["FastMLState", "register_hook", "suggest_bucket_cap_mb", "ReplicaDriftError", "CompressionError"]
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +182,11 @@ class FastMLState:
         # An error of this rank after a bucket's last collective (decoding the result): the other ranks
         # cannot see it in a message header, so every rank exchanges its status at the end of the step.
         self._step_error: Optional[BaseException] = None
+        # Buckets and elements of the current step: few buckets mean little overlap with backward
+        # (logged once, at the end of step 1, after DDP's bucket rebuild).
+        self._step_buckets = 0
+        self._step_numel = 0
+        self._step_decodes = False  # whether a bucket of this step ran the compressed path
 
     @property
     def _failure(self) -> Optional[BaseException]:
@@ -211,6 +225,8 @@ class FastMLState:
             lay = eng.layout_for(job.names, job.offsets, job.numels, job.buffer.device, job.buffer.dtype)
             every = self.layer_stats_every
             layer_stats = every > 0 and self.step % every == 0
+            # the plan and the bucket decide this, so every rank agrees on it
+            self._step_decodes = self._step_decodes or not lay.uncompressed
             try:
                 finite = eng.run(lay, job.buffer, self.step, layer_stats=layer_stats, commit=False)
                 self._uncommitted.append(lay)
@@ -218,11 +234,19 @@ class FastMLState:
                 self._step_error = self._step_error or e
                 finite = False
         self._step_finite = self._step_finite and finite
+        self._step_buckets += 1
+        self._step_numel += job.buffer.numel() if not job.sparse else 0
         if job.is_last:
+            if self.step == 1:
+                self._advise_buckets(self._step_buckets, self._step_numel, job.buffer.element_size())
+            self._step_buckets = self._step_numel = 0
             error, self._step_error = self._step_error, None
             # one 64-byte all_gather per step: a rank whose decoding failed makes every rank raise now,
-            # instead of leaving the others waiting in the next step's collectives
-            eng.exchange_status(error, "decoding", job.buffer.device)
+            # instead of leaving the others waiting in the next step's collectives. A step of plain
+            # all-reduces only (a `none` plan) decodes nothing: DDP's one collective per bucket, no more.
+            if self._step_decodes:
+                eng.exchange_status(error, "decoding", job.buffer.device)
+            self._step_decodes = False
             if self._step_finite:
                 for done in self._uncommitted:
                     eng.commit(done)
@@ -233,6 +257,17 @@ class FastMLState:
             n = self.check_replicas_every
             if n and self.step % n == 0:
                 self._check_replicas()
+
+    def _advise_buckets(self, buckets: int, numel: int, elem_size: int) -> None:
+        nbytes = numel * elem_size
+        if self.rank != 0 or buckets >= 3 or nbytes < _ADVISE_BUCKETS_BYTES:
+            return
+        log.info(
+            "FastML: DDP hands this model's %.1f MB of gradients over in %d bucket(s), so communication "
+            "starts only when backward is (nearly) done; DDP(model, bucket_cap_mb=%.2f) gives about %d "
+            "buckets whose all-reduce overlaps the rest of backward (fastml_strategy.hook."
+            "suggest_bucket_cap_mb(model) computes it)", nbytes / 1e6, buckets,
+            _cap_mb(nbytes, _SUGGESTED_BUCKETS), _SUGGESTED_BUCKETS)
 
     def _check_replicas(self) -> None:
         mine = torch.tensor([_checksum(self._params)], dtype=torch.int64)
@@ -356,6 +391,7 @@ class FastMLState:
         self.step = int(self._saved["step"])
         self.nonfinite_steps = d["nonfinite_steps"]
         self._uncommitted, self._step_finite, self._step_error = [], True, None
+        self._step_buckets, self._step_numel, self._step_decodes = 0, 0, False
 
 
 def check_saved_state(sd: dict, rank: int, world_size: int, plan: Optional[Plan], strict: bool,
@@ -423,6 +459,30 @@ def own_rank_state(sd: Any, rank: int, world_size: int, version: int, owner: str
             f"resume with the same world size, or drop the FastML entry from the checkpoint to restart "
             f"error feedback from zero")
     return per[rank]
+
+
+# Below this many bytes of gradient per step a model's communication is short anyway: no bucket advice.
+_ADVISE_BUCKETS_BYTES = 8 << 20
+# Four buckets: the first three overlap the rest of backward, the last one's communication is exposed.
+_SUGGESTED_BUCKETS = 4
+
+
+def _cap_mb(nbytes: int, buckets: int) -> float:
+    # DDP's bucket_cap_mb counts MiB (bucket_bytes_cap = bucket_cap_mb * 1024 * 1024)
+    return max(0.01, round(nbytes / buckets / (1 << 20), 2))
+
+
+def suggest_bucket_cap_mb(module: torch.nn.Module, buckets: int = _SUGGESTED_BUCKETS) -> float:
+    """A ``bucket_cap_mb`` for ``DDP(module, bucket_cap_mb=...)`` that cuts the module's trainable
+    gradients into about ``buckets`` buckets, so that the communication of all but the last overlaps
+    the rest of backward (DDP's default of 25 MB packs a model of up to about 6M fp32 parameters into
+    one bucket, which then starts only when backward ends). A parameter larger than the cap still
+    makes one bucket of its own; FastML pipelines inside every bucket anyway."""
+    whole_number("buckets", buckets, 1, owner="suggest_bucket_cap_mb")
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        module = module.module
+    nbytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    return _cap_mb(nbytes, buckets)
 
 
 def _fastml_hook(state, bucket):
@@ -613,6 +673,9 @@ def register_hook(
     every process must call ``register_hook``). ``check_replicas_every``: compare a checksum of the
     parameters across ranks every N steps (0: never). ``layer_stats_every``: measure per-layer
     compression error every N steps (0: never).
+
+    Communication overlaps backward bucket by bucket: wrap small models with a smaller cap,
+    ``DDP(model, bucket_cap_mb=suggest_bucket_cap_mb(model))``, so that they have several buckets.
     """
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(
