@@ -594,6 +594,7 @@ def figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) -> dict[str
     # 6. calibration: g(e), and the accuracy rule (fit, band, limit)
     cal = t["calibration"]
     fig = _fig(5.5, 7.8)
+    fig.subplots_adjust(hspace=0.35)
     ax = fig.add_subplot(211)
     _accuracy_panel(fig.add_subplot(212), result, cal)
     conv = result.convergence
@@ -623,27 +624,43 @@ def _accuracy_panel(ax: Any, result: "AutotuneResult", cal: pd.DataFrame) -> Non
     """Accuracy loss of every calibration run against its error, the monotone fit with its ~95% band,
     the limit (horizontal) and the error limit it gives (vertical)."""
     rule = result.accuracy_rule
+    limit = rule.limit if rule is not None else 0.01
+    # the axis shows the region the decision is made in: up to 5x the limit; runs above it (and
+    # pruned runs) sit on the top edge as triangles
+    top = 5 * abs(limit) if limit else 0.05
     if len(cal):
         ok = cal[~cal["pruned"] & cal["accuracy_loss"].apply(math.isfinite)]
         seeds = ok["seed"] if "seed" in ok else pd.Series(0, index=ok.index)
         first = ok[seeds == seeds.min()] if len(ok) else ok
-        ax.scatter(first["error"], first["accuracy_loss"], s=16, label="calibration runs")
+        inside = first[first["accuracy_loss"] <= top]
+        ax.scatter(inside["error"], inside["accuracy_loss"], s=16, label="calibration runs")
         rest = ok.drop(first.index)
-        if len(rest):
-            ax.scatter(rest["error"], rest["accuracy_loss"], s=16, marker="s", color="#8e44ad",
+        rest_in = rest[rest["accuracy_loss"] <= top]
+        if len(rest_in):
+            ax.scatter(rest_in["error"], rest_in["accuracy_loss"], s=16, marker="s", color="#8e44ad",
                        label="repeats (other seeds)")
+        over = cal[(cal["pruned"] | ~cal["accuracy_loss"].apply(math.isfinite)
+                    | (cal["accuracy_loss"] > top)) & cal["error"].apply(math.isfinite)]
+        if len(over):
+            ax.scatter(over["error"], [top] * len(over), s=20, marker="^", color="#c0392b",
+                       label=f"above {top:g} (or pruned)")
+        low = float(ok["accuracy_loss"].min()) if len(ok) else 0.0
+        ax.set_ylim(min(low, -abs(limit)) - 0.1 * top, top * 1.08)
     if rule is not None and rule.errors:
         es = np.asarray(rule.errors, dtype=float)
         fit = np.asarray(rule.fit, dtype=float)
         band = np.asarray(rule.band, dtype=float)
         finite = np.isfinite(fit)
-        ax.step(es[finite], fit[finite], where="post", color="black", lw=1, label="monotone fit")
+        shown = np.minimum(fit, top)
+        ax.step(es[finite], shown[finite], where="post", color="black", lw=1, label="monotone fit")
         if np.isfinite(band).any():
-            ax.fill_between(es[finite], (fit - band)[finite], (fit + band)[finite], step="post",
+            ax.fill_between(es[finite], np.minimum(fit - band, top)[finite],
+                            np.minimum(fit + band, top)[finite], step="post",
                             color="grey", alpha=0.3, label="~95% band")
         ax.axhline(rule.limit, color="#c0392b", ls="--", lw=1, label=f"limit {rule.limit:g}")
         ax.axvline(rule.e_max, color="#c0392b", ls=":", label=f"e_max = {rule.e_max:.3g}")
     ax.set_xscale("symlog", linthresh=1e-3)
+    ax.set_xlim(left=0)
     ax.set_xlabel("plan gradient error e")
     ax.set_ylabel("accuracy loss vs reference")
     ax.set_title("Accuracy rule: every run, the fit and its band", fontsize=9)
