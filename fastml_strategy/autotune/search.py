@@ -217,7 +217,7 @@ def local_fragments(profile: Profile, fragments: tuple[int, ...] = DEFAULT_LOCAL
 # Predicted objectives this close (relative) are a tie, settled by the lower gradient error: codec
 # times are measured, and noise of a few percent must not flip the plan between runs of one command
 # (int4 and int4-noef send the same bytes; only their measured codec times and errors differ).
-TIE_TOLERANCE = 0.02
+TIE_TOLERANCE = 0.05
 
 
 def best_row(rows: list[dict[str, Any]], local: bool | None = False) -> dict[str, Any]:

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from fastml_strategy import Plan
-from fastml_strategy.autotune import Workload
 from fastml_strategy.autotune.calibrate import (final_loss, reference_sigma, repeat_candidates,
                                                 runs_paired, train_curve)
 from fastml_strategy.autotune.costmodel import accuracy_rule, fit_convergence
