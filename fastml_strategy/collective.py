@@ -250,10 +250,12 @@ class _Messages:
 
 # Pipelining: a bucket is cut into pieces of about this many gradient elements, each with its own
 # all_to_all and all_gather, so that piece k+1 is encoded while piece k is on the wire and piece k-1
-# is decoded. 2M elements is 8 MB of fp32 gradient and 1 MB of int4 message (8 ms at 1 Gbit/s): the
-# README MLP's 16.8M-element layer becomes 8 pieces, a few times the per-collective latency of gloo on
-# loopback (about 0.1 ms) below the codec time each piece hides.
-PIECE_NUMEL = 1 << 21
+# is decoded. 4M elements is 16 MB of fp32 gradient and 2 MB of int4 message (17 ms at 1 Gbit/s); the
+# README MLP's 16.8M-element layer becomes 4 pieces. Measured on that MLP (2 ranks on a shared 2-core
+# EPYC, load 3; steps alternating between pieces and one piece per bucket in one process): 4M elements
+# 1.07-1.11x faster at 1 Gbit/s and 1.00-1.04x with no link limit; 2M elements 1.05-1.08x and
+# 0.91-0.96x (with a fast link, the extra collectives' thread hand-offs cost more than they hide).
+PIECE_NUMEL = 1 << 22
 
 
 class _Piece(_Messages):

@@ -15,7 +15,7 @@ collectives (:mod:`fastml_strategy.collective`) and completes the future. So
 - the thread uses a process group of its own, so collectives that DDP or the user issue on the main
   thread (unused-parameter maps, buffer broadcasts, metric syncs) cannot interleave with ours;
 - inside a bucket the work is pipelined (:data:`fastml_strategy.collective.PIECE_NUMEL`): the bucket
-  is cut into pieces of about 2M elements, each with its own pair of collectives, so that piece k+1
+  is cut into pieces of about 4M elements, each with its own pair of collectives, so that piece k+1
   is encoded while piece k is on the wire and piece k-1 is decoded.
 
 Overlap with backward needs several buckets. The hook is called once per bucket, when all of the
