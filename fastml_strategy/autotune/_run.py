@@ -561,8 +561,8 @@ def _option_plan(profile: Profile, groups: Mapping[str, list[str]], result: "Aut
     meta = _meta(s, option, result.best[option], result.baseline[option], result.convergence,
                  local=result.local_best.get(option), winner=w)
     # Plain DDP: every layer and the default are fp32 (``none``) and the file says not to register a
-    # hook. Registered anyway, such a plan runs one plain all-reduce per bucket (DDP's own arithmetic)
-    # plus a 64-byte status exchange per step.
+    # hook. Registered anyway, such a plan runs one plain all-reduce per bucket (DDP's own arithmetic,
+    # one collective per bucket: the hook skips its status exchange on steps of plain buckets only).
     meta["hook"] = bool(w.get("use_hook", True)) or uses_local_steps(w)
     if not s.sharding.sharded and not uses_local_steps(w):
         mb = w.get("bucket_mb")
