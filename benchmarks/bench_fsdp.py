@@ -106,50 +106,10 @@ QUICK = dict(layers=8, d_model=128, heads=4, vocab=2048, seq=32, batch=1, steps=
 # The worker: one rank of one method (runs under torchrun, inside a namespace when shaped)
 # ======================================================================================================
 def _model(cfg: dict):
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
+    """The GPT-style decoder of ``gpt_workload.py`` at this benchmark's size (head without bias)."""
+    from gpt_workload import GPT
 
-    class Block(nn.Module):
-        def __init__(self, d: int, heads: int) -> None:
-            super().__init__()
-            self.heads = heads
-            self.ln1 = nn.LayerNorm(d)
-            self.qkv = nn.Linear(d, 3 * d)
-            self.proj = nn.Linear(d, d)
-            self.ln2 = nn.LayerNorm(d)
-            self.fc = nn.Linear(d, 4 * d)
-            self.out = nn.Linear(4 * d, d)
-
-        def forward(self, x):
-            B, T, C = x.shape
-            q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
-            q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
-            return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-    class GPT(nn.Module):
-        def __init__(self, layers: int, d: int, heads: int, vocab: int, seq: int) -> None:
-            super().__init__()
-            self.tok = nn.Embedding(vocab, d)
-            self.pos = nn.Embedding(seq, d)
-            self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-            self.ln_f = nn.LayerNorm(d)
-            self.head = nn.Linear(d, vocab, bias=False)
-            for m in self.modules():
-                if isinstance(m, (nn.Linear, nn.Embedding)):
-                    nn.init.normal_(m.weight, std=0.02)
-                    if getattr(m, "bias", None) is not None:
-                        nn.init.zeros_(m.bias)
-
-        def forward(self, idx):
-            x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
-            for b in self.blocks:
-                x = b(x)
-            return self.head(self.ln_f(x))
-
-    return GPT(cfg["layers"], cfg["d_model"], cfg["heads"], cfg["vocab"], cfg["seq"])
+    return GPT(cfg["layers"], cfg["d_model"], cfg["heads"], cfg["vocab"], cfg["seq"], head_bias=False)
 
 
 ACTIVE_TOKENS = 512  # the language uses this many of the vocabulary's ids: in the few steps a benchmark

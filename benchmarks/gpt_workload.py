@@ -43,13 +43,17 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self) -> None:
+    """Token + position embeddings, ``layers`` pre-LN blocks, a final LayerNorm and an untied head
+    (``bench_fsdp.py`` and ``bench_localsgd.py`` build theirs from this class too)."""
+
+    def __init__(self, layers: int = LAYERS, d: int = D, heads: int = HEADS, vocab: int = VOCAB,
+                 positions: int = 2 * SEQ, head_bias: bool = True) -> None:
         super().__init__()
-        self.tok = nn.Embedding(VOCAB, D)
-        self.pos = nn.Embedding(2 * SEQ, D)
-        self.blocks = nn.ModuleList(Block(D, HEADS) for _ in range(LAYERS))
-        self.ln_f = nn.LayerNorm(D)
-        self.head = nn.Linear(D, VOCAB)
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(positions, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=head_bias)
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=0.02)
