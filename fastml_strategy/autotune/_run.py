@@ -589,7 +589,15 @@ def autotune(target: str | Workload | Any, **kwargs: Any) -> AutotuneResult:
 
 
 def run(s: Settings) -> AutotuneResult:
-    """Profile, calibrate, search, measure and report (rank 0 writes; every rank returns the result)."""
+    """Profile, calibrate, search, measure and report (rank 0 writes; every rank returns the result).
+    The global RNGs of torch, ``random`` and numpy are as the caller left them when it returns."""
+    from fastml_strategy.autotune.calibrate import preserved_rng
+
+    with preserved_rng():
+        return _run(s)
+
+
+def _run(s: Settings) -> AutotuneResult:
     from fastml_strategy.autotune import calibrate, profile as prof, report, search
     from fastml_strategy.autotune.measure import (measure_distributed, measure_local,
                                                   predict_local)

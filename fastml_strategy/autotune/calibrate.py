@@ -51,10 +51,11 @@ steps, 1200 passes. Results are kept in the storage (a resumed run reads them ba
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import random
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -69,7 +70,23 @@ __all__ = ["train_curve", "smooth", "steps_ratio", "lag_ratio", "calibration_can
            "repeat_candidates", "local_curve", "local_calibration_steps", "run_local_calibration"]
 
 
+@contextlib.contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Restore the global RNGs of torch (CPU, and the current CUDA device when CUDA is in use),
+    ``random`` and numpy on exit. A calibration run must seed them globally (the target's factory and
+    training code draw from them), but the caller's own random state is not the autotuner's to change."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+    py, npy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            random.setstate(py)
+            np.random.set_state(npy)
+
+
 def _seed_all(seed: int) -> None:
+    """Seed every global RNG: call inside :func:`preserved_rng`."""
     torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed % (2 ** 32))
@@ -92,7 +109,8 @@ def seeded_stream(wl: Workload, seed: int) -> Any:
 def build_run(wl: Workload, seed: int) -> Workload:
     """The workload of one calibration run: rebuilt from its factory (when it has one) with every
     random generator seeded, then seeded again, so the model starts from the same weights and a
-    deterministic factory (or DataLoader) yields the same batches in every run of that seed."""
+    deterministic factory (or DataLoader) yields the same batches in every run of that seed.
+    This seeds the global RNGs: callers run it inside :func:`preserved_rng`."""
     _seed_all(seed)
     wl = wl.rebuild()
     _seed_all(seed)
@@ -118,12 +136,13 @@ def runs_paired(wl: Workload, seed: int, batches: int = 3) -> bool:
     (:func:`build_run`), they start from the same weights and draw the same first ``batches`` batches.
     Then a candidate's loss differs from the reference's by what its compression did, not by the data
     it happened to see."""
-    a, b = build_run(wl, seed), None
-    sa = [p.detach().clone() for p in a.fresh_model().parameters()]
-    ba = [x for _, x in zip(range(batches), a.batch_stream())]
-    b = build_run(wl, seed)
-    sb = [p.detach().clone() for p in b.fresh_model().parameters()]
-    bb = [x for _, x in zip(range(batches), b.batch_stream())]
+    with preserved_rng():
+        a = build_run(wl, seed)
+        sa = [p.detach().clone() for p in a.fresh_model().parameters()]
+        ba = [x for _, x in zip(range(batches), a.batch_stream())]
+        b = build_run(wl, seed)
+        sb = [p.detach().clone() for p in b.fresh_model().parameters()]
+        bb = [x for _, x in zip(range(batches), b.batch_stream())]
     return _same(sa, sb) and _same(ba, bb)
 
 
@@ -138,6 +157,7 @@ def final_loss(losses: Sequence[float]) -> float:
     return float(x.mean()) if np.isfinite(x).all() else math.inf
 
 
+@preserved_rng()
 def train_curve(wl: Workload, choice: Mapping[str, str] | None, steps: int, seed: int,
                 report: Callable[[int, list[float]], None] | None = None,
                 report_every: int = 5) -> tuple[list[float], float | None]:
@@ -176,6 +196,7 @@ def _metric(wl: Workload, model: torch.nn.Module) -> float | None:
     return None if m is None else float(m)
 
 
+@preserved_rng()
 def local_curve(wl: Workload, world_size: int, every: int, steps: int, seed: int,
                 min_numel: int = 0, option: str = LOCAL_CALIBRATION_OPTION, outer: str = "nesterov",
                 outer_lr: float = 0.7, outer_momentum: float = 0.9) -> tuple[list[float], float | None]:

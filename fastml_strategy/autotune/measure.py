@@ -19,6 +19,7 @@ from typing import Any, Mapping
 
 import torch
 
+from fastml_strategy.autotune.calibrate import preserved_rng
 from fastml_strategy.autotune.costmodel import CANDIDATES, Profile
 from fastml_strategy.autotune.profile import SimulatedCompression
 from fastml_strategy.autotune.workload import Workload
@@ -99,8 +100,9 @@ def measure_distributed(wl: Workload, plans: Mapping[str, Plan | None], steps: i
     runs = {}
     states = []  # FastML's FSDP states, kept alive with their models
     for label, plan in plans.items():
-        torch.manual_seed(0)
-        model = wl.fresh_model()
+        with preserved_rng():  # every plan starts from the same weights; the caller's RNG untouched
+            torch.manual_seed(0)
+            model = wl.fresh_model()
         if sharding is not None and sharding.sharded:
             ddp, st = _sharded_module(model, wl.loss_fn, sharding, ranks_per_node, plan)
             states.append(st)
@@ -141,8 +143,9 @@ def measure_local(wl: Workload, choices: Mapping[str, Mapping[str, str] | None],
     """
     runs = {}
     for label, choice in choices.items():
-        torch.manual_seed(0)
-        model = wl.fresh_model()
+        with preserved_rng():  # every plan starts from the same weights; the caller's RNG untouched
+            torch.manual_seed(0)
+            model = wl.fresh_model()
         opt = wl.make_optimizer(model)
         sim = SimulatedCompression(model, {n: CANDIDATES[o] for n, o in (choice or {}).items()})
         runs[label] = (model, opt, sim, wl.batch_stream(), [])

@@ -1,9 +1,12 @@
 """The Python API (a Workload object instead of a TARGET string) and calibration pruning."""
 
 import math
+import random
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from fastml_strategy import Plan
 from fastml_strategy.autotune import autotune
@@ -16,9 +19,18 @@ from tiny_workload import workload
 
 @pytest.mark.timeout(200)
 def test_autotune_api_with_a_workload_object(tmp_path):
-    res = autotune(workload(), out=tmp_path / "o", link="10gbit", world_size=4, trials=11,
+    wl = workload()  # (the test's workload seeds torch itself)
+    # the caller's global RNGs, moved off their defaults so a reseed to any fixed value shows
+    torch.manual_seed(1234), random.seed(1234), np.random.seed(1234)
+    torch.rand(3), random.random(), np.random.rand()
+    before = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    res = autotune(wl, out=tmp_path / "o", link="10gbit", world_size=4, trials=11,
                    calibration_trials=2, calibration_steps=20, profile_steps=2, measure_steps=2,
                    verify_rounds=0, progress=False)
+    # the autotuner seeds its runs, but leaves the caller's random state as it found it
+    assert torch.equal(torch.get_rng_state(), before[0])
+    assert random.getstate() == before[1]
+    assert all(np.array_equal(a, b) for a, b in zip(np.random.get_state(), before[2]))
     assert res.option == "local"
     assert Plan.load(tmp_path / "o" / "plan.json") == res.plan
     names = {n for n, _ in workload().model.named_parameters()}
