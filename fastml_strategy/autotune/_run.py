@@ -15,6 +15,7 @@ import math
 import os
 import shutil
 import time
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -26,7 +27,7 @@ from fastml_strategy.autotune.costmodel import (CANDIDATES, DEFAULT_LOCAL_EVERY,
                                                 Profile, Sharding, accuracy_rule,
                                                 default_options, evaluate, family, fit_alpha_beta,
                                                 fit_codec_scale, fit_collective_overhead,
-                                                fit_convergence, pareto_front, step_time)
+                                                fit_convergence, objective, pareto_front, step_time)
 from fastml_strategy.autotune.workload import Workload, as_workload, load_target
 from fastml_strategy.config import DEFAULT_MIN_NUMEL, LocalSteps, Plan
 
@@ -866,7 +867,7 @@ def _calibrate_and_search(s: Settings, profile: Profile, groups: Mapping[str, li
             rows.extend(dict(x, kind="local-steps" if x["every"] > 1 else "fastml") for x in r)
             base = evaluate(profile, none_choice, opt, conv, target_steps, hook=False, sharding=sh)
             base.update(option=opt.name, choice={g: "none" for g in groups}, use_hook=False,
-                        objective=base["cost_usd"] if opt.price_per_hour > 0 else base["tta_s"],
+                        objective=objective(base, opt),
                         every=1, fragments=1, delay=0)
             baseline[opt.name] = base
             rows.append(dict(base, trial=-1, kind="plain-ddp" if not sh.sharded else f"{sh.kind}-own"))
@@ -918,7 +919,7 @@ def _best_bucket(profile: Profile, groups: Mapping[str, list[str]], opt: Hardwar
     out = dict(row, bucket_mb=None)
     for mb in BUCKET_MB_CHOICES[1:]:
         r = evaluate(profile, choice, opt, conv, target_steps, hook=hook, bucket_mb=mb)
-        obj = r["cost_usd"] if opt.price_per_hour > 0 else r["tta_s"]
+        obj = objective(r, opt)
         if obj < out["objective"] * (1 - 1e-9):
             out.update({k: r[k] for k in ("step_s", "exposed_s", "tta_s", "cost_usd", "wire_s")},
                        objective=obj, bucket_mb=mb)
@@ -949,7 +950,7 @@ def _whatif(profile: Profile, options: list[HardwareOption], groups: Mapping[str
         hook = bool(best[opt.name]["use_hook"])
         for n in WHATIF_NODES:
             for a in WHATIF_RANKS_PER_NODE:
-                o = opt.with_nodes(n, a)
+                o = dataclasses.replace(opt, nodes=n, accelerators_per_node=a)
                 t = step_time(profile, c, o, hook=hook, sharding=sh)
                 b = step_time(profile, {}, o, hook=False, sharding=sh)
                 rows.append({

@@ -16,7 +16,7 @@ from __future__ import annotations
 import csv
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -77,21 +77,6 @@ class HardwareOption:
         if self.measured_link is not None:
             return self.measured_link
         return Link(self.bandwidth_gbps * 1e9 / 8, self.latency_us * 1e-6, "catalog")
-
-    def with_nodes(self, nodes: int, accelerators_per_node: int | None = None) -> "HardwareOption":
-        """The same option with another node count (and, for what-if tables, ranks per node)."""
-        d = asdict(self)
-        d["nodes"] = nodes
-        if accelerators_per_node is not None:
-            d["accelerators_per_node"] = accelerators_per_node
-        d["measured_link"] = self.measured_link
-        d["intra_link"] = self.intra_link
-        return HardwareOption(**d)
-
-    def to_row(self) -> dict[str, Any]:
-        row = {k: getattr(self, k) for k in FIELDS}
-        row["link"] = self.link.describe()
-        return row
 
 
 def _coerce(value: Any, kind: type, where: str, field: str, rule: str) -> Any:

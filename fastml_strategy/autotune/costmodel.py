@@ -125,6 +125,8 @@ __all__ = [
     "plan_error",
     "step_time",
     "evaluate",
+    "objective",
+    "cost_usd",
     "fit_alpha_beta",
     "fit_codec_scale",
     "family",
@@ -860,6 +862,17 @@ def _candidate_name(cfg: CodecConfig) -> str:
     return "int8"
 
 
+def cost_usd(tta_s: float, option: HardwareOption) -> float:
+    """Dollars of ``tta_s`` seconds on ``option``: every node at its hourly price (0 for your own)."""
+    return tta_s * option.nodes * option.price_per_hour / 3600.0
+
+
+def objective(row: Mapping[str, Any], option: HardwareOption) -> float:
+    """What the search minimises on ``option``: the cost where it has a price, else (a cluster you
+    already have) the time to accuracy."""
+    return row["cost_usd"] if option.price_per_hour > 0 else row["tta_s"]
+
+
 def evaluate(profile: Profile, choice: Mapping[str, str], option: HardwareOption, conv: Convergence,
              target_steps: float, hook: bool = True, sharding: Sharding | None = None,
              max_residual_bytes: float | None = None, bucket_mb: float | None = None) -> dict[str, float]:
@@ -870,7 +883,7 @@ def evaluate(profile: Profile, choice: Mapping[str, str], option: HardwareOption
     br = step_time(profile, choice, option, hook=hook, sharding=sharding, bucket_mb=bucket_mb)
     steps = target_steps * conv.g(e)
     tta = steps * br.step_s
-    cost = tta * option.nodes * option.price_per_hour / 3600.0
+    cost = cost_usd(tta, option)
     memory_ok = max_residual_bytes is None or br.residual_bytes <= max_residual_bytes
     extra: dict[str, Any] = {}
     if sharding is not None and sharding.sharded:
@@ -955,7 +968,7 @@ def evaluate_local(profile: Profile, choice: Mapping[str, str], option: Hardware
         "exposed_s": br.exposed_s,
         "bytes_per_rank": br.bytes_per_rank,
         "tta_s": tta,
-        "cost_usd": tta * option.nodes * option.price_per_hour / 3600.0,
+        "cost_usd": cost_usd(tta, option),
         "every": every,
         "fragments": fragments,
         "delay": d,

@@ -42,7 +42,8 @@ import numpy as np
 
 from fastml_strategy.autotune.catalog import HardwareOption
 from fastml_strategy.autotune.costmodel import (DEFAULT_LOCAL_FRAGMENTS, LOCAL_CALIBRATION_OPTION, Convergence,
-                                                LocalCalibration, Profile, Sharding, evaluate, evaluate_local)
+                                                LocalCalibration, Profile, Sharding, evaluate, evaluate_local,
+                                                objective)
 
 __all__ = ["group_layers", "lagrangian_plans", "run_search", "expand", "best_row", "local_fragments"]
 
@@ -109,10 +110,6 @@ def lagrangian_plans(profile: Profile, groups: Mapping[str, list[str]], option: 
     return unique
 
 
-def _objective_value(r: Mapping[str, Any], option: HardwareOption) -> float:
-    return r["cost_usd"] if option.price_per_hour > 0 else r["tta_s"]
-
-
 def run_search(profile: Profile, groups: Mapping[str, list[str]], option: HardwareOption,
                conv: Convergence, target_steps: float, *, storage: Any, study_name: str, trials: int,
                seed: int, progress: Any = None, sharding: Sharding | None = None,
@@ -162,7 +159,7 @@ def run_search(profile: Profile, groups: Mapping[str, list[str]], option: Hardwa
             params.update(every=h, fragments=f)
         study.enqueue_trial(params, skip_if_exists=True)
 
-    def objective(trial: optuna.Trial) -> float:
+    def run_trial(trial: optuna.Trial) -> float:
         gchoice = {g: trial.suggest_categorical(keys[g], profile.options) for g in names}
         h = trial.suggest_categorical("every", every) if local is not None else 1
         f = trial.suggest_categorical("fragments", frags) if local is not None else 1
@@ -181,13 +178,13 @@ def run_search(profile: Profile, groups: Mapping[str, list[str]], option: Hardwa
         trial.set_constraint("error_over_limit", min(r["error"] - limit, 1e9))
         if max_residual_bytes is not None:
             trial.set_constraint("residual_over_limit", r["residual_bytes"] / max_residual_bytes - 1.0)
-        return _objective_value(r, option)
+        return objective(r, option)
 
     def tick(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         if progress is not None:
             progress.update(1)
 
-    study.optimize(objective, n_trials=trials, callbacks=[tick])
+    study.optimize(run_trial, n_trials=trials, callbacks=[tick])
     done = [t for t in study.get_trials(deepcopy=False) if t.state is optuna.trial.TrialState.COMPLETE]
     if saved is not None:
         saved.set_user_attr("option", option.name)
