@@ -29,6 +29,7 @@ from fastml_strategy.autotune.costmodel import (CANDIDATES, DEFAULT_LOCAL_EVERY,
                                                 fit_codec_scale, fit_collective_overhead,
                                                 fit_convergence, objective, pareto_front, step_time)
 from fastml_strategy.autotune.workload import Workload, as_workload, load_target
+from fastml_strategy._validate import env_whole_number, whole_number
 from fastml_strategy.config import DEFAULT_MIN_NUMEL, LocalSteps, Plan
 
 __all__ = ["autotune", "AutotuneResult", "Settings", "prepare", "UNIFORM_RECIPES", "SCALING_NODES",
@@ -159,12 +160,6 @@ def uses_local_steps(row: Mapping[str, Any]) -> bool:
     return int(row.get("every", 1)) > 1
 
 
-def _positive_int(name: str, v: Any, minimum: int = 1) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ValueError(f"{name} is {v!r}; give a whole number >= {minimum}")
-    return v
-
-
 def _autotune_output(path: Path) -> bool:
     """Whether ``path`` is a file this command wrote (not a user's own file of the same name)."""
     try:
@@ -263,7 +258,7 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
                         ("--measure-steps", measure_steps, 1), ("--max-groups", max_groups, 1),
                         ("--min-numel", min_numel, 0), ("--verify-rounds", verify_rounds, 0),
                         ("--calibration-repeats", calibration_repeats, 0), ("--references", references, 1)):
-        _positive_int(name, v, lo)
+        whole_number(name, v, lo)
     if isinstance(max_accuracy_loss, bool) or not isinstance(max_accuracy_loss, (int, float)) \
             or not max_accuracy_loss >= 0:
         raise ValueError(f"--max-accuracy-loss is {max_accuracy_loss!r}; give a number >= 0 "
@@ -293,9 +288,9 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
         world_size = actual
     elif world_size is None:
         world_size = 2
-    _positive_int("--world-size", world_size, 1)
+    whole_number("--world-size", world_size, 1)
     if threads_per_rank is not None:
-        _positive_int("--threads-per-rank", threads_per_rank, 1)
+        whole_number("--threads-per-rank", threads_per_rank, 1)
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
                                or not budget >= 0 or math.isinf(budget)):
         raise ValueError(f"--budget is {budget!r}; give the minutes the tuner may take (> 0), or 0 for "
@@ -322,7 +317,7 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
                              "is the ranks of one node: give --ranks-per-node S (--world-size is "
                              "nodes x S), or launch with torchrun, which sets LOCAL_WORLD_SIZE")
         if rpn is None:
-            rpn = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if distributed else 1
+            rpn = env_whole_number("LOCAL_WORLD_SIZE", None, 1, minimum=1) if distributed else 1
         if world_size % rpn:
             raise ValueError(f"--ranks-per-node {rpn} does not divide the world size {world_size}; the "
                              f"world is nodes x ranks per node: give a divisor of {world_size}")
@@ -424,7 +419,7 @@ def _check_sharding(sharding: Any, ranks_per_node: Any, param_dtype: Any, reduce
                              f"--sharding fsdp or --sharding hsdp, or drop {given[0]}")
         return Sharding()
     if ranks_per_node is not None:
-        _positive_int("--ranks-per-node", ranks_per_node, 1)
+        whole_number("--ranks-per-node", ranks_per_node, 1)
     if max_residual_gb is not None and (isinstance(max_residual_gb, bool)
                                         or not isinstance(max_residual_gb, (int, float))
                                         or not max_residual_gb > 0 or math.isinf(max_residual_gb)):

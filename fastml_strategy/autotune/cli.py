@@ -155,7 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _init_distributed() -> bool:
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    from fastml_strategy._validate import env_whole_number
+
+    if env_whole_number("WORLD_SIZE", None, 1, minimum=1) <= 1:
         return False
     import torch.distributed as dist
 

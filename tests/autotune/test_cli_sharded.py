@@ -170,7 +170,7 @@ BAD = [
     ("dtype-ddp", ["--param-dtype", "bf16"], "--param-dtype", "add --sharding"),
     ("reshard-ddp", ["--no-reshard-after-forward"], "--no-reshard-after-forward", "add --sharding"),
     ("limit-ddp", ["--max-residual-gb", "1"], "--max-residual-gb", "add --sharding"),
-    ("rpn-zero", ["--sharding", "hsdp", "--ranks-per-node", "0"], "--ranks-per-node is 0",
+    ("rpn-zero", ["--sharding", "hsdp", "--ranks-per-node", "0"], "--ranks-per-node=0",
      "whole number >= 1"),
     ("hsdp-needs-rpn", ["--sharding", "hsdp", "--world-size", "4", "--link", "1gbit"],
      "give --ranks-per-node S", "LOCAL_WORLD_SIZE"),
