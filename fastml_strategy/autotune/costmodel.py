@@ -102,7 +102,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from fastml_strategy.autotune.catalog import HardwareOption, Link
-from fastml_strategy.config import Codec, CodecConfig
+from fastml_strategy.config import RECIPES, Codec, CodecConfig
 
 __all__ = [
     "CANDIDATES",
@@ -156,25 +156,23 @@ BUCKET_BYTES = 25 << 20
 BUCKET_MB_CHOICES: tuple[int | None, ...] = (None, 1, 2, 4, 8, 16)
 
 
-def _q(bits: int, **kw: Any) -> CodecConfig:
-    return CodecConfig(codec=Codec.QUANTIZE, bits=bits, **kw)
-
-
-# The per-layer choices the search considers, cheapest error first. "none" keeps every plan with
-# error 0 reachable (uncompressed is always feasible); "-noef" options drop error feedback, saving the
-# residual memory at the price of bias (profiled like every other option).
+# The per-layer choices the search considers, cheapest error first: the named recipes of
+# config.RECIPES the tuner uses (bf16 and int4-sr are left out: fp16 and int4 already span their
+# error and bytes), and variants of them in between. "none" keeps every plan with error 0 reachable
+# (uncompressed is always feasible); "-noef" options drop error feedback, saving the residual memory
+# at the price of bias (profiled like every other option).
 _BASE_CANDIDATES: dict[str, CodecConfig] = {
-    "none": CodecConfig(codec=Codec.FP32),
-    "fp16": CodecConfig(codec=Codec.FP16),
-    "int8": _q(8),
-    "int6": _q(6),
-    "int4": _q(4),
-    "int3": _q(3),
-    "int2": _q(2),
-    "int4-noef": _q(4, error_feedback=False),
-    "topk10": CodecConfig(codec=Codec.TOPK, topk=0.10),
-    "topk1": CodecConfig(codec=Codec.TOPK, topk=0.01),
-    "topk1-int4": CodecConfig(codec=Codec.TOPK, topk=0.01, bits=4),
+    "none": RECIPES["none"],
+    "fp16": RECIPES["fp16"],
+    "int8": RECIPES["int8"],
+    "int6": dataclasses.replace(RECIPES["int8"], bits=6),
+    "int4": RECIPES["int4"],
+    "int3": dataclasses.replace(RECIPES["int4"], bits=3),
+    "int2": RECIPES["int2"],
+    "int4-noef": dataclasses.replace(RECIPES["int4"], error_feedback=False),
+    "topk10": dataclasses.replace(RECIPES["topk1"], topk=0.10),
+    "topk1": RECIPES["topk1"],
+    "topk1-int4": RECIPES["topk1-int4"],
 }
 # The options DDP searches (its hook keeps two fp32 residual buffers; its memory is not modelled).
 BASE_OPTIONS: tuple[str, ...] = tuple(_BASE_CANDIDATES)
@@ -433,9 +431,14 @@ def plan_error(profile: Profile, choice: Mapping[str, str]) -> float:
 
 
 def _codec_factor(cfg: CodecConfig, nodes: int) -> float:
+    """Codec round trips per layer and step over ``nodes``, in units of the profiled one: a sparse
+    message is encoded once and its W-1 peers' decoded (one round trip's worth); a dense one goes
+    through scatter-reduce-allgather, (3 + 1/W) / 2 of them."""
+    from fastml_strategy.codecs import is_sparse
+
     if nodes <= 1:
         return 0.0
-    if cfg.codec is Codec.TOPK:
+    if is_sparse(cfg):
         return 1.0
     return (3.0 + 1.0 / nodes) / 2.0
 
@@ -856,10 +859,14 @@ def fit_collective_overhead(profile: Profile, option: HardwareOption, measured_s
 
 
 def _candidate_name(cfg: CodecConfig) -> str:
+    """The candidate that is ``cfg`` (a top-k layer's dense fall-back, whose codec time is that
+    candidate's); a codec no candidate is has no profiled time, which is an error."""
     for name, c in CANDIDATES.items():
         if c == cfg:
             return name
-    return "int8"
+    raise ValueError(f"the codec {cfg.describe()} is none of the autotuner's candidates "
+                     f"({', '.join(CANDIDATES)}), so its time was not profiled; add it to "
+                     f"costmodel._BASE_CANDIDATES")
 
 
 def cost_usd(tta_s: float, option: HardwareOption) -> float:

@@ -237,16 +237,11 @@ def phase_words(phase_s: Mapping[str, float]) -> str:
 
 
 def bits_per_element(cfg: CodecConfig, numel: int) -> float:
-    """Bits one element costs in the encoded message (values, metadata and indices)."""
-    if cfg.codec is Codec.FP32:
-        return 32.0
-    if cfg.codec in (Codec.FP16, Codec.BF16):
-        return 16.0
-    if cfg.codec is Codec.QUANTIZE:
-        return cfg.bits + 64.0 / cfg.block_size
-    k = cfg.topk_k(numel)
-    value_bits = 32.0 if cfg.bits is None else cfg.bits + 64.0 / cfg.block_size
-    return k / numel * (32.0 + value_bits)
+    """Bits one element costs in the encoded message (values, metadata, indices and alignment), as
+    the codec sizes it (``codecs.chunk_nbytes``)."""
+    from fastml_strategy.codecs import chunk_nbytes
+
+    return 8.0 * chunk_nbytes(numel, cfg) / numel if numel > 0 else 0.0
 
 
 def _sparsity(cfg: CodecConfig, numel: int) -> float:

@@ -156,3 +156,26 @@ def test_codec_scale_fit_recovers_a_known_multiplier():
     fitted = fit_codec_scale(prof, opt, {"int4": measured})
     assert fitted["quantize"] == pytest.approx(2.5, rel=1e-3)
     assert prof.codec_scale == {}  # the fit does not leave its trial values behind
+
+
+@pytest.mark.parametrize("name", ["none", "fp16", "int8", "int3", "topk10", "topk1-int4"])
+def test_bits_per_element_is_what_the_codec_sends(name):
+    """The report's bits per element are the encoded message's, alignment included (odd size)."""
+    import torch
+
+    from fastml_strategy.autotune.report import bits_per_element
+    from fastml_strategy.codecs import roundtrip
+
+    n = 1001
+    _, nbytes = roundtrip(torch.randn(n, generator=torch.Generator().manual_seed(0)), CANDIDATES[name])
+    assert bits_per_element(CANDIDATES[name], n) == pytest.approx(8 * nbytes / n, rel=0, abs=1e-12)
+
+
+def test_a_codec_that_is_no_candidate_is_an_error():
+    """A top-k layer's dense fall-back is timed as the candidate it equals; no silent stand-in."""
+    from fastml_strategy.autotune.costmodel import _candidate_name
+    from fastml_strategy.config import Codec, CodecConfig
+
+    assert _candidate_name(CANDIDATES["int8"]) == "int8"
+    with pytest.raises(ValueError, match="none of the autotuner's candidates"):
+        _candidate_name(CodecConfig(codec=Codec.QUANTIZE, bits=5))
