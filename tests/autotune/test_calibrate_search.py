@@ -95,4 +95,5 @@ def test_lagrangian_plans_trace_time_against_error():
     plans = lagrangian_plans(prof, group_layers(prof), option(gbps=1.0))
     assert len(plans) >= 2
     errs = [plan_error(prof, expand(group_layers(prof), p)) for p in plans]
-    assert errs[0] >= errs[-1]  # small multiplier: fast and lossy; large: accurate
+    # small multiplier: fast and lossy; large: accurate; in between, error never rises
+    assert errs[0] > errs[-1] and all(a >= b for a, b in zip(errs, errs[1:]))
