@@ -499,7 +499,7 @@ def _one_machine_warning(s: Settings, link: Link) -> str | None:
     if len(set(hosts)) > 1:
         return None
     return (f"All {len(hosts)} ranks ran on one machine ({hosts[0]}), so the measured link "
-            f"({link.bandwidth_Bps * 8 / 1e9:.3g} Gbit/s, {link.latency_s * 1e6:.3g} us per message) is "
+            f"({link.rate_words()}, {link.latency_words()} per message) is "
             f"between processes of that machine (loopback or shared memory), "
             f"not a network (unless you shaped it, e.g. with tc). The 'local' figures, and the 8-1024 "
             f"node predictions drawn from them, describe that machine, not a cluster; pass --link RATE "

@@ -49,7 +49,17 @@ class Link:
     source: str = "given"  # "measured", "catalog" or "given": shown in the report
 
     def describe(self) -> str:
-        return f"{self.bandwidth_Bps * 8 / 1e9:.3g} Gbit/s, {self.latency_s * 1e6:.3g} us ({self.source})"
+        return f"{self.rate_words()}, {self.latency_words()} ({self.source})"
+
+    def rate_words(self) -> str:
+        """``"200 Mbit/s"``, ``"10 Gbit/s"``: the link rate in the unit people quote it in."""
+        gbit = self.bandwidth_Bps * 8 / 1e9
+        return f"{gbit:.3g} Gbit/s" if gbit >= 1 else f"{gbit * 1e3:.3g} Mbit/s"
+
+    def latency_words(self) -> str:
+        """``"50 us"``, ``"33 ms"``: the one-way latency per message."""
+        us = self.latency_s * 1e6
+        return f"{us:.3g} us" if us < 1000 else f"{us / 1e3:.3g} ms"
 
 
 @dataclass(frozen=True)

@@ -99,8 +99,7 @@ def _where(result: "AutotuneResult", name: str) -> str:
     if o.price_per_hour == 0 and o.measured_link is not None:
         link = o.link
         how = "measured" if link.source == "measured" else "from --link"
-        return (f"your cluster ({o.ranks} ranks; link {link.bandwidth_Bps * 8 / 1e9:.3g} Gbit/s with "
-                f"{link.latency_s * 1e6:.3g} us per message, {how})")
+        return f"your cluster ({o.ranks} ranks; link {link.rate_words()} with {link.latency_words()} per message, {how})"
     return (f"{name} ({o.nodes} node{'s' if o.nodes != 1 else ''} x {o.accelerators_per_node}, "
             f"{human_money(o.price_per_hour)} per node-hour)")
 
@@ -369,7 +368,7 @@ def _local_table(result: "AutotuneResult") -> pd.DataFrame:
             return human_time(r["tta_s"]) + (f", {human_money(r['cost_usd'])}" if priced else "")
 
         row = {"option": o.name + (" (plan.json)" if o.name == result.option else ""),
-               "link": f"{o.link.bandwidth_Bps * 8 / 1e9:.3g} Gbit/s",
+               "link": o.link.rate_words(),
                "per-step compression": f"{_per_step_words(result, o.name)}: {tc(b)}",
                "local steps": "none within the accuracy limit", "winner": "per-step compression",
                "by": "-"}
