@@ -279,7 +279,7 @@ def _autotune_rows(tmp):
         ("target-factory", [target.replace(":workload", ":nope")], "'nope'", "."),
         ("world-size", [target, "--world-size", "0"], "world.size", "whole number >= 1|give"),
         ("trials", [target, "--trials", "0"], "trials", "whole number >= 1|give"),
-        ("steps", [target, "--calibration-steps", "-5"], "calibration.steps", "give"),
+        ("steps", [target, "--calibration-steps", "-5"], "calibration.steps", "whole number >= 10|give"),
         ("min-numel", [target, "--min-numel", "-1"], "min.numel", "give|use"),
         ("accuracy-loss", [target, "--max-accuracy-loss", "-0.5"], "--max-accuracy-loss is -0.5", "give"),
         ("target-steps", [target, "--target-steps", "0"], "--target-steps is 0", "give"),
