@@ -40,7 +40,8 @@ import triton.language as tl
 
 from fastml_strategy.kernels.reference import FLT_MAX, HASH_GOLDEN, num_blocks, packed_nbytes
 
-__all__ = ["quantize", "dequantize"]
+__all__ = ["quantize", "dequantize", "encode_table", "decode_table", "quantize_segments",
+           "dequantize_segments"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # CUDA launch shape: 1024 elements per program on 1 warp (32 per thread). Read from the sm_90 PTX and
@@ -340,3 +341,225 @@ def _check_out(t: torch.Tensor, numel: int, dtype: torch.dtype, name: str) -> No
         raise ValueError(
             f"{name}: expected a contiguous {dtype} tensor of {numel} elements, got {t.dtype} "
             f"{tuple(t.shape)} (contiguous={t.is_contiguous()})")
+
+
+# -- segment tables: one launch for many chunks ------------------------------------------------------
+# A bucket's message holds W chunks of every compressed layer, each encoded on its own (its own
+# blocks, metadata and seed). Launching the kernels above once per chunk costs W x layers launches per
+# stage; a segment table lets one launch cover them all. Every program of the launch reads one row of
+# the table: where its G blocks lie in the input, the residuals, the message, and how many elements of
+# its chunk remain from its first block (the mask), built once per layout on the host and kept on the
+# device. Within a chunk, program i covers blocks [i*G, i*G + G): the same blocks, the same
+# arithmetic and the same bytes as the per-chunk launches (tests/kernels/test_segment_table.py).
+
+# encode rows: x offset, residual offset, new-residual offset, packed byte offset, meta fp32 index,
+# elements left in the chunk, element index of the first block in its chunk (stochastic rounding's
+# counter), seed word
+_ENC_COLS = 8
+# decode rows: meta fp32 index, packed byte offset, out offset, elements left in the chunk
+_DEC_COLS = 4
+
+
+@triton.jit
+def _quantize_seg_kernel(
+    x_ptr, r_ptr, rout_ptr, msg_ptr, msgf_ptr, table_ptr,
+    BITS: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HAS_RES: tl.constexpr, STOCH: tl.constexpr,
+):
+    LF: tl.constexpr = (1 << BITS) - 1
+    WORD: tl.constexpr = tl.uint32 if BITS <= 4 else tl.uint64
+    pid = tl.program_id(0)
+    row = table_ptr + pid.to(tl.int64) * 8
+    x_off = tl.load(row)
+    r_off = tl.load(row + 1)
+    rout_off = tl.load(row + 2)
+    p_off = tl.load(row + 3)
+    m_off = tl.load(row + 4)
+    n = tl.load(row + 5)
+    base = tl.load(row + 6)
+    seed_s = tl.load(row + 7).to(tl.int32)
+    nbytes = (n * BITS + 7) // 8
+    blk = tl.arange(0, G).to(tl.int64)  # [G], local to this program
+    grp = tl.arange(0, BS // 8)
+    lane = tl.arange(0, 8)
+    offs = blk[:, None, None] * BS + grp[None, :, None] * 8 + lane[None, None, :]  # [G, BS/8, 8]
+    mask = offs < n
+    v = tl.load(x_ptr + x_off + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(r_ptr + r_off + offs, mask=mask, other=0.0)
+        v = v + r
+    vlo = tl.where(mask, v, float("inf"))
+    vhi = tl.where(mask, tl.where(v == v, v, float("inf")), float("-inf"))
+    mn = tl.min(tl.min(vlo, axis=2), axis=1)  # [G]
+    mx = tl.max(tl.max(vhi, axis=2), axis=1)
+    bad = ~(tl.abs(mn) <= _FMAX) | ~(tl.abs(mx) <= _FMAX)
+    diff = mx - mn
+    wide = ~(tl.abs(diff) <= _FMAX) & ~bad
+    scale = tl.math.div_rn(tl.where(wide, mx * 0.5 - mn * 0.5, diff), LF * 1.0)
+    scale = tl.where(wide, tl.minimum(scale * 2.0, _FMAX), scale)
+    bad = bad | wide | ~(tl.abs(mn + (LF * 1.0) * scale) <= _FMAX)
+    pos = scale > 0
+    inv = tl.where(pos, tl.math.div_rn(tl.full([G], 1.0, tl.float32), tl.where(pos, scale, 1.0)), 0.0)
+    mn_q = tl.where(bad, 0.0, mn)
+    inv = tl.where(bad, 0.0, inv)
+    t = (v - mn_q[:, None, None]) * inv[:, None, None]
+    if STOCH:
+        t = t + _hash_uniform(offs + base, seed_s)
+    else:
+        t = t + 0.5
+    t = tl.where(t >= 0.0, tl.where(t <= LF, t, LF * 1.0), 0.0)
+    qi = tl.where(mask, t.to(tl.int32), 0)
+    bad3 = bad[:, None, None]
+    if HAS_RES:
+        y = mn_q[:, None, None] + qi.to(tl.float32) * scale[:, None, None]
+        tl.store(rout_ptr + rout_off + offs, tl.where(bad3, r, v - y), mask=mask)
+    nan = float("nan")
+    bmask = blk * BS < n
+    tl.store(msgf_ptr + m_off + blk * 2, tl.where(bad, nan, mn), mask=bmask)
+    tl.store(msgf_ptr + m_off + blk * 2 + 1, tl.where(bad, nan, scale), mask=bmask)
+    word = tl.sum(qi.to(WORD) << (lane * BITS).to(WORD)[None, None, :], axis=2)  # [G, BS/8]
+    shift = tl.where(lane < BITS, lane * 8, 0).to(WORD)
+    byte = ((word[:, :, None] >> shift[None, None, :]) & 0xFF).to(tl.uint8)
+    boffs = blk[:, None, None] * (BS * BITS // 8) + grp[None, :, None] * BITS + lane[None, None, :]
+    bm = (lane < BITS)[None, None, :] & (boffs < nbytes)
+    tl.store(msg_ptr + p_off + boffs, byte, mask=bm)
+
+
+@triton.jit
+def _dequantize_seg_kernel(
+    msg_ptr, msgf_ptr, out_ptr, ok_ptr, table_ptr, src_stride,
+    BITS: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, NSRC: tl.constexpr, ACC: tl.constexpr,
+):
+    # Decodes NSRC copies of a chunk (source s at s * src_stride bytes after the first) and sums them
+    # in source order (as decode, then decode-and-add, per source would), then stores or adds into
+    # out. ok[pid]: 1 if every block's metadata of every source is finite (the chunk decodes to
+    # finite values), else 0.
+    LF: tl.constexpr = (1 << BITS) - 1
+    WORD: tl.constexpr = tl.uint32 if BITS <= 4 else tl.uint64
+    pid = tl.program_id(0)
+    row = table_ptr + pid.to(tl.int64) * 4
+    m_off = tl.load(row)
+    p_off = tl.load(row + 1)
+    o_off = tl.load(row + 2)
+    n = tl.load(row + 3)
+    nbytes = (n * BITS + 7) // 8
+    blk = tl.arange(0, G).to(tl.int64)
+    grp = tl.arange(0, BS // 8)
+    lane = tl.arange(0, 8)
+    boffs = blk[:, None, None] * (BS * BITS // 8) + grp[None, :, None] * BITS + lane[None, None, :]
+    bm = (lane < BITS)[None, None, :] & (boffs < nbytes)
+    shift = tl.where(lane < BITS, lane * 8, 0).to(WORD)
+    offs = blk[:, None, None] * BS + grp[None, :, None] * 8 + lane[None, None, :]
+    mask = offs < n
+    bmask = blk * BS < n
+    ok = tl.full([G], 1, tl.int32)
+    tot = tl.zeros([G, BS // 8, 8], tl.float32)
+    for s in tl.static_range(NSRC):
+        b = tl.load(msg_ptr + p_off + s * src_stride + boffs, mask=bm, other=0)
+        word = tl.sum(b.to(WORD) << shift[None, None, :], axis=2)
+        q = (word[:, :, None] >> (lane * BITS).to(WORD)[None, None, :]) & LF
+        mf = m_off + s * (src_stride // 4)
+        mn = tl.load(msgf_ptr + mf + blk * 2, mask=bmask, other=0.0)
+        sc = tl.load(msgf_ptr + mf + blk * 2 + 1, mask=bmask, other=0.0)
+        fin = (tl.abs(mn) <= _FMAX) & (tl.abs(sc) <= _FMAX)
+        ok = tl.where(fin | ~bmask, ok, 0)
+        y = mn[:, None, None] + q.to(tl.float32) * sc[:, None, None]
+        if s == 0:
+            tot = y
+        else:
+            tot = tot + y
+    if ACC:
+        tot = tl.load(out_ptr + o_off + offs, mask=mask, other=0.0) + tot
+    tl.store(out_ptr + o_off + offs, tot, mask=mask)
+    tl.store(ok_ptr + pid, tl.min(ok, axis=0))
+
+
+def segment_programs(block_size: int) -> int:
+    """Blocks per program ``G`` of a segment-table launch."""
+    if _INTERPRET:
+        return max(1, _INTERP_ELEMS_PER_PROGRAM // 4 // block_size)
+    return max(1, _CUDA_ELEMS_PER_PROGRAM // block_size)
+
+
+def encode_table(segments, bits: int, block_size: int, device) -> tuple[torch.Tensor, int]:
+    """The table of a :func:`quantize_segments` launch. ``segments``: one tuple per chunk, ``(x_off,
+    r_off, rout_off, msg_off, numel, seed)``: offsets in elements of the input, the residual and the
+    new residual, and the byte offset (a multiple of 4) of the chunk's encoding in the message
+    (``[meta: nblocks x (min, scale) fp32][packed codes]``, as :mod:`fastml_strategy.codecs` lays a
+    quantized chunk out). Returns ``(int64 table on device, G)``."""
+    g = segment_programs(block_size)
+    rows = []
+    for x_off, r_off, rout_off, msg_off, n, seed in segments:
+        if n <= 0:
+            continue
+        if msg_off % 4:
+            raise ValueError(f"encode_table: chunk encoding at byte {msg_off}, not a multiple of 4")
+        nb = num_blocks(n, block_size)
+        seed_s = _seed_word(seed)
+        for b in range(0, nb, g):
+            e = b * block_size
+            rows.append((x_off + e, r_off + e, rout_off + e, msg_off + 8 * nb + e * bits // 8,
+                         msg_off // 4 + 2 * b, n - e, e, seed_s))
+    table = torch.tensor(rows, dtype=torch.int64).reshape(-1, _ENC_COLS)
+    return table.to(device), g
+
+
+def decode_table(segments, bits: int, block_size: int, device) -> tuple[torch.Tensor, int]:
+    """The table of a :func:`dequantize_segments` launch. ``segments``: ``(msg_off, out_off, numel)``
+    per chunk: the byte offset (a multiple of 4) of the chunk's encoding (of its first source) in the
+    message and the element offset of its values in ``out``. Returns ``(int64 table on device, G)``."""
+    g = segment_programs(block_size)
+    rows = []
+    for msg_off, out_off, n in segments:
+        if n <= 0:
+            continue
+        if msg_off % 4:
+            raise ValueError(f"decode_table: chunk encoding at byte {msg_off}, not a multiple of 4")
+        nb = num_blocks(n, block_size)
+        for b in range(0, nb, g):
+            e = b * block_size
+            rows.append((msg_off // 4 + 2 * b, msg_off + 8 * nb + e * bits // 8, out_off + e, n - e))
+    table = torch.tensor(rows, dtype=torch.int64).reshape(-1, _DEC_COLS)
+    return table.to(device), g
+
+
+def _opts() -> dict:
+    return {} if _INTERPRET else {"num_warps": _CUDA_NUM_WARPS, "enable_fp_fusion": False}
+
+
+def quantize_segments(x: torch.Tensor, msg: torch.Tensor, table: torch.Tensor, g: int, bits: int,
+                      block_size: int, stochastic: bool = False, residual: torch.Tensor | None = None,
+                      residual_out: torch.Tensor | None = None) -> None:
+    """Encode every chunk of an :func:`encode_table` in one launch: chunk ``i`` of ``x`` (flat, fp32,
+    fp16 or bf16) plus its residual (flat fp32, with ``residual``) into the uint8 message ``msg``
+    (4-byte aligned, a multiple of 4 long), the new residual into ``residual_out`` (default
+    ``residual``). Bit for bit what :func:`quantize` gives chunk by chunk."""
+    if not len(table):
+        return
+    if msg.dtype != torch.uint8 or msg.numel() % 4 or msg.data_ptr() % 4 or not msg.is_contiguous():
+        raise ValueError("quantize_segments: msg must be a contiguous, 4-aligned uint8 tensor of 4k bytes")
+    has_res = residual is not None
+    r = residual if has_res else x
+    rout = (residual_out if residual_out is not None else residual) if has_res else x
+    _quantize_seg_kernel[(len(table),)](
+        x, r, rout, msg, msg.view(torch.float32), table,
+        BITS=bits, BS=block_size, G=g, HAS_RES=has_res, STOCH=bool(stochastic), **_opts())
+
+
+def dequantize_segments(msg: torch.Tensor, out: torch.Tensor, table: torch.Tensor, g: int, bits: int,
+                        block_size: int, sources: int = 1, src_stride: int = 0,
+                        accumulate: bool = False) -> torch.Tensor:
+    """Decode every chunk of a :func:`decode_table` in one launch into fp32 ``out``: the sum, in source
+    order, of ``sources`` copies of each chunk (copy s at ``s * src_stride`` bytes, a multiple of 4,
+    after the first), stored or (``accumulate``) added. Bit for bit what :func:`dequantize` gives
+    source by source (the first stored, the others added). Returns a 0-d bool tensor: whether every
+    chunk decodes to finite values (no host read)."""
+    if not len(table):
+        return torch.ones((), dtype=torch.bool, device=out.device)
+    if msg.dtype != torch.uint8 or msg.numel() % 4 or msg.data_ptr() % 4 or src_stride % 4:
+        raise ValueError("dequantize_segments: msg must be a 4-aligned uint8 tensor of 4k bytes, "
+                         "src_stride a multiple of 4")
+    ok = torch.empty(len(table), dtype=torch.int32, device=out.device)
+    _dequantize_seg_kernel[(len(table),)](
+        msg, msg.view(torch.float32), out, ok, table, src_stride,
+        BITS=bits, BS=block_size, G=g, NSRC=int(sources), ACC=bool(accumulate), **_opts())
+    return ok.min() > 0
