@@ -1,24 +1,41 @@
-"""Autotuned plan vs uniform recipes on the digits task, 2 ranks on an emulated 1 Gbit/s link.
+"""Autotuned plan vs uniform recipes, trained to a target on 2 ranks over an emulated link.
+
+Two workloads (``--workload``):
+
+- ``gpt`` (issue 12's transformer): the 4-block byte-level GPT of ``gpt_workload.py`` (3.3M
+  parameters, 54 tensors: embeddings, attention, MLP, head), AdamW 1e-3, batch 8 x 64 tokens per rank,
+  each rank its own stream of the synthetic byte language, on an emulated **100 Mbit/s** link, trained
+  to a validation loss of 1.65 (fp32 DDP reaches it in about 110 steps; the loss floor is ln 4 =
+  1.39). The tuner runs with its default calibration and ``--no-local-steps`` (this benchmark compares
+  per-step plans); the tuned plan's ``meta.ddp.bucket_cap_mb`` is passed to DDP, as its report says.
+- ``digits``: the digits MLP (scikit-learn's bundled digits, 1.1M parameters), Adam 1e-3, batch 32
+  per rank, on an emulated 1 Gbit/s link, trained to 97% test accuracy.
 
 What it measures
 ----------------
-1. ``fastml-autotune`` on the digits MLP, launched with torchrun on 2 ranks inside the emulated link:
+1. ``fastml-autotune`` on the workload, launched with torchrun on 2 ranks inside the emulated link:
    it measures the link (timed collectives), profiles, calibrates, searches and writes plan.json plus
    its predicted step times (``tune/step_times.csv``).
-2. Training to a target test accuracy with each plan: the tuned plan.json, the uniform recipes none
-   (FastML's fp32 path), fp16, int8, int4, int2, topk1, and plain fp32 DDP (no hook). Same seed, data
-   and optimizer; the clock runs only during training steps (evaluation every few steps is paused).
+2. Training to the target with each plan: the tuned plan.json, the uniform recipes, and plain fp32
+   DDP (no hook). Same seed, data and optimizer; the clock runs only during training steps
+   (evaluation every few steps is paused). Full runs: the time to the target is the sum of the
+   measured steps up to the evaluation that reached it, not a prediction.
 3. A table: measured ms/step, predicted ms/step and the prediction error, steps and seconds to the
-   target accuracy; also written as CSV.
+   target, bytes per step on the wire (counted by the hook; DDP's fp32 all-reduce is 2(W-1)/W x 4
+   bytes per gradient element), and the physical bound of each plan: max(compute, wire bytes / link
+   rate) per step, with compute timed in the same processes (``compute_ms``: forward, backward and
+   optimizer step of one rank on a model of its own, no communication). Both ranks share the one
+   emulated link, so the bound counts both ranks' bytes. Written as CSV to
+   ``benchmarks/results/bench_autotune_<workload>_cpu.csv``.
 
-The emulated link: a commodity 1 Gbit/s cluster link on one machine
-------------------------------------------------------------------
+The emulated link: a commodity cluster link on one machine
+----------------------------------------------------------
 Run as root. The benchmark creates a private network namespace, brings its loopback up, rate-limits
-it with a token bucket filter and runs every rank inside it, so both ranks share one 1 Gbit/s link::
+it with a token bucket filter and runs every rank inside it, so both ranks share one link::
 
     ip netns add fastml-at-PID
     ip -n fastml-at-PID link set lo up
-    ip netns exec fastml-at-PID tc qdisc add dev lo root tbf rate 1gbit burst 512kb latency 100ms
+    ip netns exec fastml-at-PID tc qdisc add dev lo root tbf rate 100mbit burst 512kb latency 100ms
     ip netns exec fastml-at-PID python benchmarks/bench_autotune.py --inner ...
     ip netns del fastml-at-PID          # always, also on failure
 
@@ -27,8 +44,9 @@ measurement of a slow link).
 
 Usage::
 
-    sudo python benchmarks/bench_autotune.py                 # full run, ~5-10 minutes on 2 cores
-    python benchmarks/bench_autotune.py --no-netns --quick   # functional smoke run
+    sudo python benchmarks/bench_autotune.py                    # GPT, 100 Mbit/s: ~30 min on 2 cores
+    sudo python benchmarks/bench_autotune.py --workload digits  # digits MLP, 1 Gbit/s: ~10 min
+    python benchmarks/bench_autotune.py --no-netns --quick      # functional smoke run
 """
 
 from __future__ import annotations
@@ -37,24 +55,54 @@ import argparse
 import csv
 import json
 import os
+import platform
 import shutil
 import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-RECIPES_COMPARED = ("none", "fp16", "int8", "int4", "int2", "topk1")
-HIDDEN = int(os.environ.get("FASTML_BENCH_HIDDEN", "1024"))  # 1.1M parameters: 4.4 MB of fp32 grads
-BATCH = 32  # per rank
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpt_workload, in spawned ranks too
+HIDDEN = int(os.environ.get("FASTML_BENCH_HIDDEN", "1024"))  # digits: 1.1M parameters, 4.4 MB of grads
+BATCH = 32  # digits, per rank
 LR = 1e-3
 
 
-# -- the workload (also the autotuner's TARGET: benchmarks/bench_autotune.py:digits_workload) ------------
+@dataclass(frozen=True)
+class Task:
+    """What differs between the workloads: the tuner's target, the metric and the defaults."""
+
+    name: str
+    factory: str  # the tuner's TARGET: path:function
+    metric: str  # what the target is on
+    higher_is_better: bool
+    target: float
+    rate: str  # the emulated link
+    recipes: tuple[str, ...]
+    tuner_args: tuple[str, ...]
+    max_steps: int
+    timing_steps: int  # each plan trains at least this many steps (timed), also past the target
+    eval_every: int
+
+
+TASKS = {
+    "gpt": Task("gpt", f"{Path(__file__).resolve().parent / 'gpt_workload.py'}:make", "validation loss",
+                False, 1.65, "100mbit", ("fp16", "int8", "int4", "int2", "topk1"),
+                ("--no-local-steps", "--budget", "12"), 400, 0, 5),
+    "digits": Task("digits", f"{Path(__file__).resolve()}:digits_workload", "test accuracy", True, 0.97,
+                   "1gbit", ("none", "fp16", "int8", "int4", "int2", "topk1"),
+                   ("--trials", "200", "--calibration-trials", "6", "--calibration-steps", "120",
+                    "--measure-steps", "40", "--max-accuracy-loss", "0.01"), 1000, 150, 5),
+}
+
+
+# -- the workloads (digits_workload is also the autotuner's TARGET for --workload digits) ---------------
 def digits_workload():
     """The digits MLP as an autotuner Workload: this rank's shard of the training split, Adam."""
     import torch.distributed as dist
@@ -74,49 +122,70 @@ def digits_workload():
     )
 
 
-# -- training to a target accuracy, on 2 spawned gloo ranks --------------------------------------------
+def _training_parts(task: str, rank: int, world: int):
+    """(new model, this rank's batch stream factory, loss(model, batch), evaluate(model), optimizer)."""
+    if task == "gpt":
+        import gpt_workload as g
+
+        val = [next(g.batch_stream(99, 32)) for _ in range(2)]  # held out: another seed than training
+
+        def model():
+            torch.manual_seed(0)
+            return g.GPT()
+
+        return (model, lambda: g.batch_stream(7 + 1000 * rank), g.loss_fn,
+                lambda m: g.validation_loss(m, val), lambda p: torch.optim.AdamW(p, lr=1e-3))
+    from fastml_strategy._digits import accuracy, batches, digits_mlp, load_digits_split
+
+    x, y, xt, yt = load_digits_split(seed=0)
+    return (lambda: digits_mlp(hidden=HIDDEN, seed=0), lambda: batches(x, y, BATCH, rank, world, seed=0),
+            lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]),
+            lambda m: accuracy(m, xt, yt), lambda p: torch.optim.Adam(p, lr=LR))
+
+
+# -- training to the target, on 2 spawned gloo ranks ----------------------------------------------------
 # All plans train side by side in the same 2 processes, taking turns in chunks of ``eval_every`` steps
 # (each plan has its own model, optimizer, data stream and hook): on a shared machine a burst of load
 # from other processes then hits every plan alike, instead of whichever plan happened to be running.
 # A plan's clock is the sum of its own steps up to the target; evaluation (every chunk) is not timed.
 # Plans keep training past the target until --timing-steps steps are timed, for a steadier median.
-def _train_worker(rank: int, world: int, port: int, plans, target: float, max_steps: int,
+def _train_worker(rank: int, world: int, port: int, task_name: str, plans, target: float, max_steps: int,
                   eval_every: int, timing_steps: int, q) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from fastml_strategy import Plan, register_hook
-    from fastml_strategy._digits import accuracy, batches, digits_mlp, load_digits_split
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    task = TASKS[task_name]
+    reached = (lambda v: v >= target) if task.higher_is_better else (lambda v: v <= target)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
-        x, y, xt, yt = load_digits_split(seed=0)
+        new_model, stream, loss_fn, evaluate, optimizer = _training_parts(task_name, rank, world)
         runs = {}
-        for label, plan_arg in plans:
-            model = DDP(digits_mlp(hidden=HIDDEN, seed=0))
+        for label, plan_arg, cap_mb in plans:
+            model = DDP(new_model(), **({"bucket_cap_mb": cap_mb} if cap_mb else {}))
             state = None
             if plan_arg is not None:
                 plan = Plan.load(plan_arg) if plan_arg.endswith(".json") else Plan.from_recipe(plan_arg)
                 state = register_hook(model, plan)
-            runs[label] = {"model": model, "state": state,
-                           "opt": torch.optim.Adam(model.parameters(), lr=LR),
-                           "stream": batches(x, y, BATCH, rank, world, seed=0),
-                           "times": [], "acc": 0.0, "reached": None}
+            runs[label] = {"model": model, "state": state, "opt": optimizer(model.parameters()),
+                           "stream": stream(), "times": [], "value": None, "reached": None}
+        compute = _compute_times(new_model, stream, loss_fn, optimizer, steps=20)
         active = list(runs)
         while active:
             for label in list(active):
                 r = runs[label]
                 for _ in range(eval_every):
-                    xb, yb = next(r["stream"])
+                    batch = next(r["stream"])
                     t0 = time.perf_counter()
                     r["opt"].zero_grad(set_to_none=True)
-                    torch.nn.functional.cross_entropy(r["model"](xb), yb).backward()
+                    loss_fn(r["model"], batch).backward()
                     r["opt"].step()
                     r["times"].append(time.perf_counter() - t0)
-                r["acc"] = accuracy(r["model"].module, xt, yt)  # replicas identical: ranks agree
-                if r["acc"] >= target and r["reached"] is None:
+                r["value"] = evaluate(r["model"].module)  # replicas identical: ranks agree
+                if r["reached"] is None and reached(r["value"]):
                     r["reached"] = len(r["times"])
                 # keep going past the target until timing_steps steps are timed: a steadier median
                 if (r["reached"] and len(r["times"]) >= timing_steps) or len(r["times"]) >= max_steps:
@@ -125,11 +194,15 @@ def _train_worker(rank: int, world: int, port: int, plans, target: float, max_st
         out = {}
         for label, r in runs.items():
             steady = sorted(r["times"][5:] or r["times"])
+            st = r["state"].stats() if r["state"] else None
             out[label] = {
                 "steps": r["reached"],
                 "seconds": sum(r["times"][: r["reached"]]) if r["reached"] else None,
-                "final_acc": r["acc"], "ms_per_step": 1e3 * steady[len(steady) // 2],
-                "compression_ratio": r["state"].stats()["compression_ratio"] if r["state"] else 1.0,
+                "final_value": r["value"], "ms_per_step": 1e3 * steady[len(steady) // 2],
+                "compression_ratio": st["compression_ratio"] if st else 1.0,
+                "wire_bytes_per_step": (st["bytes_sent"] / max(st["steps"], 1)) if st else
+                2.0 * (world - 1) / world * 4 * sum(p.numel() for p in r["model"].parameters()),
+                "compute_ms": compute,
             }
         q.put((rank, "ok", out))
     except BaseException as e:  # noqa: BLE001
@@ -139,16 +212,35 @@ def _train_worker(rank: int, world: int, port: int, plans, target: float, max_st
             dist.destroy_process_group()
 
 
-def train_to_target(plans, target: float, max_steps: int, eval_every: int, timing_steps: int = 100,
-                    world: int = 2, timeout: float = 1500) -> dict:
-    """{label: result} for ``plans`` = [(label, recipe name | plan.json path | None for plain DDP)]."""
+def _compute_times(new_model, stream, loss_fn, optimizer, steps: int) -> float:
+    """Median ms of one rank's forward + backward + optimizer step without communication (a model of
+    its own, no DDP): the compute side of the physical bound."""
+    m = new_model()
+    opt = optimizer(m.parameters())
+    s = stream()
+    times = []
+    for _ in range(steps):
+        batch = next(s)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss_fn(m, batch).backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    times = sorted(times[3:])
+    return 1e3 * times[len(times) // 2]
+
+
+def train_to_target(task: str, plans, target: float, max_steps: int, eval_every: int,
+                    timing_steps: int = 100, world: int = 2, timeout: float = 3600) -> dict:
+    """{label: result} for ``plans`` = [(label, recipe name | plan.json path | None for plain DDP,
+    bucket_cap_mb | None)]."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_train_worker,
-                         args=(r, world, port, plans, target, max_steps, eval_every, timing_steps, q))
+    procs = [ctx.Process(target=_train_worker, args=(r, world, port, task, plans, target, max_steps,
+                                                     eval_every, timing_steps, q))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -170,10 +262,11 @@ def train_to_target(plans, target: float, max_steps: int, eval_every: int, timin
         raise RuntimeError(f"training failed: {errors or 'timeout'}")
     # The slowest rank's step time counts; both ranks stop each plan at the same step.
     out = {}
-    for label, _ in plans:
+    for label, _, _ in plans:
         rows = [v[label] for _, v in results.values()]
         o = dict(rows[0])
-        o["ms_per_step"] = max(r["ms_per_step"] for r in rows)
+        for k in ("ms_per_step", "compute_ms"):
+            o[k] = max(r[k] for r in rows)
         if o["seconds"] is not None:
             o["seconds"] = max(r["seconds"] for r in rows)
         out[label] = o
@@ -181,82 +274,116 @@ def train_to_target(plans, target: float, max_steps: int, eval_every: int, timin
 
 
 # -- the run inside the emulated link ------------------------------------------------------------------
-def inner(args: argparse.Namespace) -> None:
-    # One thread per rank everywhere (ranks and torchrun children alike): 2 ranks on 2 cores. (Checked
-    # on plain loopback: with or without it, int4 steps took the same time; it only rules out
-    # oversubscription from the hook's communication thread.)
-    os.environ["OMP_NUM_THREADS"] = "1"
-    out = Path(args.out)
-    tune = out / "tune"
-    if tune.exists() and not args.resume:
-        shutil.rmtree(tune)
+def _tune(args: argparse.Namespace, task: Task, tune: Path) -> float:
+    """Run fastml-autotune under torchrun on 2 ranks; returns its wall time in seconds."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep +
                os.environ.get("PYTHONPATH", ""), MASTER_ADDR="127.0.0.1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-           "-m", "fastml_strategy.autotune.cli", f"{Path(__file__).resolve()}:digits_workload",
-           "--out", str(tune), "--trials", str(args.trials),
-           "--calibration-trials", str(args.calibration_trials),
-           "--calibration-steps", str(args.calibration_steps), "--measure-steps", "40",
-           "--max-accuracy-loss", "0.01", "--quiet"] + (["--overwrite"] if args.resume else [])
+           "-m", "fastml_strategy.autotune.cli", task.factory, "--out", str(tune), "--quiet",
+           *task.tuner_args, *(args.tuner_args or [])] + (["--overwrite"] if args.resume else [])
     print("$", " ".join(cmd), flush=True)
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, env=env, cwd=REPO, timeout=1800)
-    tune_s = time.perf_counter() - t0
+    subprocess.run(cmd, check=True, env=env, cwd=REPO, timeout=3600)
+    return time.perf_counter() - t0
+
+
+def _rate_bits(rate: str) -> float:
+    """tc's rate string ('100mbit', '1gbit') in bit/s."""
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
+    for u, f in units.items():
+        if rate.lower().endswith(u):
+            return float(rate[: -len(u)]) * f
+    raise ValueError(f"unknown rate {rate!r}: give it as tc does, e.g. 100mbit or 1gbit")
+
+
+def _machine() -> str:
+    flags = ""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        field = {k.strip(): v.strip() for k, _, v in (ln.partition(":") for ln in info.split("\n\n")[0].splitlines())}
+        model = f"{field['model name']} (family {field['cpu family']}, model {field['model']})"
+        fl = field["flags"].split()
+        flags = "+".join(f for f in ("avx2", "avx512f") if f in fl)
+    except (OSError, KeyError):
+        model = platform.processor() or platform.machine()
+    return f"{model}, {flags or 'no avx2'}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
+def inner(args: argparse.Namespace) -> None:
+    # One thread per rank everywhere (ranks and torchrun children alike): 2 ranks on 2 cores.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    task = TASKS[args.workload]
+    out = Path(args.out or REPO / "benchmarks" / "out" / f"autotune_{task.name}")
+    tune = out / "tune"
+    if tune.exists() and not args.resume:
+        shutil.rmtree(tune)
+    tune_s = _tune(args, task, tune)
     predicted = {}
     with open(tune / "step_times.csv") as f:
         for row in csv.DictReader(f):
             key = "tuned" if row["plan"].startswith("tuned") else row["plan"]
             predicted[key] = (float(row["predicted_s"]), float(row["measured_s"]))
     meta = json.loads((tune / "plan.json").read_text()).get("meta", {})
-    plans: list[tuple[str, str | None]] = [("tuned", str(tune / "plan.json"))]
-    plans += [(r, r) for r in RECIPES_COMPARED]
-    plans += [("ddp-fp32", None)]
-    if "plain DDP" in meta.get("recommendation", ""):
-        plans[0] = ("tuned", None)
+    cap = (meta.get("ddp") or {}).get("bucket_cap_mb")
+    plans: list[tuple[str, str | None, float | None]] = [
+        ("tuned", None if meta.get("hook") is False else str(tune / "plan.json"), cap)]
+    plans += [(r, r, None) for r in (args.recipes.split(",") if args.recipes else task.recipes)]
+    plans += [("ddp-fp32", None, None)]
     load_before = os.getloadavg()[0]
-    print(f"training {len(plans)} plans side by side to {args.target_acc} test accuracy...", flush=True)
-    results = train_to_target(plans, args.target_acc, args.max_steps, args.eval_every,
+    print(f"training {len(plans)} plans side by side to {task.metric} {args.target}...", flush=True)
+    results = train_to_target(task.name, plans, args.target, args.max_steps, args.eval_every,
                               args.timing_steps)
-    load = round(max(load_before, os.getloadavg()[0]), 2)
+    load = f"{load_before:.1f}-{os.getloadavg()[0]:.1f}"
+    link_bytes_s = _rate_bits(args.rate) / 8 if not args.no_netns else float("inf")
     rows = []
-    for label, _ in plans:
+    for label, _, cap_mb in plans:
         r = results[label]
         pred_s, tuner_measured_s = predicted.get(label, (float("nan"), float("nan")))
+        wire_ms = 1e3 * 2 * r["wire_bytes_per_step"] / link_bytes_s  # both ranks share the link
+        bound = max(r["compute_ms"], wire_ms)
         rows.append({
-            "plan": label, "ms_per_step": r["ms_per_step"], "predicted_ms": 1e3 * pred_s,
-            "prediction_error_pct": 100 * (1e3 * pred_s - r["ms_per_step"]) / r["ms_per_step"],
-            "tuner_measured_ms": 1e3 * tuner_measured_s,
-            "steps_to_target": r["steps"], "seconds_to_target": r["seconds"],
-            "final_acc": r["final_acc"], "compression_ratio": r["compression_ratio"],
-            # 1-minute load average of the (shared) machine: above ~2 on 2 cores, timings are noisy
-            "load_avg": load,
+            "plan": label, "bucket_cap_mb": cap_mb or "", "ms_per_step": round(r["ms_per_step"], 1),
+            "predicted_ms": round(1e3 * pred_s, 1),
+            "prediction_error_pct": round(100 * (1e3 * pred_s - r["ms_per_step"]) / r["ms_per_step"], 1),
+            "tuner_measured_ms": round(1e3 * tuner_measured_s, 1),
+            "compute_ms": round(r["compute_ms"], 1), "wire_mb_per_step": round(r["wire_bytes_per_step"] / 1e6, 3),
+            "bound_ms": round(bound, 1), "x_bound": round(r["ms_per_step"] / bound, 2),
+            "steps_to_target": r["steps"] or "", "seconds_to_target": round(r["seconds"], 2) if r["seconds"] else "",
+            "final_value": round(r["final_value"], 4), "compression_ratio": round(r["compression_ratio"], 2),
+            # 1-minute load average of the (shared) machine before and after: above ~2 on 2 cores,
+            # timings are noisy
+            "load_avg": load, "link": "none" if args.no_netns else args.rate, "machine": _machine(),
         })
     from tabulate import tabulate
 
-    fields = list(rows[0])
-    out.mkdir(parents=True, exist_ok=True)
     from fastml_strategy._io import atomic_open
 
-    with atomic_open(out / "bench_autotune.csv", "w") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
+    csv_path = Path(args.csv or REPO / "benchmarks" / "results" / f"bench_autotune_{task.name}_cpu.csv")
+    csv_path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_open(csv_path, "w") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
+    best = min((r for r in rows if r["seconds_to_target"] != "" and r["plan"] != "tuned"),
+               key=lambda r: r["seconds_to_target"], default=None)
+    tuned = rows[0]
     print()
-    print(f"digits MLP (hidden {HIDDEN}, {sum(p.numel() for p in digits_workload().model.parameters())} "
-          f"parameters), 2 ranks x 1 thread, batch {BATCH}/rank, Adam lr {LR}, link: "
-          f"{'none (plain loopback)' if args.no_netns else args.rate + ' emulated (tbf)'}; target test "
-          f"accuracy {args.target_acc}; tuning took {tune_s:.0f} s; tuned plan: "
-          f"{_plan_summary(tune / 'plan.json')}")
-    print(tabulate([[r["plan"], f"{r['ms_per_step']:.1f}", f"{r['tuner_measured_ms']:.1f}",
-                     f"{r['predicted_ms']:.1f}",
-                     f"{r['prediction_error_pct']:+.1f}%", r["steps_to_target"] or "not reached",
-                     f"{r['seconds_to_target']:.2f}" if r["seconds_to_target"] else "-",
-                     f"{r['final_acc']:.3f}", f"{r['compression_ratio']:.1f}x", r["load_avg"]]
-                    for r in rows],
-                   headers=["plan", "ms/step", "ms/step (tuner)", "predicted ms/step", "pred. error", "steps to target",
-                            "s to target", "final acc", "compression", "load avg"], tablefmt="github"))
-    print(f"\nwrote {out / 'bench_autotune.csv'} and {tune}/report.html")
+    print(f"{task.name}: 2 ranks x 1 thread, link: {'none (plain loopback)' if args.no_netns else args.rate + ' emulated (tbf)'}; "
+          f"target {task.metric} {args.target}; machine {rows[0]['machine']}, load {load}; tuning took "
+          f"{tune_s:.0f} s; tuned plan: {_plan_summary(tune / 'plan.json')}"
+          f"{f', bucket_cap_mb {cap}' if cap else ''}")
+    print(tabulate([[r["plan"], r["ms_per_step"], r["predicted_ms"], f"{r['prediction_error_pct']:+.1f}%",
+                     r["compute_ms"], r["wire_mb_per_step"], r["bound_ms"], r["x_bound"],
+                     r["steps_to_target"] or "not reached", r["seconds_to_target"] or "-",
+                     r["final_value"], f"{r['compression_ratio']:.1f}x"] for r in rows],
+                   headers=["plan", "ms/step", "predicted", "pred. error", "compute ms", "MB/step/rank",
+                            "bound ms", "x bound", "steps to target", "s to target", task.metric,
+                            "compression"], tablefmt="github"))
+    if best and tuned["seconds_to_target"] != "":
+        print(f"\ntuned plan: {tuned['seconds_to_target']} s to the target; best other plan {best['plan']}: "
+              f"{best['seconds_to_target']} s ({best['seconds_to_target'] / tuned['seconds_to_target']:.2f}x)")
+    print(f"\nwrote {csv_path} and {tune}/report.html")
 
 
 def _plan_summary(path: Path) -> str:
@@ -277,24 +404,37 @@ def _free_port() -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "out" / "autotune"))
-    p.add_argument("--rate", default="1gbit", help="tc tbf rate of the emulated link")
-    p.add_argument("--target-acc", type=float, default=0.97)
-    p.add_argument("--max-steps", type=int, default=1000)
-    p.add_argument("--eval-every", type=int, default=5)
-    p.add_argument("--timing-steps", type=int, default=150,
+    p.add_argument("--workload", choices=sorted(TASKS), default="gpt")
+    p.add_argument("--out", default=None, help="tuner output (default benchmarks/out/autotune_WORKLOAD)")
+    p.add_argument("--csv", default=None,
+                   help="default benchmarks/results/bench_autotune_WORKLOAD_cpu.csv")
+    p.add_argument("--rate", default=None, help="tc tbf rate of the emulated link (default per workload)")
+    p.add_argument("--target", type=float, default=None,
+                   help="target validation loss (gpt) or test accuracy (digits)")
+    p.add_argument("--recipes", default=None, help="uniform recipes compared, comma-separated")
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--eval-every", type=int, default=None)
+    p.add_argument("--timing-steps", type=int, default=None,
                    help="each plan trains at least this many steps (timed), also past the target")
-    p.add_argument("--trials", type=int, default=200)
-    p.add_argument("--calibration-trials", type=int, default=6)
-    p.add_argument("--calibration-steps", type=int, default=120)
+    p.add_argument("--tuner-args", nargs=argparse.REMAINDER,
+                   help="extra fastml-autotune arguments (last on the command line)")
     p.add_argument("--quick", action="store_true", help="few trials and steps: a functional check")
     p.add_argument("--resume", action="store_true", help="keep a previous tuning run's storage")
     p.add_argument("--no-netns", action="store_true", help="plain loopback, no rate limit")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    task = TASKS[args.workload]
+    for k in ("rate", "target", "max_steps", "eval_every", "timing_steps"):
+        if getattr(args, k) is None:
+            setattr(args, k, getattr(task, k))
     if args.quick:
-        args.trials, args.calibration_trials, args.calibration_steps = 30, 3, 40
-        args.target_acc = min(args.target_acc, 0.9)
+        args.tuner_args = ["--trials", "20", "--calibration-trials", "2", "--calibration-steps", "20",
+                           "--verify-rounds", "0", "--budget", "4"] + (args.tuner_args or [])
+        args.max_steps = min(args.max_steps, 60)
+        args.timing_steps = min(args.timing_steps, 20)
+        args.recipes = args.recipes or "int4,int8"
+        if args.csv is None:
+            args.csv = str(REPO / "benchmarks" / "out" / f"bench_autotune_{task.name}_quick.csv")
     if args.inner or args.no_netns:
         inner(args)
         return

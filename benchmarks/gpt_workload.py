@@ -6,9 +6,10 @@ workload, for timing the tuner and for ``bench_autotune``-style comparisons on a
 Model: token + position embeddings (256 bytes x 256, 128 positions x 256), 4 pre-LN blocks of causal
 attention (4 heads) and a 4x GELU MLP, a final LayerNorm and an untied head. Data: a synthetic byte
 language (each byte followed by one of 4 fixed successors, so the loss falls from ln 256 towards
-ln 4), drawn from a ``torch.Generator`` the factory owns, as a streaming dataset would: the batches
-replay only because the tuner rebuilds the workload from this factory for every calibration run.
-Batch 8 x 64 tokens, AdamW lr 1e-3; the eval function is none (accuracy loss = relative final loss).
+ln 4), drawn from a ``torch.Generator`` the factory owns (one seed per rank), as a streaming dataset
+would: the batches replay only because the tuner rebuilds the workload from this factory for every
+calibration run. Batch 8 x 64 tokens, AdamW lr 1e-3; the eval function is none (accuracy loss =
+relative final loss). ``bench_autotune.py --workload gpt`` trains it to a validation loss.
 """
 
 from __future__ import annotations
@@ -67,24 +68,42 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+def _successors() -> torch.Tensor:
+    """The byte language: each byte is followed by one of 4 fixed successors (loss floor ln 4)."""
+    return torch.randint(VOCAB, (VOCAB, 4), generator=torch.Generator().manual_seed(1234))
+
+
+def batch_stream(seed: int, batch: int = BATCH):
+    """An endless stream of (input, next-byte) batches of the byte language, from a generator seeded
+    with ``seed`` (the stream replays exactly for the same seed)."""
+    succ = _successors()
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        toks = torch.empty(batch, SEQ + 1, dtype=torch.long)
+        toks[:, 0] = torch.randint(VOCAB, (batch,), generator=gen)
+        pick = torch.randint(4, (batch, SEQ), generator=gen)
+        for i in range(SEQ):
+            toks[:, i + 1] = succ[toks[:, i], pick[:, i]]
+        yield toks[:, :-1], toks[:, 1:]
+
+
+def loss_fn(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(m(x).reshape(-1, VOCAB), y.reshape(-1))
+
+
+@torch.no_grad()
+def validation_loss(m: nn.Module, batches: list) -> float:
+    """Mean loss over held-out ``batches`` (the same on every rank, so replicas agree on it)."""
+    return sum(float(loss_fn(m, b)) for b in batches) / len(batches)
+
+
 def make() -> Workload:
+    import torch.distributed as dist
+
     torch.manual_seed(0)
     model = GPT()
-    succ = torch.randint(VOCAB, (VOCAB, 4), generator=torch.Generator().manual_seed(1234))
-    gen = torch.Generator().manual_seed(7)  # the workload's own stream of batches
-
-    def batches():
-        while True:
-            toks = torch.empty(BATCH, SEQ + 1, dtype=torch.long)
-            toks[:, 0] = torch.randint(VOCAB, (BATCH,), generator=gen)
-            pick = torch.randint(4, (BATCH, SEQ), generator=gen)
-            for i in range(SEQ):
-                toks[:, i + 1] = succ[toks[:, i], pick[:, i]]
-            yield toks[:, :-1], toks[:, 1:]
-
-    def loss_fn(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x, y = batch
-        return F.cross_entropy(m(x).reshape(-1, VOCAB), y.reshape(-1))
-
-    return Workload(model=model, batches=batches, loss_fn=loss_fn,
+    # the workload's own stream of batches, one per rank (a simulated world size replays rank 0's)
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return Workload(model=model, batches=lambda: batch_stream(7 + 1000 * rank), loss_fn=loss_fn,
                     optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), name="gpt-3.3m")
