@@ -17,7 +17,19 @@ with two buckets it aborts on gloo), and FastML int8 / int4 / int2 / topk1.
 The link: as root, each link setting gets a private network namespace whose loopback is rate-limited
 with ``tc qdisc add dev lo root tbf rate 1gbit burst 512kb latency 100ms``; all ranks run inside it,
 so they share one 1 Gbit/s link, like nodes behind a commodity switch port. Without root the link
-cannot be shaped and only ``--links none`` runs. Prints a table and writes CSV (``--csv``).
+cannot be shaped and only ``--links none`` runs. Prints a table and writes CSV (``--csv``): by default
+``benchmarks/results/bench_allreduce_cpu.csv`` for the full run as root (every method, both links, one
+round: the README's table), ``benchmarks/out/bench_allreduce.csv`` (git-ignored) for any other run; with
+``--rounds`` > 1 every round's rows go to ``..._rounds.csv`` beside it. Every row carries the machine
+(CPU model, family, SIMD flags, cores), Python and torch, and the load average when it ran
+(``benchmarks/_bench.py``): ``load_avg_1m`` is each row's own (the median over its rounds),
+``load_1m``/``load_5m``/``load_15m`` the load when the run started.
+
+"compression" is measured, never typed in: the gradient bytes of a step over the bytes the method hands
+to the all-reduce per timed step. DDP fp32: the sum of DDP's bucket buffers (its reducer all-reduces each
+once per step); torch's fp16 and PowerSGD hooks: the tensors they pass to ``torch.distributed.all_reduce``,
+counted by a wrapper during the timed steps (``_bench.CollectiveBytes``); FastML: ``state.stats()``
+(the fp32 ring all-reduce's bytes over the bytes FastML sent). ``ratio_source`` names which.
 
 Every row carries its physical bound, max(compute, wire bytes / link rate): "compute" is the same
 training step without any communication (forward, backward, SGD step, zero_grad; both ranks at once,
@@ -38,6 +50,9 @@ import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _bench  # noqa: E402
 
 METHODS = ["ddp-fp32", "torch-fp16", "torch-powersgd-r4", "fastml-none", "fastml-int8", "fastml-int4",
            "fastml-int2", "fastml-topk1"]
@@ -114,26 +129,46 @@ def _worker(rank: int, world: int, method: str, steps: int, warmup: int, port: i
             state = fm.register_hook(ddp, plan=method[len("fastml-"):], layer_stats_every=0)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     times = []
-    for i in range(warmup + steps):
-        dist.barrier()
-        if i == warmup:
-            tx0 = _lo_tx_bytes()
-        t0 = time.perf_counter()
-        loss = ddp(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        times.append(time.perf_counter() - t0)
+    # torch's hooks call torch.distributed.all_reduce: count what they hand it (timed steps only)
+    counter = _bench.CollectiveBytes() if method.startswith("torch-") else None
+    if counter is not None:
+        counter.__enter__()
+    try:
+        for i in range(warmup + steps):
+            dist.barrier()
+            if i == warmup:
+                tx0 = _lo_tx_bytes()
+                if counter is not None:
+                    counter.reset()
+            t0 = time.perf_counter()
+            loss = ddp(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            times.append(time.perf_counter() - t0)
+    finally:
+        if counter is not None:
+            counter.__exit__(None, None, None)
     # the barriers' few bytes are counted too
     wire = (_lo_tx_bytes() - tx0) / steps
     res = {"method": method, "ms": [t * 1000 for t in times[warmup:]], "params": nparams,
            "compute_ms": [t * 1000 for t in compute[warmup:]], "wire_bytes": wire}
+    grad = _bench.grad_bytes(model)
+    handed = None
     if state is not None:
         s = state.stats()
         res["ratio"] = s["compression_ratio"]
+        res["ratio_source"] = "FastML state.stats(): fp32 ring bytes / bytes sent"
         res["mb_per_step"] = s["bytes_sent"] / 1e6 / s["steps"]
-    else:
-        res["ratio"] = {"ddp-fp32": 1.0, "torch-fp16": 2.0}.get(method, float("nan"))
+    elif counter is not None:
+        handed = counter.bytes / steps
+        res["ratio_source"] = "grad bytes / bytes passed to torch.distributed.all_reduce per step"
+    else:  # DDP's own all-reduce (C++): once per step over each bucket's flat buffer
+        handed = _bench.ddp_bucket_bytes(ddp)
+        res["ratio_source"] = "grad bytes / DDP bucket buffer bytes per step"
+    if state is None:
+        res["ratio"] = grad / handed if handed else float("nan")
+        res["collective_bytes_per_step"] = handed if handed else float("nan")
     dist.barrier()
     if rank == 0:
         with open(out, "w") as f:
@@ -205,7 +240,9 @@ def main() -> None:
                     help="run the list of methods this many times, interleaved, and report the median "
                          "over every round's steps (a shared machine's load drifts between methods)")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--csv", default="benchmarks/out/bench_allreduce.csv")
+    ap.add_argument("--csv", default=None,
+                    help="default benchmarks/results/bench_allreduce_cpu.csv for the full run as root (every "
+                         "method, both default links, one round), benchmarks/out/bench_allreduce.csv otherwise")
     ap.add_argument("--_run", help=argparse.SUPPRESS)
     ap.add_argument("--_out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -215,8 +252,11 @@ def main() -> None:
 
     root = os.geteuid() == 0
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    print(f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())} on {os.cpu_count()} cores",
-          flush=True)
+    full = (root and args.methods == METHODS and args.links == ["1gbit", "none"] and args.rounds == 1
+            and args.steps == 8 and args.warmup == 3)
+    args.csv = args.csv or _bench.default_csv("bench_allreduce_cpu.csv" if full else "bench_allreduce.csv", full)
+    env0 = _bench.environment()
+    print(f"bench_allreduce: {_bench.machine_line(env=env0)}; {_bench.load_line()}", flush=True)
     rows = []
     for link in args.links:
         ns = None
@@ -254,8 +294,10 @@ def main() -> None:
                              "ms_min": min(res["ms"]), "ms_max": max(res["ms"]),
                              "compute_ms": compute, "wire_mb_per_step": res["wire_bytes"] / 1e6 if ns else float("nan"),
                              "wire_ms": wire_ms, "bound_ms": bound, "x_bound": med / bound,
-                             "compression_ratio": res["ratio"], "params": res["params"],
-                             "load_avg_1m": os.getloadavg()[0]})
+                             "compression_ratio": res["ratio"], "ratio_source": res["ratio_source"],
+                             "collective_bytes_per_step": res.get("collective_bytes_per_step", float("nan")),
+                             "params": res["params"], "load_avg_1m": os.getloadavg()[0],
+                             "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())})
                 print(f"{link:6s} {method:26s} {med:9.1f} ms/step  bound {bound:7.1f} ms "
                       f"(compute {compute:.1f}, wire {wire_ms:.1f})  x bound {med / bound:.2f}  "
                       f"(ratio {res['ratio']:.2f}, load {os.getloadavg()[0]:.1f})", flush=True)
@@ -267,18 +309,19 @@ def main() -> None:
 
     raw = pd.DataFrame(rows)
     if args.rounds > 1:
-        os.makedirs(os.path.dirname(args.csv) or ".", exist_ok=True)
-        raw.to_csv(args.csv.replace(".csv", "_rounds.csv"), index=False)
+        _bench.write_csv(args.csv.replace(".csv", "_rounds.csv"), raw.to_dict("records"), env0)
     # one row per link and method: medians over the rounds (each round's figure is a median of steps)
     df = raw.groupby(["link", "method"], sort=False).agg(
         ms_per_step=("ms_per_step", "median"), ms_min=("ms_min", "min"), ms_max=("ms_max", "max"),
         compute_ms=("compute_ms", "median"), wire_mb_per_step=("wire_mb_per_step", "median"),
         wire_ms=("wire_ms", "median"), bound_ms=("bound_ms", "median"),
-        compression_ratio=("compression_ratio", "first"), params=("params", "first"),
-        load_avg_1m=("load_avg_1m", "median"), rounds=("ms_per_step", "size")).reset_index()
+        compression_ratio=("compression_ratio", "first"), ratio_source=("ratio_source", "first"),
+        collective_bytes_per_step=("collective_bytes_per_step", "first"), params=("params", "first"),
+        load_avg_1m=("load_avg_1m", "median"), rounds=("ms_per_step", "size"),
+        date_utc=("date_utc", "first")).reset_index()
     df["x_bound"] = df.ms_per_step / df.bound_ms
-    os.makedirs(os.path.dirname(args.csv) or ".", exist_ok=True)
-    df.to_csv(args.csv, index=False)
+    # the machine and software of the run; load_avg_1m above is each row's own (median over its rounds)
+    _bench.write_csv(args.csv, df.to_dict("records"), env0)
     table = df.pivot(index="method", columns="link", values="ms_per_step").reindex(args.methods)
     links = list(table.columns)
     for link in links:
@@ -293,7 +336,8 @@ def main() -> None:
         floor = table.loc["ddp-fp32", "none"]
         for link in [c for c in args.links if c != "none" and c in table.columns]:
             table[f"/ floor ({link})"] = table[link] / floor
-    print(f"\n2 ranks x 1 thread, gloo, MLP of {rows[0]['params'] / 1e6:.1f}M parameters, batch 8, "
+    print(f"\n{_bench.machine_line(env=env0)}; {_bench.load_line()} at the end")
+    print(f"2 ranks x 1 thread, gloo, MLP of {rows[0]['params'] / 1e6:.1f}M parameters, batch 8, "
           f"median of {args.steps} steps (ms/step); floor = ddp-fp32 with no rate limit; bound = "
           f"max(compute, wire bytes / link rate), compute = the same step without communication")
     print(table.to_markdown(floatfmt=".2f"))

@@ -24,14 +24,18 @@ the whole set R times and keeps each case's best call, so that a burst of load c
     python benchmarks/bench_codecs.py --device cuda --size-mb 1024 --sweep
     python benchmarks/bench_codecs.py --bits 4 --backends cpu,torch --csv /tmp/b.csv
 
-Writes a CSV (default ``benchmarks/out/bench_codecs.csv``) and prints a table.
+Writes a CSV (default ``benchmarks/out/bench_codecs.csv``, git-ignored; the runs RESULTS.md quotes
+pass ``--csv benchmarks/results/bench_codecs_<machine>.csv``, written atomically) and prints a table.
+Each case's row has both the median and the best of its timed calls (``median_s``/``best_s``,
+``gbps_input_median``/``gbps_input``), and every row the machine (CPU model, family, SIMD flags,
+cores; the GPU's name), Python, torch, ``torch.version.cuda``, triton and the load average at the start
+and at the end of the run (``benchmarks/_bench.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import datetime as _dt
 import os
 import platform
@@ -43,6 +47,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parent))
+
+import _bench  # noqa: E402
 
 from fastml_strategy.kernels import cpu as cpu_kernels  # noqa: E402
 from fastml_strategy.kernels import (  # noqa: E402
@@ -174,7 +181,8 @@ def run(args) -> list[dict]:
     stamp = _dt.datetime.now().isoformat(timespec="seconds")
     common = dict(date=stamp, device=device.type, machine=machine(device), numel=n, block_size=bs,
                   dtype=args.dtype, rounding="stochastic" if args.stochastic else "nearest",
-                  threads=args.threads if device.type == "cpu" else "")
+                  threads=args.threads if device.type == "cpu" else "", **_bench.environment(device))
+    print(f"bench_codecs: {_bench.machine_line(env=common)}; {_bench.load_line()}", file=sys.stderr, flush=True)
     # Every timing of every round, by (label, op, bits, build): a case's median and best are over all
     # rounds, so a burst of load from other jobs cannot spoil all of one case's calls.
     samples: dict[tuple, list[float]] = {}
@@ -351,15 +359,16 @@ def main(argv=None) -> None:
     rows = run(args)
     print_table(rows)
     path = Path(args.csv)
-    path.parent.mkdir(parents=True, exist_ok=True)
     cols = ["date", "device", "machine", "backend", "build", "isa", "dtype", "rounding", "op", "bits", "block_size",
             "numel", "threads",
             "median_s", "best_s", "gbps_input", "gbps_input_median", "bytes_per_elem", "traffic_gbps", "pct_of_copy"]
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols)
-        w.writeheader()
-        w.writerows(rows)
-    print(f"\nwrote {path}")
+    end = _bench.load()
+    rows = [dict({c: r.get(c, "") for c in cols}, **{k: v for k, v in r.items() if k not in cols},
+                 load_1m_end=round(end[0], 2)) for r in rows]
+    print(f"\n{_bench.machine_line(env=rows[0])}; load average {rows[0]['load_1m']:.2f} at the start, "
+          f"{end[0]:.2f} at the end")
+    _bench.write_csv(path, rows, env={})
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -12,13 +12,14 @@ Usage::
     python benchmarks/bench_fsdp_residuals.py                 # 3 seeds, 300 steps: ~3 minutes on 2 cores
     python benchmarks/bench_fsdp_residuals.py --seeds 1 --steps 60   # smoke run
 
-Writes ``benchmarks/results/bench_fsdp_residuals_cpu.csv`` and prints a markdown table.
+Writes ``benchmarks/results/bench_fsdp_residuals_cpu.csv`` (the full run; other settings:
+``benchmarks/out/``) and prints a markdown table, with the machine (CPU model, SIMD flags, cores),
+Python, torch and the load average in every row (``benchmarks/_bench.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import socket
 import statistics
@@ -29,6 +30,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _bench  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "benchmarks" / "results" / "bench_fsdp_residuals_cpu.csv"
@@ -104,8 +108,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--out", default=None, help=f"default {OUT.relative_to(REPO)} for the full run "
+                    f"(--steps 300 --seeds 3), benchmarks/out/bench_fsdp_residuals_cpu.csv for any other")
     a = ap.parse_args()
+    a.out = a.out or _bench.default_csv("bench_fsdp_residuals_cpu.csv", a.steps == 300 and a.seeds == 3)
+    print(f"{_bench.machine_line()}; {_bench.load_line()} at the start", flush=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -147,14 +154,9 @@ def main() -> None:
                          "seeds": a.seeds, "world_size": WORLD, "cpu": cpu, "isa": isa,
                          "date": str(date.today())})
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    from fastml_strategy._io import atomic_write_text
-    import io
-
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=list(out_rows[0]))
-    w.writeheader()
-    w.writerows(out_rows)
-    atomic_write_text(a.out, buf.getvalue())
+    # every row: the machine (CPU model, SIMD flags, cores), Python, torch and the load average now
+    _bench.write_csv(a.out, out_rows)
+    print(f"\n{_bench.machine_line()}; {_bench.load_line()} at the end")
     print(f"\nCSV: {a.out}")
 
 
