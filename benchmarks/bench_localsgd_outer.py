@@ -9,14 +9,14 @@ Usage::
     python benchmarks/bench_localsgd_outer.py                   # 600 inner steps, 2 seeds: ~4 min on 2 cores
     python benchmarks/bench_localsgd_outer.py --steps 100 --seeds 1   # smoke run
 
-Writes ``benchmarks/results/bench_localsgd_outer_cpu.csv`` and prints a markdown table.
+Writes ``benchmarks/results/bench_localsgd_outer_cpu.csv`` (the full run; other settings:
+``benchmarks/out/``) and prints a markdown table, with the machine (CPU model, SIMD flags, cores),
+Python, torch and the load average in every row (``benchmarks/_bench.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import os
 import socket
 import statistics
@@ -27,6 +27,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _bench  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "benchmarks" / "results" / "bench_localsgd_outer_cpu.csv"
@@ -85,8 +88,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--seeds", type=int, default=2)
-    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--out", default=None, help=f"default {OUT.relative_to(REPO)} for the full run "
+                    f"(--steps 600 --seeds 2), benchmarks/out/bench_localsgd_outer_cpu.csv for any other")
     a = ap.parse_args()
+    a.out = a.out or _bench.default_csv("bench_localsgd_outer_cpu.csv", a.steps == 600 and a.seeds == 2)
+    print(f"{_bench.machine_line()}; {_bench.load_line()} at the start", flush=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -121,14 +127,9 @@ def main() -> None:
         out.append({"configuration": label, "accuracy_mean": round(acc, 5), "accuracies": per,
                     "vs_ddp_pt": round(100 * (acc - ref), 3), "ratio_vs_ddp_bytes": ratio, "steps": a.steps,
                     "seeds": a.seeds, "cpu": cpu, "date": str(date.today())})
-    from fastml_strategy._io import atomic_write_text
-
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=list(out[0]))
-    w.writeheader()
-    w.writerows(out)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(a.out, buf.getvalue())
+    # every row: the machine (CPU model, SIMD flags, cores), Python, torch and the load average now
+    _bench.write_csv(a.out, out)
+    print(f"\n{_bench.machine_line()}; {_bench.load_line()} at the end")
     print(f"\nCSV: {a.out}")
 
 
