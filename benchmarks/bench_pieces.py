@@ -8,6 +8,11 @@ alternating between buckets cut into pieces of ``--pieces`` elements and buckets
 both settings see the same load of a shared machine, which separate runs do not (there, one run can
 differ from the next by 30%). Prints the median step of each and their ratio (> 1: pieces faster).
 The link: as root, a network namespace whose loopback is shaped as in ``bench_allreduce.py``.
+
+Writes CSV (``--csv``; by default ``benchmarks/results/bench_pieces_cpu.csv`` for the full run as root
+with the default settings, ``benchmarks/out/bench_pieces.csv`` otherwise): per link and piece size the
+median and the best step of each setting, their ratio, the steps each, the load average when the row
+ran, and the machine (CPU model, SIMD flags, cores), Python and torch (``benchmarks/_bench.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _bench  # noqa: E402
 from bench_allreduce import _setup_ns  # noqa: E402
 
 ONE_PIECE = 1 << 40
@@ -70,7 +76,7 @@ def _worker(rank: int, world: int, port: int, plan: str, steps: int, piece: int,
     if rank == 0:
         a, b = statistics.median(times[piece]), statistics.median(times[ONE_PIECE])
         with open(out, "w") as f:
-            f.write(f"{a} {b} {len(times[piece])}\n")
+            f.write(f"{a} {b} {len(times[piece])} {min(times[piece])} {min(times[ONE_PIECE])}\n")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -81,6 +87,8 @@ def main() -> None:
     ap.add_argument("--pieces", nargs="+", type=int, default=[1 << 22])
     ap.add_argument("--plan", default="int4")
     ap.add_argument("--steps", type=int, default=44)
+    ap.add_argument("--csv", default=None, help="default benchmarks/results/bench_pieces_cpu.csv for the full "
+                    "run as root with the default settings, benchmarks/out/bench_pieces.csv otherwise")
     ap.add_argument("--_run", nargs=2, type=int, help=argparse.SUPPRESS)  # piece, port
     ap.add_argument("--_out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -91,7 +99,12 @@ def main() -> None:
         mp.spawn(_worker, args=(2, port, args.plan, args.steps, piece, args._out), nprocs=2, join=True)
         return
     root = os.geteuid() == 0
-    print(f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())} on {os.cpu_count()} cores")
+    full = (root and args.links == ["1gbit", "none"] and args.pieces == [1 << 22] and args.plan == "int4"
+            and args.steps == 44)
+    csv_path = args.csv or _bench.default_csv("bench_pieces_cpu.csv" if full else "bench_pieces.csv", full)
+    env0 = _bench.environment()
+    print(f"bench_pieces: {_bench.machine_line(env=env0)}; {_bench.load_line()}", flush=True)
+    rows = []
     for link in args.links:
         if link != "none" and not root:
             print(f"skipping link {link}: shaping the loopback needs root", file=sys.stderr)
@@ -113,14 +126,23 @@ def main() -> None:
                 env = {**os.environ, "PYTHONPATH": repo}
                 subprocess.run(cmd, check=True, env=env, stderr=subprocess.DEVNULL)
                 with open(out) as f:
-                    a, b, n = f.read().split()
+                    a, b, n, best_a, best_b = f.read().split()
                 os.unlink(out)
+                rows.append({"link": link, "plan": args.plan, "piece_numel": piece,
+                             "ms_pieces_median": float(a), "ms_one_piece_median": float(b),
+                             "x_pieces_faster": float(b) / float(a), "ms_pieces_best": float(best_a),
+                             "ms_one_piece_best": float(best_b), "steps_each": int(n),
+                             "load_avg_1m": round(os.getloadavg()[0], 2),
+                             "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())})
                 print(f"{link:6s} {args.plan} pieces of {piece:>9,d}: {float(a):7.1f} ms, one piece "
                       f"{float(b):7.1f} ms, x {float(b) / float(a):.3f} ({n} steps each, load "
                       f"{os.getloadavg()[0]:.1f})", flush=True)
         finally:
             if ns:
                 subprocess.run(["ip", "netns", "del", ns], stderr=subprocess.DEVNULL)
+    if rows:
+        _bench.write_csv(csv_path, rows, env0)
+        print(f"CSV: {csv_path}")
 
 
 if __name__ == "__main__":
