@@ -163,7 +163,8 @@ def select_topk(a: torch.Tensor, k: int) -> torch.Tensor:
     non-finite input in the message itself, so this does not matter on the wire.
     """
     n = a.numel()
-    if n <= _SAMPLED_TOPK_MIN or 8 * k > n:
+    # On a GPU, torch.topk is fast, and the sampled path would read the host (nonzero, numel).
+    if n <= _SAMPLED_TOPK_MIN or 8 * k > n or a.is_cuda:
         return torch.topk(a, k, sorted=False).indices
     stride = max(1, n // _SAMPLE)
     sample = a[::stride]
@@ -200,8 +201,8 @@ def encode_topk(
     a = v.abs()
     idx = select_topk(a, k)
     vals = v[idx]
-    if n and not bool(torch.isfinite(a.max())):
-        vals[0] = float("nan")
+    if n:  # on the device: no host read
+        vals[:1].masked_fill_(~torch.isfinite(a.max()), float("nan"))
     vcfg = _topk_value_cfg(cfg)
     if vcfg is None:
         vbytes = 4 * k
@@ -228,7 +229,10 @@ def decode_topk_add(buf: torch.Tensor, numel: int, cfg: CodecConfig, out: torch.
         vbytes = dense_nbytes(k, vcfg)
         vals = torch.empty(k, dtype=torch.float32, device=out.device)
         decode_dense(buf[:vbytes], k, vcfg, vals)
-    idx = buf[vbytes: vbytes + 4 * k].view(torch.int32).to(torch.int64)
+    # Clamped: a rank that failed sends whatever its buffer held (the error travels in the header and
+    # every rank raises at the end of the step), and an index out of range must not reach index_add_
+    # (a device-side assert on CUDA). A valid message's indices are all below numel.
+    idx = buf[vbytes: vbytes + 4 * k].view(torch.int32).to(torch.int64).clamp_(0, max(numel - 1, 0))
     out.index_add_(0, idx, vals)
     return torch.isfinite(vals).all()
 
@@ -314,10 +318,8 @@ def encode_chunk(
     if x.numel() == 0:
         return
     rest, finite = encode_topk_ef(x, cfg, out, residual, seed)
-    if residual is not None and bool(finite):
-        (residual if residual_out is None else residual_out).copy_(rest)
-    elif residual is not None and residual_out is not None:
-        residual_out.copy_(residual)
+    if residual is not None:  # decided on the device: no host read
+        (residual if residual_out is None else residual_out).copy_(torch.where(finite, rest, residual))
 
 
 def decode_chunk(buf: torch.Tensor, numel: int, cfg: CodecConfig, out: torch.Tensor,

@@ -46,6 +46,17 @@ collective with an error header, so every rank (that one included) raises the sa
 :class:`CompressionError`, naming the lowest failing rank, instead of hanging. In a pipelined bucket
 a failing rank sends error headers for the rest of the bucket and every rank completes every
 collective of the bucket before raising, so none is left pending.
+
+Host reads (issue 10): nothing on the wire path reads a tensor's value on the host per chunk, piece or
+bucket. The headers every rank received, the finiteness of every decoded result and this rank's own
+errors are collected on the device (:class:`StepChecks`) and resolved in one host read
+(:meth:`CompressedAllReduce.finish`, through :func:`_host`, which counts them: :func:`host_reads`):
+per bucket for a caller that passes no checks (FSDP, LocalSGD), per step for the DDP hook, which
+keeps one :class:`StepChecks` for all the buckets of a step. Until then the other ranks cannot know
+that one rank failed, so they decode and sum what it sent (whatever its buffers held): decoding any
+bytes is harmless (top-k indices are clamped), and the step raises at its end on every rank alike,
+naming the lowest failing rank of the first message, in the order every rank read them, whose header
+reported an error. A failing rank sends error headers for the rest of the step.
 """
 
 from __future__ import annotations
@@ -61,7 +72,8 @@ import torch.distributed as dist
 from fastml_strategy import codecs
 from fastml_strategy.config import RECIPES, CodecConfig, Plan
 
-__all__ = ["BucketLayout", "ShardLayout", "CompressedAllReduce", "CompressionError", "DecodeError"]
+__all__ = ["BucketLayout", "ShardLayout", "CompressedAllReduce", "CompressionError", "DecodeError", "StepChecks",
+           "host_reads"]
 
 HEADER = 64  # bytes: int32 status, int32 rank, 56 bytes of UTF-8 error text
 _STATUS_OK, _STATUS_ERROR = 0, 1
@@ -182,12 +194,71 @@ class _TopkParam:
     pending: torch.Tensor | None = None
 
 
+_host_reads = 0
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """The one way the wire path reads a tensor's value on the host (counted: :func:`host_reads`).
+
+    A CUDA tensor is copied into pinned memory on the current stream and the host waits for that
+    copy's event: one host synchronisation, and an explicit one, so that the hot path can run under
+    ``torch.cuda.set_sync_debug_mode("error")`` and any *other* read (``.item()``, ``bool(t)``,
+    ``nonzero``) still raises there. The hook reads one small tensor per step this way."""
+    global _host_reads
+    _host_reads += 1
+    if not t.is_cuda:
+        return t.detach()
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t.detach(), non_blocking=True)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(t.device))
+    done.synchronize()
+    return out
+
+
+def host_reads() -> int:
+    """How many times this process's wire path read a tensor on the host (:func:`_host`)."""
+    return _host_reads
+
+
+def _finite_t(t: torch.Tensor) -> torch.Tensor:
+    """Whether every element of ``t`` is finite, as a 0-d bool tensor on ``t``'s device (no host
+    read). ``aminmax`` reads ``t`` once and propagates NaN; an inf is the min or the max itself, and
+    finite values never overflow a min or a max."""
+    if t.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    mn, mx = torch.aminmax(t.reshape(-1))
+    return torch.isfinite(mn) & torch.isfinite(mx)
+
+
 def _finite(t: torch.Tensor) -> bool:
-    """Whether every element of ``t`` is finite. A NaN or inf makes the sum non-finite, so a finite sum
-    settles it in one read of ``t``; a non-finite sum may also be an overflow of finite values, and
-    only then is ``t`` checked element by element."""
-    acc = torch.float64 if t.dtype == torch.float64 else torch.float32
-    return bool(torch.isfinite(t.sum(dtype=acc))) or bool(torch.isfinite(t).all())
+    """:func:`_finite_t`, read on the host."""
+    return bool(_host(_finite_t(t)))
+
+
+class StepChecks:
+    """What the buckets of one step found, kept on the device until the step ends (no host read per
+    bucket or per piece): the headers of every message received, in the order every rank reads them
+    (W per all_to_all and per all_gather), the finiteness of every decoded result, and this rank's
+    own errors. :meth:`CompressedAllReduce.finish` reads the headers' status and the finiteness in
+    one host read; only when a header reports an error are the headers' texts read (to raise).
+
+    ``error``: this rank's first error while encoding or reducing; every message this rank sends
+    afterwards (in this step) carries it in its header, and the rank skips the rest of its work.
+    ``decode_error``: an error after a bucket's last collective, which no header can carry: the
+    ranks exchange it at the end of the step (:meth:`CompressedAllReduce.finish`, ``exchange``)."""
+
+    def __init__(self) -> None:
+        self.headers: list[tuple[str, torch.Tensor]] = []  # (stage, W x HEADER bytes)
+        self.finite: list[torch.Tensor] = []  # 0-d bool tensors
+        self.error: BaseException | None = None
+        self.decode_error: BaseException | None = None
+
+    def add_headers(self, stage: str, headers: list[torch.Tensor]) -> None:
+        self.headers.append((stage, torch.stack([h[:HEADER] for h in headers])))
+
+    def add_finite(self, ok: torch.Tensor) -> None:
+        self.finite.append(ok.reshape(()))
 
 
 def _chunk_bounds(length: int, unit: int, W: int) -> list[int]:
@@ -644,7 +715,7 @@ class CompressedAllReduce:
         headers (64 bytes each), not of the messages behind them. Headers are read in rank order, so
         every rank reports the same (lowest) failing rank with the same text; the failing rank itself
         reads its own header too and chains its exception (``cause``)."""
-        for h in torch.stack([h[:HEADER] for h in headers]).cpu().unbind(0):
+        for h in _host(torch.stack([h[:HEADER] for h in headers])).unbind(0):
             if int(h[:4].view(torch.int32)[0]) != _STATUS_OK:
                 rank = int(h[4:8].view(torch.int32)[0])
                 text = bytes(h[8:].tolist()).rstrip(b"\0").decode("utf-8", "replace")
@@ -701,9 +772,10 @@ class CompressedAllReduce:
         return _mix(base, stage, g.key, *more, start) if start else _mix(base, stage, g.key, *more)
 
     def _encode_group(self, lay: _Messages, g: _DenseGroup, buf: torch.Tensor, base: int,
-                      layer_stats: bool) -> tuple[float, float]:
+                      layer_stats: bool):
         """Encode chunk j of ``g`` into ``lay``'s message for rank j (every j), with error feedback;
-        returns (squared error, squared norm) of the encoding when ``layer_stats`` (else zeros)."""
+        returns (squared error, squared norm) of the encoding when ``layer_stats`` (0-d device
+        tensors; else zeros)."""
         if not g.direct:
             g.gather(buf)
         owner = g.base
@@ -722,38 +794,101 @@ class CompressedAllReduce:
             codecs.encode_chunk(x, g.cfg, out, res, res_out, seed=self._seed(base, 0, g, j))
             if v is not None:
                 # relative error ||decoded - input|| / ||input|| of the first-stage encoding
+                # (0-d float64 tensors on the device: read only when stats() asks, see layer_stats)
                 dec = torch.empty_like(v)
                 codecs.decode_chunk(out, b - a, g.cfg, dec)
-                err2 += float((dec - v).square().sum())
-                nrm2 += float(v.square().sum())
+                err2 = err2 + (dec - v).square().sum(dtype=torch.float64)
+                nrm2 = nrm2 + v.square().sum(dtype=torch.float64)
         return err2, nrm2
 
-    def _record_error(self, g: _DenseGroup, err2: float, nrm2: float, layer_stats: bool) -> None:
+    def _record_error(self, g: _DenseGroup, err2, nrm2, layer_stats: bool) -> None:
         if layer_stats:
-            rel = math.sqrt(err2 / nrm2) if nrm2 > 0 else 0.0
+            if isinstance(nrm2, torch.Tensor):
+                rel = torch.where(nrm2 > 0, (err2 / nrm2).sqrt(), torch.zeros_like(nrm2))
+            else:
+                rel = math.sqrt(err2 / nrm2) if nrm2 > 0 else 0.0
             for p in g.params:
                 self.layer_error[p.name] = rel
 
     # -- the all-reduce of a DDP bucket ----------------------------------------------------------------
     @torch.no_grad()
     def run(self, lay: BucketLayout, buf: torch.Tensor, step: int, layer_stats: bool = False,
-            commit: bool = True, baseline_elem_size: int = 4) -> bool:
+            commit: bool = True, baseline_elem_size: int = 4,
+            checks: StepChecks | None = None) -> bool | None:
         """Replace flat bucket ``buf`` (any float dtype) by the mean over ranks of the compressed
         gradients. Returns whether the result is finite; the new residuals are committed only then
         (with ``commit=False`` not at all: the caller calls :meth:`commit` once the whole step is
         known to be finite, so a step that GradScaler skips leaves every bucket's residuals alone).
         ``baseline_elem_size``: bytes per element of the uncompressed all-reduce the statistics
-        compare against (fp32 for DDP)."""
-        if lay.uncompressed:
-            return self._plain_all_reduce(lay, buf, baseline_elem_size)
-        transient = lay.acquire()
-        try:
-            return self._run(lay, buf, step, layer_stats, commit, baseline_elem_size)
-        finally:
-            if transient:
-                lay.release()
+        compare against (fp32 for DDP).
 
-    def _plain_all_reduce(self, lay: BucketLayout, buf: torch.Tensor, baseline_elem_size: int) -> bool:
+        With ``checks`` (the DDP hook: one :class:`StepChecks` per step) nothing is read on the host
+        and nothing raised for what the headers or the results say: they are added to ``checks``,
+        which the caller resolves once per step with :meth:`finish`; returns None. Without, the
+        bucket is resolved at once (one host read): an error in any rank's header raises the same
+        :class:`CompressionError` on every rank, a decoding error of this rank :class:`DecodeError`."""
+        own = checks is None
+        if own:
+            checks = StepChecks()
+        if lay.uncompressed:
+            self._plain_all_reduce(lay, buf, baseline_elem_size, checks)
+        else:
+            transient = lay.acquire()
+            try:
+                self._run(lay, buf, step, layer_stats, checks, baseline_elem_size)
+            finally:
+                if transient:
+                    lay.release()
+        if not own:
+            return None
+        finite = self.finish(checks)
+        if finite and commit:
+            self.commit(lay)
+        return finite
+
+    @torch.no_grad()
+    def finish(self, checks: StepChecks, device: torch.device | None = None, exchange: bool = False,
+               stage: str = "decoding") -> bool:
+        """Resolve what ``checks`` gathered: one host read of every header's status and every
+        finiteness check. If a header reports an error, every rank raises the same
+        :class:`CompressionError`, naming the lowest failing rank of the first message (in the order
+        every rank read them) that carried one. With ``exchange`` (a collective: at the end of a
+        step that decoded something), the ranks first all_gather a 64-byte header of this rank's
+        ``checks.decode_error``, as a last message read after all others; without, a decoding error
+        of this rank raises :class:`DecodeError` (the caller tells the others). Returns whether every
+        checked result was finite."""
+        W = self.world_size
+        if exchange and W > 1:
+            dev = device if device is not None and device.type == "cuda" else torch.device("cpu")
+            mine = torch.zeros(HEADER, dtype=torch.uint8, device=dev)
+            self._write_header(mine, checks.decode_error)
+            out = torch.zeros(W * HEADER, dtype=torch.uint8, device=dev)
+            dist.all_gather(list(out.view(W, HEADER).unbind(0)), mine, group=self.group)
+            checks.add_headers(stage, list(out.view(W, HEADER).unbind(0)))
+        parts = []
+        if checks.headers:
+            hdrs = torch.cat([h for _, h in checks.headers])
+            parts.append(hdrs.view(torch.int32)[:, 0] != _STATUS_OK)
+        if checks.finite:
+            fin = torch.stack(checks.finite)
+            parts.append(~fin.to(parts[0].device) if parts else ~fin)
+        flags = _host(torch.cat(parts)).tolist() if parts else []
+        cause = checks.error or checks.decode_error
+        for i, (what, h) in enumerate(checks.headers):
+            if any(flags[i * W: (i + 1) * W]):  # the error path: the texts are read only here
+                raise self._header_error(list(_host(h).unbind(0)), what, cause)
+        if checks.error is not None:  # unreachable: this rank's own headers carry its error
+            raise CompressionError("FastML: compression failed") from checks.error
+        if checks.decode_error is not None:
+            if exchange:  # one rank: no header to exchange, the error is this rank's
+                raise CompressionError(f"FastML: compression failed during {stage} "
+                                       f"({checks.decode_error})") from checks.decode_error
+            e = checks.decode_error
+            raise DecodeError(f"{type(e).__name__}: {e}") from e
+        return not any(flags[W * len(checks.headers):])
+
+    def _plain_all_reduce(self, lay: BucketLayout, buf: torch.Tensor, baseline_elem_size: int,
+                          checks: StepChecks) -> None:
         """A bucket with nothing to compress: exactly what DDP's own hook does (divide, then one
         all-reduce in the gradients' dtype), so ``none`` is DDP's result for every dtype (float64 too)
         and costs one collective."""
@@ -764,13 +899,14 @@ class CompressedAllReduce:
         nbytes = buf.numel() * buf.element_size()
         self.bytes_sent += int(round(2.0 * (W - 1) / W * nbytes))
         self.bytes_uncompressed += 2.0 * (W - 1) / W * baseline_elem_size * lay.total_numel
-        return _finite(buf)
+        checks.add_finite(_finite_t(buf))
 
     @torch.no_grad()
-    def sparse_all_reduce(self, buf: torch.Tensor) -> bool:
+    def sparse_all_reduce(self, buf: torch.Tensor, checks: StepChecks | None = None) -> bool | None:
         """A sparse gradient (its own DDP bucket): the exact sparse all-reduce DDP does, then the mean.
         Every rank sums the same rows in the same order, so replicas stay identical; uncompressed
-        whatever the plan says. Returns whether the result is finite."""
+        whatever the plan says. Returns whether the result is finite (with ``checks``: adds that to
+        them and returns None)."""
         W = self.world_size
         nbytes = buf._values().numel() * buf.element_size() + buf._indices().numel() * 8
         if W > 1:
@@ -779,26 +915,21 @@ class CompressedAllReduce:
         # gloo's sparse all-reduce all-gathers every rank's indices and values
         self.bytes_sent += (W - 1) * nbytes
         self.bytes_uncompressed += (W - 1) * nbytes
-        return bool(torch.isfinite(buf._values()).all())
+        ok = _finite_t(buf._values())
+        if checks is None:
+            return bool(_host(ok))
+        checks.add_finite(ok)
+        return None
 
     def exchange_status(self, error: BaseException | None, stage: str, device: torch.device) -> None:
         """Every rank tells every other whether ``error`` happened on it (a 64-byte all_gather); if it
         did on any rank, every rank raises the same :class:`CompressionError`, naming the lowest."""
-        W = self.world_size
-        if W == 1:
-            if error is not None:
-                raise CompressionError(f"FastML: compression failed during {stage} ({error})") from error
-            return
-        if device.type != "cuda":
-            device = torch.device("cpu")
-        mine = torch.zeros(HEADER, dtype=torch.uint8, device=device)
-        self._write_header(mine, error)
-        out = torch.zeros(W * HEADER, dtype=torch.uint8, device=device)
-        dist.all_gather(list(out.view(W, HEADER).unbind(0)), mine, group=self.group)
-        self._check_headers(list(out.view(W, HEADER).unbind(0)), stage, error)
+        checks = StepChecks()
+        checks.decode_error = error
+        self.finish(checks, device, exchange=True, stage=stage)
 
-    def _run(self, lay: BucketLayout, buf: torch.Tensor, step: int, layer_stats: bool, commit: bool,
-             baseline_elem_size: int) -> bool:
+    def _run(self, lay: BucketLayout, buf: torch.Tensor, step: int, layer_stats: bool,
+             checks: StepChecks, baseline_elem_size: int) -> None:
         """The pipeline over ``lay.pieces`` (P of them). Every rank issues the same collectives in the
         same order, whatever fails where: a2a 0, a2a 1, ag 0, a2a 2, ag 1, ..., ag P-1, so that
 
@@ -806,50 +937,45 @@ class CompressedAllReduce:
         - piece k is reduced (decode W copies, sum, re-encode) and its all_gather issued,
         - piece k-1's all_gather is awaited and decoded into ``buf`` while pieces k and k+1 travel.
 
-        Errors travel in the headers, as without pipelining: a rank whose encoding (or reduction)
-        raised sends error headers from then on and skips the work; the headers each rank reads at
-        the same point of the schedule are the same on every rank, so every rank skips the same work
-        and, once every collective of the bucket is complete (none is left pending), raises the same
-        first error. Decoding into ``buf`` follows the last collective of its piece: an error there is
-        this rank's alone (:class:`DecodeError`; the caller tells the others)."""
+        Nothing here is read on the host. Errors travel in the headers: a rank whose encoding (or
+        reduction) raised sends error headers from then on (for the rest of the step) and skips its
+        work; the other ranks cannot know before the step's one host read (:meth:`finish`), so they
+        decode and sum whatever the failing rank sent, which must be harmless (top-k indices are
+        clamped, see :func:`fastml_strategy.codecs.decode_topk_add`). The headers each rank reads,
+        in the same order on every rank, go to ``checks``, with the finiteness of the decoded
+        chunks. Decoding into ``buf`` follows the last collective of its piece: an error there is
+        this rank's alone (``checks.decode_error``; the ranks exchange it at the end of the step)."""
         W, r = self.world_size, self.rank
         base = _mix(self.plan.seed, step, r)
         pieces = lay.pieces
         P = len(pieces)
-        enc_error: BaseException | None = None  # this rank's first error while encoding
-        red_error: BaseException | None = None  # ... while reducing (sum and re-encode)
-        failed: CompressionError | None = None  # the first error in any header read so far
-        dec_error: BaseException | None = None
-        checks: list[torch.Tensor] = []  # one sync at the end, not one per chunk (GPU)
+        finite: list[torch.Tensor] = []  # reduced to one check per bucket
         stats: dict[int, list] = {}  # id(group) -> [group, err2, nrm2] (a group's slices add up)
         a2a: list = [None] * P
         ag: list = [None] * P
 
         def encode(k: int) -> None:
-            nonlocal enc_error
             piece = pieces[k]
-            if enc_error is None and failed is None:
+            if checks.error is None:
                 try:
                     for g in piece.dense:
                         e2, n2 = self._encode_group(piece, g, buf, base, layer_stats)
                         acc = stats.setdefault(id(g.base), [g.base, 0.0, 0.0])
-                        acc[1] += e2
-                        acc[2] += n2
+                        acc[1] = acc[1] + e2
+                        acc[2] = acc[2] + n2
                     if piece.topk:
                         self._encode_topk(lay, piece, buf, base, layer_stats)
                 except Exception as e:  # noqa: BLE001 - forwarded to every rank in the headers
-                    enc_error = e
+                    checks.error = e
             for j in range(W):
-                self._write_header(piece.send[piece.send_starts[j]:], enc_error)
+                self._write_header(piece.send[piece.send_starts[j]:], checks.error)
             a2a[k] = self._all_to_all(piece, async_op=True)
 
         def reduce(k: int) -> None:
-            nonlocal red_error, failed
             piece = pieces[k]
             a2a[k].wait()
-            failed = failed or self._header_error(
-                [piece.recv[j * piece.my_chunk:] for j in range(W)], "encoding", enc_error)
-            if failed is None and red_error is None:
+            checks.add_headers("encoding", [piece.recv[j * piece.my_chunk:] for j in range(W)])
+            if checks.error is None:
                 try:
                     self._sum_own_chunks(piece)
                     for g in piece.dense:
@@ -858,21 +984,19 @@ class CompressedAllReduce:
                         codecs.encode_chunk(g.acc, g.cfg, piece.gsend[off: off + g.nbytes[r]],
                                             seed=self._seed(base, 1, g))
                 except Exception as e:  # noqa: BLE001
-                    red_error = e
-            self._write_header(piece.gsend, red_error)
+                    checks.error = e
+            self._write_header(piece.gsend, checks.error)
             ag[k] = self._all_gather(piece, async_op=True)
 
         def decode(k: int) -> None:
-            nonlocal failed, dec_error
             piece = pieces[k]
             ag[k].wait()
-            failed = failed or self._header_error(
-                [piece.grecv[j * piece.gather_size:] for j in range(W)], "reduction", red_error)
-            if failed is None and dec_error is None:
+            checks.add_headers("reduction", [piece.grecv[j * piece.gather_size:] for j in range(W)])
+            if checks.error is None and checks.decode_error is None:
                 try:
-                    self._decode(lay, piece, buf, checks)
+                    self._decode(lay, piece, buf, finite)
                 except Exception as e:  # noqa: BLE001 - after the piece's last collective
-                    dec_error = e
+                    checks.decode_error = e
 
         encode(0)
         for k in range(P):
@@ -883,17 +1007,11 @@ class CompressedAllReduce:
                 decode(k - 1)
         decode(P - 1)
 
-        if failed is not None:
-            raise failed
-        if dec_error is not None:  # no collective left to carry it: see exchange_status
-            raise DecodeError(f"{type(dec_error).__name__}: {dec_error}") from dec_error
+        if finite:
+            checks.add_finite(torch.stack(finite).all())
         for g, e2, n2 in stats.values():
             self._record_error(g, e2, n2, layer_stats)
-        finite = bool(torch.stack(checks).all()) if checks else True
-        if finite and commit:
-            self.commit(lay)
         self.bytes_uncompressed += 2.0 * (W - 1) / W * baseline_elem_size * lay.total_numel
-        return finite
 
     @staticmethod
     def commit(lay: BucketLayout) -> None:
@@ -915,14 +1033,14 @@ class CompressedAllReduce:
             p = t.param
             g = buf[p.boff: p.boff + p.numel]
             res = t.residual if t.cfg.uses_residual else None
-            vn = 0.0
+            vn = None
             if layer_stats:
-                vn = float((g.float() + res).norm() if res is not None else g.float().norm())
+                vn = (g.float() + res).norm() if res is not None else g.float().norm()
             out = piece.gsend[t.gather_off: t.gather_off + t.nbytes]
             # rest: a fresh fp32 tensor, the new residual; committed with the rest of the step
             rest, _ = codecs.encode_topk_ef(g, t.cfg, out, res, seed=_mix(base, 2, zlib.crc32(p.name.encode())))
             if layer_stats:
-                self.layer_error[p.name] = float(rest.norm()) / vn if vn > 0 else 0.0
+                self.layer_error[p.name] = torch.where(vn > 0, rest.norm() / vn, torch.zeros_like(vn))
             t.pending = rest if res is not None else None
 
     def _decode(self, lay: BucketLayout, piece: _Piece, buf: torch.Tensor,
@@ -986,10 +1104,17 @@ class CompressedAllReduce:
         for off, n in lay.padding:
             out[off: off + n].zero_()
         self.bytes_uncompressed += lay.baseline_bytes
-        return bool(torch.stack(checks).all()) if checks else True
+        return bool(_host(torch.stack(checks).all())) if checks else True
 
     # -- statistics ---------------------------------------------------------------------------------------
     def layer_stats(self) -> dict[str, dict]:
+        # The per-layer errors stay on the device until asked for: one host read for all of them.
+        pending = [(n, v) for n, v in self.layer_error.items() if isinstance(v, torch.Tensor)]
+        if pending:
+            dev = pending[0][1].device
+            vals = _host(torch.stack([v.reshape(()).to(dev, torch.float64) for _, v in pending])).tolist()
+            for (n, _), v in zip(pending, vals):
+                self.layer_error[n] = v
         out = {}
         for lay in self.layouts.values():
             for name, (cfg, numel, nbytes) in lay.layer_rows(self.world_size, self.rank).items():

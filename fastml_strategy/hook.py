@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from fastml_strategy._validate import whole_number
-from fastml_strategy.collective import CompressedAllReduce, CompressionError, DecodeError
+from fastml_strategy.collective import CompressedAllReduce, CompressionError, StepChecks
 from fastml_strategy.config import Plan, resolve_plan
 
 __all__ = ["FastMLState", "register_hook", "suggest_bucket_cap_mb", "ReplicaDriftError", "CompressionError"]
@@ -142,12 +142,64 @@ class _CommRunner:
                 job.done.set()
 
 
+class StepCommit:
+    """The per-step commit policy of the hook: when error-feedback residuals move on, and when a step
+    fails.
+
+    Every bucket of a step runs with its checks kept on the device (:class:`StepChecks`: the
+    status of every message header received, the finiteness of every result, this rank's own
+    errors), and its layout waits uncommitted. At the step's last bucket, :meth:`end_step` resolves
+    them with one host read (:meth:`CompressedAllReduce.finish`; after a 64-byte all_gather of each
+    rank's decoding status when the step decoded anything): an error on any rank raises the same
+    :class:`CompressionError` on every rank; a step with a NaN/inf anywhere (the step GradScaler
+    skips) leaves every residual untouched and counts in ``nonfinite_steps``; otherwise every
+    bucket's residuals are committed together."""
+
+    def __init__(self, engine: Optional[CompressedAllReduce]) -> None:
+        self.engine = engine
+        self.nonfinite_steps = 0  # steps whose result held NaN/inf (residuals left unchanged)
+        self._new_step()
+
+    def _new_step(self) -> None:
+        self.layouts: list = []  # buckets of this step waiting for their residuals to be committed
+        self.checks = StepChecks()
+        # whether a bucket of this step ran the compressed path (the plan and the bucket decide it, so
+        # every rank agrees): a step of plain all-reduces only (a `none` plan) exchanges no status,
+        # DDP's one collective per bucket and no more
+        self.decodes = False
+
+    def run_bucket(self, job: "_Job", step: int, layer_stats: bool) -> None:
+        eng = self.engine
+        if job.sparse:
+            eng.sparse_all_reduce(job.buffer, checks=self.checks)
+            return
+        lay = eng.layout_for(job.names, job.offsets, job.numels, job.buffer.device, job.buffer.dtype)
+        self.decodes = self.decodes or not lay.uncompressed
+        eng.run(lay, job.buffer, step, layer_stats=layer_stats, commit=False, checks=self.checks)
+        self.layouts.append(lay)
+
+    def end_step(self, device: torch.device) -> bool:
+        """Resolve the step (raises its error on every rank alike), commit or skip; returns whether
+        the step was finite."""
+        checks, layouts, decodes = self.checks, self.layouts, self.decodes
+        self._new_step()
+        finite = self.engine.finish(checks, device, exchange=decodes)
+        if finite:
+            for lay in layouts:
+                self.engine.commit(lay)
+        else:
+            self.nonfinite_steps += 1
+        return finite
+
+
 class FastMLState:
     """State of the FastML comm hook of one DDP model on one rank.
 
     Pass it around like torch's ``PowerSGDState``: ``stats()`` for the figures, ``state_dict()`` /
     ``load_state_dict()`` for checkpoints (residuals, step counter, counters, plan). The communication
-    itself (thread, queue, CUDA stream) is a :class:`_CommRunner` the state owns.
+    itself (thread, queue, CUDA stream) is a :class:`_CommRunner` the state owns, and when a step's
+    residuals move on (its one host read, the commit or the skip of a non-finite step) a
+    :class:`StepCommit`.
 
     Pickling keeps what a checkpoint keeps (the settings, the plan, ``state_dict()``), not the process
     group, the thread or the parameters, as ``PowerSGDState`` drops its process group. An unpickled
@@ -170,23 +222,24 @@ class FastMLState:
         self._params = params  # every parameter (the replica check covers frozen ones too)
         self._param_names = [names.get(id(p), "") for p in params]
         self._engine = CompressedAllReduce(plan, process_group, rank, world_size)
+        self._commit = StepCommit(self._engine)
         self._runner: Optional[_CommRunner] = _CommRunner(rank, self._process, self._explain)
         self._saved: Optional[dict] = None  # an unpickled (detached) state: its state_dict()
         # -- statistics -----------------------------------------------------------------------------
         self.step = 0  # completed steps (counted at the last bucket; no_sync micro-batches call no hook)
-        self.nonfinite_steps = 0  # steps whose result held NaN/inf (residuals left unchanged)
-        # Buckets of the current step waiting for their residuals to be committed, and whether every
-        # bucket so far was finite: residuals move on only when the whole step is finite.
-        self._uncommitted: list = []
-        self._step_finite = True
-        # An error of this rank after a bucket's last collective (decoding the result): the other ranks
-        # cannot see it in a message header, so every rank exchanges its status at the end of the step.
-        self._step_error: Optional[BaseException] = None
         # Buckets and elements of the current step: few buckets mean little overlap with backward
         # (logged once, at the end of step 1, after DDP's bucket rebuild).
         self._step_buckets = 0
         self._step_numel = 0
-        self._step_decodes = False  # whether a bucket of this step ran the compressed path
+
+    @property
+    def nonfinite_steps(self) -> int:
+        """Steps whose result held NaN/inf (residuals left unchanged): see :class:`StepCommit`."""
+        return self._commit.nonfinite_steps
+
+    @nonfinite_steps.setter
+    def nonfinite_steps(self, value: int) -> None:
+        self._commit.nonfinite_steps = value
 
     @property
     def _failure(self) -> Optional[BaseException]:
@@ -218,41 +271,16 @@ class FastMLState:
         return err
 
     def _process(self, job: _Job) -> None:
-        eng = self._engine
-        if job.sparse:
-            finite = eng.sparse_all_reduce(job.buffer)
-        else:
-            lay = eng.layout_for(job.names, job.offsets, job.numels, job.buffer.device, job.buffer.dtype)
-            every = self.layer_stats_every
-            layer_stats = every > 0 and self.step % every == 0
-            # the plan and the bucket decide this, so every rank agrees on it
-            self._step_decodes = self._step_decodes or not lay.uncompressed
-            try:
-                finite = eng.run(lay, job.buffer, self.step, layer_stats=layer_stats, commit=False)
-                self._uncommitted.append(lay)
-            except DecodeError as e:  # every rank hears of it at the end of the step (below)
-                self._step_error = self._step_error or e
-                finite = False
-        self._step_finite = self._step_finite and finite
+        every = self.layer_stats_every
+        self._commit.run_bucket(job, self.step, layer_stats=every > 0 and self.step % every == 0)
         self._step_buckets += 1
         self._step_numel += job.buffer.numel() if not job.sparse else 0
         if job.is_last:
             if self.step == 1:
                 self._advise_buckets(self._step_buckets, self._step_numel, job.buffer.element_size())
             self._step_buckets = self._step_numel = 0
-            error, self._step_error = self._step_error, None
-            # one 64-byte all_gather per step: a rank whose decoding failed makes every rank raise now,
-            # instead of leaving the others waiting in the next step's collectives. A step of plain
-            # all-reduces only (a `none` plan) decodes nothing: DDP's one collective per bucket, no more.
-            if self._step_decodes:
-                eng.exchange_status(error, "decoding", job.buffer.device)
-            self._step_decodes = False
-            if self._step_finite:
-                for done in self._uncommitted:
-                    eng.commit(done)
-            else:
-                self.nonfinite_steps += 1
-            self._uncommitted, self._step_finite = [], True
+            # the step's one host read; an error of any rank in any bucket raises here, on every rank
+            self._commit.end_step(job.buffer.device)
             self.step += 1
             n = self.check_replicas_every
             if n and self.step % n == 0:
@@ -387,11 +415,11 @@ class FastMLState:
         self.rank, self.world_size = d["rank"], d["world_size"]
         self._names, self._params, self._param_names = {}, [], d["param_names"]
         self._engine, self._runner = None, None
+        self._commit = StepCommit(None)
         self._saved = d["state_dict"]
         self.step = int(self._saved["step"])
         self.nonfinite_steps = d["nonfinite_steps"]
-        self._uncommitted, self._step_finite, self._step_error = [], True, None
-        self._step_buckets, self._step_numel, self._step_decodes = 0, 0, False
+        self._step_buckets, self._step_numel = 0, 0
 
 
 def check_saved_state(sd: dict, rank: int, world_size: int, plan: Optional[Plan], strict: bool,
