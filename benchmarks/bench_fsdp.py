@@ -46,18 +46,20 @@ rank evaluates it; replicas must agree).
 
 Without root the links cannot be shaped: the script then runs every rank on the host's loopback and
 labels the figures "no link limit". The namespaces (and anything started in them) are removed at the
-end, on failure and on SIGINT/SIGTERM too. Prints markdown tables and writes CSV (``--csv``).
+end, on failure and on SIGINT/SIGTERM too. Prints markdown tables and writes CSV (``--csv``; by default
+``benchmarks/results/bench_fsdp_cpu.csv`` for the full run as root with every default, ``benchmarks/out/``
+otherwise: a partial run passes ``--csv`` to land in ``benchmarks/results/``), atomically,
+every row with the machine (CPU model, SIMD flags, cores), Python, torch and the load average before and
+after (``benchmarks/_bench.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import json
 import math
 import os
-import platform
 import re
 import shutil
 import signal
@@ -503,29 +505,11 @@ def _rate_bits(rate: str) -> float:
 
 
 def _machine() -> str:
-    model, flags, fam, mod = "unknown CPU", set(), "?", "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                k, _, v = line.partition(":")
-                k = k.strip()
-                if k == "model name" and model == "unknown CPU":
-                    model = v.strip()
-                elif k == "flags" and not flags:
-                    flags = set(v.split())
-                elif k == "cpu family" and fam == "?":
-                    fam = v.strip()
-                elif k == "model" and mod == "?":
-                    mod = v.strip()
-    except OSError:
-        pass
-    simd = ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16") if f in flags) or "no AVX2"
-    import torch
+    """The machine and software in one line (``_bench.machine_line``) and the codec's build."""
+    import _bench
 
     march = os.environ.get("FASTML_CPU_MARCH", "native")
-    return (f"{model} (family {fam}, model {mod}; {simd}), {os.cpu_count()} cores, "
-            f"Python {platform.python_version()}, torch {torch.__version__}; FastML's CPU codec built "
-            f"with -march={march}")
+    return f"{_bench.machine_line()}; FastML's CPU codec built with -march={march}"
 
 
 def _summarise(res: dict, link: str | None, cfg: dict) -> dict:
@@ -716,8 +700,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="cProfile rank 0's timed steps; the top functions go to the log and the output")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per torchrun job")
-    ap.add_argument("--csv", default=None, help="default benchmarks/results/bench_fsdp_cpu.csv for a full "
-                    "run as root, benchmarks/out/bench_fsdp_{quick,nolimit}.csv otherwise")
+    ap.add_argument("--csv", default=None, help="default benchmarks/results/bench_fsdp_cpu.csv for the full "
+                    "run as root (every default), benchmarks/out/bench_fsdp_{quick,root,nolimit}.csv otherwise")
     # the worker's arguments (torchrun starts this file again with them)
     ap.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--_scenario", dest="scenario", help=argparse.SUPPRESS)
@@ -741,8 +725,13 @@ def main() -> None:
         print("bench_fsdp: not root, so the links cannot be shaped (ip netns + tc need root): every rank "
               "runs on this host's loopback and the figures are labelled 'no link limit'. Run with sudo for "
               "the emulated 250 Mbit/s and 1 Gbit/s links.", file=sys.stderr)
+    # benchmarks/results/ only for the run the docs quote (every default); a partial run as root must not
+    # overwrite its CSV
+    full = (root and not a.quick and sorted(a.scenarios) == ["fsdp", "hsdp"] and a.methods is None
+            and LINKS == {"hsdp": "250mbit", "fsdp": "1gbit"} and all(getattr(a, k) is None for k in FULL))
     csv_path = a.csv or ("benchmarks/out/bench_fsdp_quick.csv" if a.quick else
-                         "benchmarks/results/bench_fsdp_cpu.csv" if root else
+                         "benchmarks/results/bench_fsdp_cpu.csv" if full else
+                         "benchmarks/out/bench_fsdp_root.csv" if root else
                          "benchmarks/out/bench_fsdp_nolimit.csv")
     machine = _machine()
     load0 = os.getloadavg()
@@ -798,13 +787,11 @@ def main() -> None:
     load1 = os.getloadavg()
     if not rows:
         raise SystemExit(f"bench_fsdp: every job failed ({', '.join(failed)}); logs in {logdir}")
-    os.makedirs(os.path.dirname(csv_path) or ".", exist_ok=True)
-    with open(csv_path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]) + ["date_utc", "machine", "load_before", "load_after"])
-        w.writeheader()
-        for r in rows:
-            w.writerow(dict(r, date_utc=f"{started:%Y-%m-%d %H:%M}", machine=machine,
-                            load_before=f"{load0[0]:.2f}", load_after=f"{load1[0]:.2f}"))
+    import _bench
+
+    _bench.write_csv(csv_path, [dict(r, date_utc=f"{started:%Y-%m-%d %H:%M}", machine=machine,
+                                     load_before=f"{load0[0]:.2f}", load_after=f"{load1[0]:.2f}")
+                                for r in rows])
     cmd = " ".join(["sudo" if root else "", "python", "benchmarks/bench_fsdp.py", *sys.argv[1:]]).strip()
     print(f"\n## FSDP2 / HSDP step time with FastML (`benchmarks/bench_fsdp.py`)\n")
     print(f"`{cmd}` ({started:%Y-%m-%d}, {machine}; load average {load0[0]:.2f} before, {load1[0]:.2f} "
