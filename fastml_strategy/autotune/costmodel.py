@@ -658,129 +658,179 @@ def sharded_step_time(profile: Profile, choice: Mapping[str, str], option: Hardw
     """Predicted step time of a plan under FSDP or HSDP (``hook=False``: FSDP's own collectives,
     the baseline). The schedule is described in the module docstring."""
     n = option.nodes if nodes is None else nodes
-    A = option.accelerators_per_node
-    W = n * A
     f = option.compute_speed
-    scale = profile.world_size / (W * f)
+    scale = profile.world_size / (n * option.accelerators_per_node * f)
     fwd_total, bwd_total = profile.forward_s * scale, profile.backward_s * scale
-    net, intra = option.link, option.intra_link or sharding.intra_link
     hsdp = sharding.kind == "hsdp"
-    Ws, R = (A, n) if hsdp else (W, 1)  # shard group size, replicas
-    gn, ga = (1, A) if hsdp else (n, A)  # nodes and ranks per node of the shard group
-    pbytes, rbytes = DTYPE_BYTES[sharding.param_dtype], DTYPE_BYTES[sharding.reduce]
-    opt_s = profile.optimizer_s / (Ws * f)
-
-    over = profile.collective_overhead_s
-
-    def ring(b: float) -> float:  # FSDP's own all-gather / reduce-scatter over the shard group
-        if Ws <= 1:
-            return 0.0
-        if gn == 1:
-            return over + (ga - 1) * intra.latency_s + b / intra.bandwidth_Bps
-        return over + (gn - 1) * net.latency_s + (ga - 1) * intra.latency_s + b / net.bandwidth_Bps
-
-    def all_to_all(b: float) -> float:  # FastML's reduce-scatter: every chunk straight to its owner
-        if Ws <= 1:
-            return 0.0
-        if gn == 1:
-            return over + (ga - 1) * intra.latency_s + b / intra.bandwidth_Bps
-        node = ga * b * (Ws - ga) / (Ws - 1)
-        local = b * (ga - 1) / (Ws - 1)
-        return (over + (gn - 1) * net.latency_s + (ga - 1) * intra.latency_s
-                + max(node / net.bandwidth_Bps, local / intra.bandwidth_Bps))
-
-    def cross(b: float) -> float:  # HSDP: S all-reduces over R replicas share each node's link
-        return over + 2 * (R - 1) * net.latency_s + ga * b / net.bandwidth_Bps if R > 1 else 0.0
-
-    units = fsdp_units(profile)
+    c = _shard_group(option, sharding, n, profile.collective_overhead_s)
+    opt_s = profile.optimizer_s / (c.Ws * f)
     total_numel = sum(lp.numel for lp in profile.layers) or 1
     rows = []
-    ag_bytes = rs_bytes = ar_bytes = 0
-    codec_total = wire_total = 0.0
-    for name, layers in units:
-        ag = (Ws - 1) * sum(_layout(lp, Ws)[1] for lp in layers) * pbytes if Ws > 1 else 0
-        if hsdp:
-            rs = (Ws - 1) * sum(_layout(lp, Ws)[1] for lp in layers) * rbytes if Ws > 1 else 0
-            ar = allreduce_unit_bytes(layers, choice, Ws, R, sharding.reduce, hook)
-            rs_t, ar_t = ring(rs), cross(ar)
-        else:
-            rs = reduce_scatter_unit_bytes(layers, choice, Ws, sharding.reduce, hook)
-            ar, ar_t = 0, 0.0
-            rs_t = all_to_all(rs) if hook else ring(rs)
-        codec = 0.0
-        if hook:
-            for lp in layers:
-                if not lp.tunable:
-                    continue
-                cname, cfg = _cfg(choice, lp)
-                if hsdp:
-                    if R <= 1:
-                        continue
-                    cname, eff = _shard_cfg(choice, lp, max(1, lp.numel // Ws), R)
-                    t = lp.codec_s.get(cname, 0.0) if eff == CANDIDATES[cname] else lp.codec_s.get(
-                        _candidate_name(eff), lp.codec_s.get("int8", 0.0))
-                    factor = _codec_factor(eff, R) / Ws
-                else:
-                    if Ws <= 1:
-                        continue
-                    eff, t, factor = cfg, lp.codec_s.get(cname, 0.0), 1.0
-                codec += t * factor * profile.codec_scale.get(family(eff), 1.0) / f
-        again = sharding.reshard_after_forward and name != "" and Ws > 1
-        ready = bwd_total if name == "" else max(lp.ready_s for lp in layers) * scale
-        rows.append({"name": name, "ag_t": ring(ag), "again": again, "rs_t": rs_t, "ar_t": ar_t,
-                     "codec": codec, "fwd": fwd_total * sum(lp.numel for lp in layers) / total_numel,
-                     "ready": ready})
-        ag_bytes += ag * (2 if again else 1)
-        rs_bytes += rs
-        ar_bytes += ar
-        codec_total += codec
-        wire_total += ring(ag) * (2 if again else 1) + rs_t + ar_t
-
+    for name, layers in fsdp_units(profile):
+        ag, rs, ar = _unit_bytes(layers, choice, sharding, c, hook)
+        rs_t, ar_t = (c.ring(rs), c.cross(ar)) if hsdp else (c.all_to_all(rs) if hook else c.ring(rs), 0.0)
+        again = sharding.reshard_after_forward and name != "" and c.Ws > 1
+        rows.append({"name": name, "ag_t": c.ring(ag), "again": again, "rs_t": rs_t, "ar_t": ar_t,
+                     "codec": _unit_codec_s(profile, layers, choice, c, hsdp, hook, f),
+                     "fwd": fwd_total * sum(lp.numel for lp in layers) / total_numel,
+                     "ready": bwd_total if name == "" else max(lp.ready_s for lp in layers) * scale,
+                     "ag": ag * (2 if again else 1), "rs": rs, "ar": ar})
     # Collectives on one link run in the order they are issued.
-    free = {"net": 0.0, "intra": 0.0}
-    ag_link = "intra" if gn == 1 else "net"
+    links = _LinkQueue()
+    ag_link = "intra" if c.gn == 1 else "net"
+    t = _forward_end(rows, links, ag_link)
+    end = _backward_end(rows, links, ag_link, "intra" if (hsdp or c.gn == 1) else "net", t, bwd_total)
+    codec_total = wire_total = 0.0
+    for r in rows:
+        codec_total += r["codec"]
+        wire_total += r["ag_t"] * (2 if r["again"] else 1) + r["rs_t"] + r["ar_t"]
+    ag_bytes, rs_bytes, ar_bytes = (sum(r[k] for r in rows) for k in ("ag", "rs", "ar"))
+    compute = fwd_total + bwd_total + opt_s
+    step = end + opt_s
+    exposed = max(0.0, step - compute - codec_total)
+    res = residual_bytes(profile, choice, sharding, c.Ws, c.R) if hook else 0
+    return StepBreakdown(compute, codec_total, wire_total, exposed, step, int(ag_bytes + rs_bytes + ar_bytes),
+                         allgather_bytes=int(ag_bytes), reduce_scatter_bytes=int(rs_bytes),
+                         allreduce_bytes=int(ar_bytes), residual_bytes=int(res),
+                         state_bytes=fsdp_state_bytes(profile, c.Ws))
 
-    def occupy(link: str, ready: float, dur: float) -> float:
+
+@dataclass(frozen=True)
+class _ShardGroup:
+    """The collectives of one sharded cluster shape and their time on its links."""
+
+    Ws: int  # shard group size
+    R: int  # replicas (HSDP; 1 for FSDP)
+    gn: int  # nodes of the shard group
+    ga: int  # ranks per node of the shard group
+    net: Link
+    intra: Link
+    over: float  # FSDP's own cost per collective beyond the link (fitted; 0 if not)
+
+    def ring(self, b: float) -> float:
+        """FSDP's own all-gather / reduce-scatter of ``b`` bytes per rank over the shard group."""
+        if self.Ws <= 1:
+            return 0.0
+        if self.gn == 1:
+            return self.over + (self.ga - 1) * self.intra.latency_s + b / self.intra.bandwidth_Bps
+        return (self.over + (self.gn - 1) * self.net.latency_s + (self.ga - 1) * self.intra.latency_s
+                + b / self.net.bandwidth_Bps)
+
+    def all_to_all(self, b: float) -> float:
+        """FastML's reduce-scatter: every chunk straight to its owner."""
+        if self.Ws <= 1:
+            return 0.0
+        if self.gn == 1:
+            return self.over + (self.ga - 1) * self.intra.latency_s + b / self.intra.bandwidth_Bps
+        node = self.ga * b * (self.Ws - self.ga) / (self.Ws - 1)
+        local = b * (self.ga - 1) / (self.Ws - 1)
+        return (self.over + (self.gn - 1) * self.net.latency_s + (self.ga - 1) * self.intra.latency_s
+                + max(node / self.net.bandwidth_Bps, local / self.intra.bandwidth_Bps))
+
+    def cross(self, b: float) -> float:
+        """HSDP: S all-reduces over R replicas share each node's link."""
+        return (self.over + 2 * (self.R - 1) * self.net.latency_s + self.ga * b / self.net.bandwidth_Bps
+                if self.R > 1 else 0.0)
+
+
+def _shard_group(option: HardwareOption, sharding: Sharding, nodes: int, over: float) -> _ShardGroup:
+    """The shard group of ``nodes`` nodes of ``option``: FSDP shards over every rank, HSDP over the
+    ranks of one node and replicates across nodes."""
+    A = option.accelerators_per_node
+    hsdp = sharding.kind == "hsdp"
+    Ws, R = (A, nodes) if hsdp else (nodes * A, 1)
+    gn, ga = (1, A) if hsdp else (nodes, A)
+    return _ShardGroup(Ws=Ws, R=R, gn=gn, ga=ga, net=option.link, intra=option.intra_link or sharding.intra_link,
+                       over=over)
+
+
+def _unit_bytes(layers: list[LayerProfile], choice: Mapping[str, str], sharding: Sharding, c: _ShardGroup,
+                hook: bool) -> tuple[int, int, int]:
+    """Bytes one rank sends per step for one FSDP unit: the parameter all-gather (once), the
+    reduce-scatter and (HSDP) the cross-node all-reduce."""
+    Ws = c.Ws
+    ag = (Ws - 1) * sum(_layout(lp, Ws)[1] for lp in layers) * DTYPE_BYTES[sharding.param_dtype] if Ws > 1 else 0
+    if sharding.kind == "hsdp":
+        rs = (Ws - 1) * sum(_layout(lp, Ws)[1] for lp in layers) * DTYPE_BYTES[sharding.reduce] if Ws > 1 else 0
+        return ag, rs, allreduce_unit_bytes(layers, choice, Ws, c.R, sharding.reduce, hook)
+    return ag, reduce_scatter_unit_bytes(layers, choice, Ws, sharding.reduce, hook), 0
+
+
+def _unit_codec_s(profile: Profile, layers: list[LayerProfile], choice: Mapping[str, str], c: _ShardGroup,
+                  hsdp: bool, hook: bool, f: float) -> float:
+    """Codec seconds per step of one FSDP unit's tunable layers (HSDP: of the rank's shard, for the
+    cross-node all-reduce), at compute speed ``f``."""
+    codec = 0.0
+    if not hook:
+        return codec
+    for lp in layers:
+        if not lp.tunable:
+            continue
+        cname, cfg = _cfg(choice, lp)
+        if hsdp:
+            if c.R <= 1:
+                continue
+            cname, eff = _shard_cfg(choice, lp, max(1, lp.numel // c.Ws), c.R)
+            t = lp.codec_s.get(cname, 0.0) if eff == CANDIDATES[cname] else lp.codec_s.get(
+                _candidate_name(eff), lp.codec_s.get("int8", 0.0))
+            factor = _codec_factor(eff, c.R) / c.Ws
+        else:
+            if c.Ws <= 1:
+                continue
+            eff, t, factor = cfg, lp.codec_s.get(cname, 0.0), 1.0
+        codec += t * factor * profile.codec_scale.get(family(eff), 1.0) / f
+    return codec
+
+
+class _LinkQueue:
+    """When each link ("net", "intra") is next free: collectives on one link run in issue order."""
+
+    def __init__(self) -> None:
+        self.free = {"net": 0.0, "intra": 0.0}
+
+    def occupy(self, link: str, ready: float, dur: float) -> float:
+        """Run a collective of ``dur`` seconds on ``link`` once it is ``ready``; return its end."""
         if dur <= 0.0:
             return ready
-        start = max(ready, free[link])
-        free[link] = start + dur
-        return free[link]
+        start = max(ready, self.free[link])
+        self.free[link] = start + dur
+        return self.free[link]
 
-    # forward: unit i's all-gather may start once unit i-1 computes (one unit of prefetch)
+
+def _forward_end(rows: list[dict[str, Any]], links: _LinkQueue, ag_link: str) -> float:
+    """When the forward pass ends: unit i's all-gather may start once unit i-1 computes (one unit of
+    prefetch)."""
     t = 0.0
     issue = 0.0
     for r in rows:
-        done = occupy(ag_link, issue, r["ag_t"])
+        done = links.occupy(ag_link, issue, r["ag_t"])
         start = max(t, done)
         issue = start
         t = start + r["fwd"]
-    # backward: units in the order their gradients are ready; the root (never resharded) last
+    return t
+
+
+def _backward_end(rows: list[dict[str, Any]], links: _LinkQueue, ag_link: str, rs_link: str, t: float,
+                  bwd_total: float) -> float:
+    """When the backward pass and its last collective end, from the forward's end ``t``: units in
+    the order their gradients are ready (the root, never resharded, last), each unit's parameters
+    all-gathered again (when resharded) while the previous one computes."""
     order = sorted(rows, key=lambda r: (r["name"] == "", r["ready"]))
     prev_ready = 0.0
     for i, r in enumerate(order):
         r["dur"] = (bwd_total if i == len(order) - 1 else max(r["ready"], prev_ready)) - prev_ready
         prev_ready = max(prev_ready, r["ready"])
-    ag_done = {0: occupy(ag_link, t, order[0]["ag_t"]) if order and order[0]["again"] else t}
+    ag_done = {0: links.occupy(ag_link, t, order[0]["ag_t"]) if order and order[0]["again"] else t}
     comm_end = t
     for i, r in enumerate(order):
         start = max(t, ag_done[i])
         if i + 1 < len(order):  # prefetch the next unit's parameters now
             nxt = order[i + 1]
-            ag_done[i + 1] = occupy(ag_link, start, nxt["ag_t"]) if nxt["again"] else start
+            ag_done[i + 1] = links.occupy(ag_link, start, nxt["ag_t"]) if nxt["again"] else start
         t = start + r["dur"] + r["codec"]
-        rs_done = occupy("intra" if (hsdp or gn == 1) else "net", t, r["rs_t"])
-        comm_end = max(comm_end, rs_done, occupy("net", rs_done, r["ar_t"]))
-    end = max(t, comm_end)
-    compute = fwd_total + bwd_total + opt_s
-    step = end + opt_s
-    exposed = max(0.0, step - compute - codec_total)
-    total_bytes = ag_bytes + rs_bytes + ar_bytes
-    res = residual_bytes(profile, choice, sharding, Ws, R) if hook else 0
-    return StepBreakdown(compute, codec_total, wire_total, exposed, step, int(total_bytes),
-                         allgather_bytes=int(ag_bytes), reduce_scatter_bytes=int(rs_bytes),
-                         allreduce_bytes=int(ar_bytes), residual_bytes=int(res),
-                         state_bytes=fsdp_state_bytes(profile, Ws))
+        rs_done = links.occupy(rs_link, t, r["rs_t"])
+        comm_end = max(comm_end, rs_done, links.occupy("net", rs_done, r["ar_t"]))
+    return max(t, comm_end)
 
 
 def family(cfg: CodecConfig) -> str:
@@ -1116,6 +1166,33 @@ def accuracy_rule(points: Sequence[Mapping[str, Any]], max_accuracy_loss: float,
        standard error). ``e_max`` is the largest error whose fit is within the limit; ``e_sure`` the
        largest whose band's upper edge is; ``confidence`` = Phi((limit - fit) / se) at ``e_max``.
     """
+    groups, replays = _losses_by_error(points)
+    errs = sorted(groups)
+    rule = AccuracyRule(limit=float(max_accuracy_loss), paired=paired, references=references,
+                        trials=sum(len(v) for v in groups.values()) + replays,
+                        repeats=sum(len(v) - 1 for v in groups.values()), replays=replays)
+    if not errs:
+        return rule
+    ys = [groups[e] for e in errs]
+    blocks = _isotonic_median(ys)
+    fit = [0.0] * len(errs)
+    runs = [0] * len(errs)
+    for a, b, m in blocks:
+        n = sum(len(g) for g in ys[a:b + 1])
+        for i in range(a, b + 1):
+            fit[i], runs[i] = m, n
+    sigma, src = _run_noise(ys, blocks, max_accuracy_loss, reference_sigma, paired, references)
+    band = [BAND_Z * MEDIAN_SE * sigma / math.sqrt(max(1, n)) if math.isfinite(sigma) else math.nan
+            for n in runs]
+    rule.errors, rule.fit, rule.band, rule.runs = errs, fit, band, runs
+    rule.sigma, rule.sigma_source = sigma, src
+    rule.e_max, rule.e_sure, rule.confidence = _error_limits(errs, fit, band, max_accuracy_loss)
+    return rule
+
+
+def _losses_by_error(points: Sequence[Mapping[str, Any]]) -> tuple[dict[float, list[float]], int]:
+    """Accuracy losses grouped by plan error (a pruned or NaN run: inf), and the number of repeats
+    that replayed their first run exactly (kept once)."""
     groups: dict[float, list[float]] = {}
     seen: set[tuple] = set()
     replays = 0
@@ -1130,25 +1207,18 @@ def accuracy_rule(points: Sequence[Mapping[str, Any]], max_accuracy_loss: float,
             continue
         seen.add(key)
         groups.setdefault(e, []).append(v if not math.isnan(v) else math.inf)
-    errs = sorted(groups)
-    rule = AccuracyRule(limit=float(max_accuracy_loss), paired=paired, references=references,
-                        trials=sum(len(v) for v in groups.values()) + replays,
-                        repeats=sum(len(v) - 1 for v in groups.values()), replays=replays)
-    if not errs:
-        return rule
-    ys = [groups[e] for e in errs]
-    blocks = _isotonic_median(ys)
-    fit = [0.0] * len(errs)
-    runs = [0] * len(errs)
+    return groups, replays
+
+
+def _run_noise(ys: Sequence[Sequence[float]], blocks: list[tuple[int, int, float]], max_accuracy_loss: float,
+               reference_sigma: float | None, paired: bool | None, references: int) -> tuple[float, str]:
+    """Noise of one run's accuracy loss and where it came from (:func:`accuracy_rule`, step 3)."""
     # the noise that decides is near the limit: blocks fitted far past it (a codec family the error
     # number does not capture, a diverging run) are spread of another kind; used only when no other
     near_sq, near_dof, all_sq, all_dof = 0.0, 0, 0.0, 0
     for a, b, m in blocks:
-        vals = [v for g in ys[a:b + 1] for v in g]
-        for i in range(a, b + 1):
-            fit[i], runs[i] = m, len(vals)
         if math.isfinite(m):
-            fin = [v for v in vals if math.isfinite(v)]
+            fin = [v for g in ys[a:b + 1] for v in g if math.isfinite(v)]
             sq_b, dof_b = sum((v - m) ** 2 for v in fin), max(0, len(fin) - 1)
             all_sq, all_dof = all_sq + sq_b, all_dof + dof_b
             if m <= NOISE_NEAR * max(abs(float(max_accuracy_loss)), 1e-12):
@@ -1158,14 +1228,16 @@ def accuracy_rule(points: Sequence[Mapping[str, Any]], max_accuracy_loss: float,
     s_ref = math.sqrt(2.0) * reference_sigma if reference_sigma is not None and math.isfinite(
         reference_sigma) else math.nan
     if paired and math.isfinite(s_fit):
-        sigma, src = s_fit, f"spread around the fit, {dof} degrees of freedom"
-    else:
-        cands = [(s, w) for s, w in ((s_fit, f"spread around the fit, {dof} degrees of freedom"),
-                                     (s_ref, f"{references} reference runs, unpaired difference"))
-                 if math.isfinite(s)]
-        sigma, src = max(cands) if cands else (math.nan, "unknown")
-    band = [BAND_Z * MEDIAN_SE * sigma / math.sqrt(max(1, n)) if math.isfinite(sigma) else math.nan
-            for n in runs]
+        return s_fit, f"spread around the fit, {dof} degrees of freedom"
+    cands = [(s, w) for s, w in ((s_fit, f"spread around the fit, {dof} degrees of freedom"),
+                                 (s_ref, f"{references} reference runs, unpaired difference"))
+             if math.isfinite(s)]
+    return max(cands) if cands else (math.nan, "unknown")
+
+
+def _error_limits(errs: list[float], fit: list[float], band: list[float],
+                  max_accuracy_loss: float) -> tuple[float, float, float]:
+    """(e_max, e_sure, confidence at e_max) of the fit and its band (:func:`accuracy_rule`, step 4)."""
     lim = float(max_accuracy_loss) + 1e-12
     e_max = e_sure = 0.0
     conf = math.nan
@@ -1181,10 +1253,7 @@ def accuracy_rule(points: Sequence[Mapping[str, Any]], max_accuracy_loss: float,
                 conf = 0.5 * math.erfc(-(lim - fit[i]) / (se * math.sqrt(2)))
             if math.isfinite(band[i]) and fit[i] + band[i] <= lim:
                 e_sure = e
-    rule.errors, rule.fit, rule.band, rule.runs = errs, fit, band, runs
-    rule.sigma, rule.sigma_source = sigma, src
-    rule.e_max, rule.e_sure, rule.confidence = e_max, e_sure, conf
-    return rule
+    return e_max, e_sure, conf
 
 
 def fit_convergence(points: Sequence[Mapping[str, Any]], max_accuracy_loss: float,

@@ -53,6 +53,12 @@ def _base(result: "AutotuneResult") -> tuple[str, str]:
     return sh.kind, f"{sh.kind.upper()}'s own collectives"
 
 
+def _short(result: "AutotuneResult") -> str:
+    """The baseline's short name in labels: DDP, FSDP or HSDP."""
+    bp, _ = _base(result)
+    return "DDP" if bp == "ddp" else bp.upper()
+
+
 def human_time(seconds: float) -> str:
     """A duration as a person reads it: 850 ms, 42 s, 37 min, 5.2 h, 3.1 days."""
     if not isinstance(seconds, (int, float)) or not math.isfinite(seconds):
@@ -125,8 +131,7 @@ def _local_words(row: Mapping[str, Any]) -> str:
 
 
 def _per_step_words(result: "AutotuneResult", name: str) -> str:
-    return "the tuned plan" if result.best[name].get("use_hook", True) else (
-        "plain DDP" if not result.sharding.sharded else _base(result)[1])
+    return "the tuned plan" if result.best[name].get("use_hook", True) else _baseline_words(result)
 
 
 def _saving(result: "AutotuneResult", name: str, win: Mapping[str, Any], lose: Mapping[str, Any]) -> str:
@@ -164,68 +169,86 @@ def winner_line(result: "AutotuneResult") -> str:
 
 def headline(result: "AutotuneResult") -> list[str]:
     """The answer, in words, first: what to do and what it saves. Markdown bold marks the verdict."""
-    name = result.option
-    b, d = result.best[name], result.baseline[name]
-    priced = _option(result, name).price_per_hour > 0
-    _, words = _base(result)
-    base = "plain DDP" if not result.sharding.sharded else words
-    where = _where(result, name)
-    lines = []
-    w = result.winner(name)
-    if w is not b:  # local steps win
-        speed = d["tta_s"] / w["tta_s"] if w["tta_s"] > 0 else float("nan")
-        money = f", {human_money(w['cost_usd'])} instead of {human_money(d['cost_usd'])}" if priced else ""
-        lines.append(f"**Use local steps on {where}: LocalSGD with plan.json ({_local_words(w)})**: predicted "
-                     f"{speed:.2f}x faster than {base}, {human_time(w['tta_s'])} instead of "
-                     f"{human_time(d['tta_s'])}{money} ({_ms(w['step_s'])} per inner step, "
-                     f"{_pct(100 * (w['g'] - 1))} more steps than synchronising every step); "
-                     f"per-step compression ({_per_step_words(result, name)}) would take "
-                     f"{human_time(b['tta_s'])}; local steps: {_saving(result, name, w, b)}; "
-                     f"train with fastml_strategy.LocalSGD.from_plan(model, inner_optimizer, plan).")
-    elif b.get("use_hook", True):
-        speed = d["tta_s"] / b["tta_s"] if b["tta_s"] > 0 else float("nan")
-        how = ("register it with fastml_strategy.register_hook(model, plan=...) or FASTML_PLAN"
-               if not result.sharding.sharded else "pass it to fastml_strategy.fsdp.register after fully_shard")
-        money = f", {human_money(b['cost_usd'])} instead of {human_money(d['cost_usd'])}" if priced else ""
-        lines.append(f"**Use the tuned plan (plan.json) on {where}**: predicted {speed:.2f}x faster than "
-                     f"{base}, {human_time(b['tta_s'])} instead of {human_time(d['tta_s'])}{money} "
-                     f"({_ms(b['step_s'])} per step instead of {_ms(d['step_s'])}, "
-                     f"{_pct(100 * (b['g'] - 1))} more steps for the compression error); {how}.")
-    else:
-        bc = _best_compressed(result, name)
-        worse = ""
-        if bc is not None and d["tta_s"] > 0:
-            cost = (lambda r: f" and {human_money(r['cost_usd'])}") if priced else (lambda r: "")
-            worse = (f" The best compressed plan would take {human_time(bc['tta_s'])}{cost(bc)} against "
-                     f"{human_time(d['tta_s'])}{cost(d)} ({_pct(100 * (bc['tta_s'] / d['tta_s'] - 1))} "
-                     f"longer).")
-        lines.append(f"**Use {base} on {where}: no compression pays there.**{worse} plan.json is fp32 "
-                     f"throughout; do not register FastML.")
-    rentable = [o for o in result.options if o.price_per_hour > 0]
-    if rentable:
-        cheap = min(rentable, key=lambda o: (result.winner(o.name)["cost_usd"], result.winner(o.name)["tta_s"]))
-        fast = min(rentable, key=lambda o: (result.winner(o.name)["tta_s"], result.winner(o.name)["cost_usd"]))
-        cb, cd = result.winner(cheap.name), result.baseline[cheap.name]
-        parts = []
-        if cheap.name != name:  # plan.json's option is the cheapest already: said above
-            plan = (f"local steps, {_local_words(cb)} (plans/{cheap.name}.json)" if cb is not result.best[cheap.name]
-                    else f"its tuned plan (plans/{cheap.name}.json)" if cb.get("use_hook", True) else base)
-            line = (f"Cheapest to rent: **{cheap.name}** ({cheap.nodes} x {cheap.accelerators_per_node}, "
-                    f"{human_money(cheap.price_per_hour)} per node-hour): {human_money(cb['cost_usd'])} and "
-                    f"{human_time(cb['tta_s'])} with {plan}")
-            if cb.get("use_hook", True) or cb is not result.best[cheap.name]:
-                line += f", against {human_money(cd['cost_usd'])} with {base}"
-            parts.append(line)
-        if fast.name not in (cheap.name, name):
-            fb = result.winner(fast.name)
-            parts.append(f"Fastest to rent: {fast.name}, {human_time(fb['tta_s'])} for {human_money(fb['cost_usd'])}")
-        if parts:
-            lines.append(". ".join(parts) + ".")
+    lines = [_verdict(result)]
+    rent = _rent_words(result)
+    if rent:
+        lines.append(rent)
     lines.append(f"Times and costs are for {_steps_words(result)}, plus the extra steps each plan's "
                  f"compression error costs.")
     if result.link_warning:
         lines.append(f"**Warning: the measured link is not a network.** {result.link_warning}")
     return lines
+
+
+def _baseline_words(result: "AutotuneResult") -> str:
+    """The uncompressed baseline as the headline names it: plain DDP, or FSDP/HSDP's own collectives."""
+    return "plain DDP" if not result.sharding.sharded else _base(result)[1]
+
+
+def _verdict(result: "AutotuneResult") -> str:
+    """What to run on plan.json's option (local steps, the tuned plan, or the uncompressed baseline)
+    and what it saves against the baseline."""
+    name = result.option
+    b, d = result.best[name], result.baseline[name]
+    priced = _option(result, name).price_per_hour > 0
+    base = _baseline_words(result)
+    where = _where(result, name)
+    w = result.winner(name)
+    if w is not b:  # local steps win
+        speed = d["tta_s"] / w["tta_s"] if w["tta_s"] > 0 else float("nan")
+        money = f", {human_money(w['cost_usd'])} instead of {human_money(d['cost_usd'])}" if priced else ""
+        return (f"**Use local steps on {where}: LocalSGD with plan.json ({_local_words(w)})**: predicted "
+                f"{speed:.2f}x faster than {base}, {human_time(w['tta_s'])} instead of "
+                f"{human_time(d['tta_s'])}{money} ({_ms(w['step_s'])} per inner step, "
+                f"{_pct(100 * (w['g'] - 1))} more steps than synchronising every step); "
+                f"per-step compression ({_per_step_words(result, name)}) would take "
+                f"{human_time(b['tta_s'])}; local steps: {_saving(result, name, w, b)}; "
+                f"train with fastml_strategy.LocalSGD.from_plan(model, inner_optimizer, plan).")
+    if b.get("use_hook", True):
+        speed = d["tta_s"] / b["tta_s"] if b["tta_s"] > 0 else float("nan")
+        how = ("register it with fastml_strategy.register_hook(model, plan=...) or FASTML_PLAN"
+               if not result.sharding.sharded else "pass it to fastml_strategy.fsdp.register after fully_shard")
+        money = f", {human_money(b['cost_usd'])} instead of {human_money(d['cost_usd'])}" if priced else ""
+        return (f"**Use the tuned plan (plan.json) on {where}**: predicted {speed:.2f}x faster than "
+                f"{base}, {human_time(b['tta_s'])} instead of {human_time(d['tta_s'])}{money} "
+                f"({_ms(b['step_s'])} per step instead of {_ms(d['step_s'])}, "
+                f"{_pct(100 * (b['g'] - 1))} more steps for the compression error); {how}.")
+    bc = _best_compressed(result, name)
+    worse = ""
+    if bc is not None and d["tta_s"] > 0:
+        cost = (lambda r: f" and {human_money(r['cost_usd'])}") if priced else (lambda r: "")
+        worse = (f" The best compressed plan would take {human_time(bc['tta_s'])}{cost(bc)} against "
+                 f"{human_time(d['tta_s'])}{cost(d)} ({_pct(100 * (bc['tta_s'] / d['tta_s'] - 1))} "
+                 f"longer).")
+    return (f"**Use {base} on {where}: no compression pays there.**{worse} plan.json is fp32 "
+            f"throughout; do not register FastML.")
+
+
+def _rent_words(result: "AutotuneResult") -> str | None:
+    """The cheapest and the fastest catalog option to rent, where not plan.json's own (None: none
+    to add)."""
+    rentable = [o for o in result.options if o.price_per_hour > 0]
+    if not rentable:
+        return None
+    name = result.option
+    base = _baseline_words(result)
+    cheap = min(rentable, key=lambda o: (result.winner(o.name)["cost_usd"], result.winner(o.name)["tta_s"]))
+    fast = min(rentable, key=lambda o: (result.winner(o.name)["tta_s"], result.winner(o.name)["cost_usd"]))
+    cb, cd = result.winner(cheap.name), result.baseline[cheap.name]
+    parts = []
+    if cheap.name != name:  # plan.json's option is the cheapest already: said above
+        plan = (f"local steps, {_local_words(cb)} (plans/{cheap.name}.json)" if cb is not result.best[cheap.name]
+                else f"its tuned plan (plans/{cheap.name}.json)" if cb.get("use_hook", True) else base)
+        line = (f"Cheapest to rent: **{cheap.name}** ({cheap.nodes} x {cheap.accelerators_per_node}, "
+                f"{human_money(cheap.price_per_hour)} per node-hour): {human_money(cb['cost_usd'])} and "
+                f"{human_time(cb['tta_s'])} with {plan}")
+        if cb.get("use_hook", True) or cb is not result.best[cheap.name]:
+            line += f", against {human_money(cd['cost_usd'])} with {base}"
+        parts.append(line)
+    if fast.name not in (cheap.name, name):
+        fb = result.winner(fast.name)
+        parts.append(f"Fastest to rent: {fast.name}, {human_time(fb['tta_s'])} for {human_money(fb['cost_usd'])}")
+    return ". ".join(parts) + "." if parts else None
 
 
 def phase_words(phase_s: Mapping[str, float]) -> str:
@@ -249,10 +272,32 @@ def _sparsity(cfg: CodecConfig, numel: int) -> float:
 
 # -- tables --------------------------------------------------------------------------------------------
 def tables(result: "AutotuneResult") -> dict[str, pd.DataFrame]:
-    prof = result.profile
-    group_of = {n: g for g, names in result.groups.items() for n in names}
+    """Every table of the report by name, in plain numbers (seconds, hours, USD): the CSV files."""
+    out = {"layers": _layer_rows(result), "trials": _choice_as_json(result.trials),
+           "calibration": _choice_as_json(result.calibration), "step_times": pd.DataFrame(result.step_times),
+           "scaling": pd.DataFrame(result.scaling),
+           "options": pd.DataFrame([_option_row(result, o) for o in result.options])}
+    if result.local_calibration is not None:
+        out["local_steps"] = _local_rows(result)
+    if result.sharding.sharded:
+        out["sharded"] = pd.DataFrame([_sharded_row(result, o) for o in result.options])
+        out["whatif"] = pd.DataFrame(result.whatif)
+    return out
+
+
+def _choice_as_json(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """Result rows as a table, each row's codec choice (a dict) as one JSON column."""
+    return pd.DataFrame([{**{k: v for k, v in r.items() if k != "choice"}, "choice": json.dumps(r["choice"])}
+                         for r in rows])
+
+
+def _layer_rows(result: "AutotuneResult") -> pd.DataFrame:
+    """layers.csv: per parameter, plan.json's codec with its bits, sparsity and error, every option's
+    codec, and the profiled error and codec time of every codec option."""
     from fastml_strategy.autotune.search import expand
 
+    prof = result.profile
+    group_of = {n: g for g, names in result.groups.items() for n in names}
     # what each option's plan file holds: its winner (local steps' codecs when they win)
     choice_by_opt = {o: expand(result.groups, result.winner(o)["choice"]) for o in result.best}
     layer_rows = []
@@ -272,55 +317,46 @@ def tables(result: "AutotuneResult") -> dict[str, pd.DataFrame]:
         for opt in prof.options:
             row[f"codec_ms[{opt}]"] = 1e3 * lp.codec_s.get(opt, 0.0)
         layer_rows.append(row)
-    layers = pd.DataFrame(layer_rows)
+    return pd.DataFrame(layer_rows)
 
-    trials = pd.DataFrame([{**{k: v for k, v in r.items() if k != "choice"},
-                            "choice": json.dumps(r["choice"])} for r in result.trials])
-    calib = pd.DataFrame([{**{k: v for k, v in p.items() if k != "choice"},
-                           "choice": json.dumps(p["choice"])} for p in result.calibration])
-    steps = pd.DataFrame(result.step_times)
-    scaling = pd.DataFrame(result.scaling)
-    opt_rows = []
-    sharded_rows = []
+
+def _option_row(result: "AutotuneResult", o: Any) -> dict[str, Any]:
+    """options.csv: one hardware option, its tuned plan against the uncompressed baseline."""
     bp, _ = _base(result)
     sh = result.sharding
-    for o in result.options:
-        b, d = result.best[o.name], result.baseline[o.name]
-        use = "FastML plan" if b.get("use_hook", True) else (
-            "plain DDP" if not sh.sharded else f"{sh.kind.upper()} alone")
-        opt_rows.append({
-            "option": o.name, "use": use,
-            "nodes": o.nodes, "ranks": o.ranks, "price_per_node_hour": o.price_per_hour,
-            "link": o.link.describe(), "compute_speed": o.compute_speed,
-            "tuned_step_ms": 1e3 * b["step_s"], f"{bp}_step_ms": 1e3 * d["step_s"],
-            "tuned_error": b["error"], "tuned_extra_steps_pct": 100 * (b["g"] - 1),
-            "tuned_hours": b["tta_s"] / 3600, f"{bp}_hours": d["tta_s"] / 3600,
-            "tuned_cost_usd": b["cost_usd"], f"{bp}_cost_usd": d["cost_usd"],
-            f"speedup_vs_{bp}": d["tta_s"] / b["tta_s"] if b["tta_s"] > 0 else float("nan"),
-        })
-        if sh.sharded:
-            shard = o.accelerators_per_node if sh.kind == "hsdp" else o.ranks
-            sharded_rows.append({
-                "option": o.name, "nodes": o.nodes, "ranks_per_node": o.accelerators_per_node,
-                "shard_group": shard, "replicas": o.nodes if sh.kind == "hsdp" else 1,
-                "allgather_MB": b["allgather_bytes"] / 1e6,
-                "tuned_reduce_scatter_MB": b["reduce_scatter_bytes"] / 1e6,
-                "tuned_allreduce_MB": b["allreduce_bytes"] / 1e6,
-                "own_reduce_scatter_MB": d["reduce_scatter_bytes"] / 1e6,
-                "own_allreduce_MB": d["allreduce_bytes"] / 1e6,
-                "residual_MiB_per_rank": b["residual_bytes"] / 2 ** 20,
-                "fsdp_state_MiB_per_rank": b["state_bytes"] / 2 ** 20,
-                "residual_pct_of_state": (100.0 * b["residual_bytes"] / b["state_bytes"]
-                                          if b["state_bytes"] else 0.0),
-            })
-    out = {"layers": layers, "trials": trials, "calibration": calib, "step_times": steps,
-           "scaling": scaling, "options": pd.DataFrame(opt_rows)}
-    if result.local_calibration is not None:
-        out["local_steps"] = _local_rows(result)
-    if sh.sharded:
-        out["sharded"] = pd.DataFrame(sharded_rows)
-        out["whatif"] = pd.DataFrame(result.whatif)
-    return out
+    b, d = result.best[o.name], result.baseline[o.name]
+    use = "FastML plan" if b.get("use_hook", True) else (
+        "plain DDP" if not sh.sharded else f"{sh.kind.upper()} alone")
+    return {
+        "option": o.name, "use": use,
+        "nodes": o.nodes, "ranks": o.ranks, "price_per_node_hour": o.price_per_hour,
+        "link": o.link.describe(), "compute_speed": o.compute_speed,
+        "tuned_step_ms": 1e3 * b["step_s"], f"{bp}_step_ms": 1e3 * d["step_s"],
+        "tuned_error": b["error"], "tuned_extra_steps_pct": 100 * (b["g"] - 1),
+        "tuned_hours": b["tta_s"] / 3600, f"{bp}_hours": d["tta_s"] / 3600,
+        "tuned_cost_usd": b["cost_usd"], f"{bp}_cost_usd": d["cost_usd"],
+        f"speedup_vs_{bp}": d["tta_s"] / b["tta_s"] if b["tta_s"] > 0 else float("nan"),
+    }
+
+
+def _sharded_row(result: "AutotuneResult", o: Any) -> dict[str, Any]:
+    """sharded.csv: one hardware option's bytes per rank per step and memory per rank."""
+    sh = result.sharding
+    b, d = result.best[o.name], result.baseline[o.name]
+    shard = o.accelerators_per_node if sh.kind == "hsdp" else o.ranks
+    return {
+        "option": o.name, "nodes": o.nodes, "ranks_per_node": o.accelerators_per_node,
+        "shard_group": shard, "replicas": o.nodes if sh.kind == "hsdp" else 1,
+        "allgather_MB": b["allgather_bytes"] / 1e6,
+        "tuned_reduce_scatter_MB": b["reduce_scatter_bytes"] / 1e6,
+        "tuned_allreduce_MB": b["allreduce_bytes"] / 1e6,
+        "own_reduce_scatter_MB": d["reduce_scatter_bytes"] / 1e6,
+        "own_allreduce_MB": d["allreduce_bytes"] / 1e6,
+        "residual_MiB_per_rank": b["residual_bytes"] / 2 ** 20,
+        "fsdp_state_MiB_per_rank": b["state_bytes"] / 2 ** 20,
+        "residual_pct_of_state": (100.0 * b["residual_bytes"] / b["state_bytes"]
+                                  if b["state_bytes"] else 0.0),
+    }
 
 
 def _local_rows(result: "AutotuneResult") -> pd.DataFrame:
@@ -467,12 +503,20 @@ def _pair_bars(result: "AutotuneResult", names: list[str], left: tuple[str, str]
 
 
 def figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) -> dict[str, str]:
-    figs: dict[str, str] = {}
-    layers = t["layers"][t["layers"]["tunable"]]
-    bp, words = _base(result)
-    short = "DDP" if bp == "ddp" else bp.upper()
+    """Every figure of the report by name, as base64 PNG, drawn in the order the report shows them."""
+    figs = {"layers": _layers_figure(result, t["layers"][t["layers"]["tunable"]]),
+            "step_times": _step_times_figure(t["step_times"]),
+            "pareto": _pareto_figure(result, t["trials"])}
+    figs.update(_option_figures(result, t))
+    figs["scaling"] = _scaling_figure(result, t["scaling"])
+    figs["calibration"] = _calibration_figure(result, t["calibration"])
+    if result.sharding.sharded:
+        figs.update(_sharded_figures(result, t))
+    return figs
 
-    # 1. per-layer bits and sparsity of the chosen plan
+
+def _layers_figure(result: "AutotuneResult", layers: pd.DataFrame) -> str:
+    """Per-layer bits per element and top-k sparsity of the chosen plan."""
     fig = _fig(max(6.0, 0.45 * len(layers) + 2), 3.8)
     ax = fig.add_subplot(111)
     x = list(range(len(layers)))
@@ -491,10 +535,12 @@ def figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) -> dict[str
     h2, l2 = ax2.get_legend_handles_labels()
     ax.legend(h1 + h2, l1 + l2, loc="upper left", bbox_to_anchor=(1.12, 1.0), borderaxespad=0.0,
               fontsize=7, frameon=False)
-    figs["layers"] = _png(fig)
+    return _png(fig)
 
-    # 2. predicted vs measured step time: one row per plan (names on the axis, never beside points)
-    st = t["step_times"]
+
+def _step_times_figure(st: pd.DataFrame) -> str:
+    """Predicted against measured step time: one row per plan (names on the axis, never beside
+    points), the prediction error on the right-hand axis."""
     fig = _fig(7.5, max(2.4, 0.36 * len(st) + 1.3))
     ax = fig.add_subplot(111)
     if len(st):
@@ -525,10 +571,12 @@ def figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) -> dict[str
         ax.set_title(f"Step time: predicted vs measured ({order['where'].iloc[0]})", fontsize=9)
         _legend_right(ax, x=1.14)  # past the error labels of the right-hand axis
     ax.set_xlabel("ms per step")
-    figs["step_times"] = _png(fig)
+    return _png(fig)
 
-    # 3. Pareto front of time to accuracy vs cost (catalog options with a price)
-    tr = t["trials"]
+
+def _pareto_figure(result: "AutotuneResult", tr: pd.DataFrame) -> str:
+    """The Pareto front of time to accuracy against cost (catalog options with a price)."""
+    _, words = _base(result)
     fig = _fig(6.5, 4.2)
     ax = fig.add_subplot(111)
     priced = {o.name for o in result.options if o.price_per_hour > 0}
@@ -549,31 +597,39 @@ def figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) -> dict[str
     ax.set_ylabel("predicted cost (USD)")
     ax.set_title("Time vs cost: every feasible plan on every priced option", fontsize=9)
     _legend_right(ax)
-    figs["pareto"] = _png(fig)
+    return _png(fig)
 
-    # 4. time and cost per option vs the uncompressed baseline
+
+def _option_figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) -> dict[str, str]:
+    """Time and cost per option against the uncompressed baseline and, with local steps searched,
+    per-step compression against local steps in the same style."""
+    bp, words = _base(result)
     op = t["options"]
-    figs["options"] = _pair_bars(result, list(op["option"]), (words, "#999999"), ("tuned plan", "#3b75af"),
-                                 op[f"{bp}_hours"], op["tuned_hours"], op[f"{bp}_cost_usd"],
-                                 op["tuned_cost_usd"], "Time and cost per hardware option")
-    if "local_steps" in t:  # per-step compression against local steps, in the same style
+    figs = {"options": _pair_bars(result, list(op["option"]), (words, "#999999"), ("tuned plan", "#3b75af"),
+                                  op[f"{bp}_hours"], op["tuned_hours"], op[f"{bp}_cost_usd"],
+                                  op["tuned_cost_usd"], "Time and cost per hardware option")}
+    if "local_steps" in t:
         ls = t["local_steps"]
         figs["local_steps"] = _pair_bars(
             result, list(ls["option"]), ("per-step compression", "#3b75af"),
             ("local steps (LocalSGD)", "#e67e22"), ls["per_step_hours"], ls["local_hours"].fillna(0.0),
             ls["per_step_cost_usd"], ls["local_cost_usd"].fillna(0.0),
             "Per-step compression vs local steps, per hardware option (no bar: none feasible)")
+    return figs
 
-    # 5. scaling predictions
-    sc = t["scaling"]
+
+def _scaling_figure(result: "AutotuneResult", sc: pd.DataFrame) -> str:
+    """Predicted step time of each option's tuned plan and its baseline on 8 to 1024 nodes."""
+    bp, _ = _base(result)
+    base_plan = "ddp-fp32" if not result.sharding.sharded else f"{bp}-own"
     fig = _fig(6.5, 4.0)
     ax = fig.add_subplot(111)
-    base_plan = "ddp-fp32" if not result.sharding.sharded else f"{bp}-own"
     for name, g in sc.groupby("option", sort=False):
         tu = g[g["plan"] == "tuned"]
         dd = g[g["plan"] == base_plan]
         line, = ax.plot(tu["nodes"], 1e3 * tu["step_s"], "-o", ms=3, label=f"{name}: tuned")
-        ax.plot(dd["nodes"], 1e3 * dd["step_s"], "--", color=line.get_color(), label=f"{name}: {short}")
+        ax.plot(dd["nodes"], 1e3 * dd["step_s"], "--", color=line.get_color(),
+                label=f"{name}: {_short(result)}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("nodes (same global batch)")
@@ -583,10 +639,12 @@ def figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) -> dict[str
         title += "\n('local': a one-machine link, not a network: see the warning)"
     ax.set_title(title, fontsize=9)
     _legend_right(ax)
-    figs["scaling"] = _png(fig)
+    return _png(fig)
 
-    # 6. calibration: g(e), and the accuracy rule (fit, band, limit)
-    cal = t["calibration"]
+
+def _calibration_figure(result: "AutotuneResult", cal: pd.DataFrame) -> str:
+    """Calibration: the steps ratio g(e) with its fit and error limit above, the accuracy rule
+    (fit, band, limit) below."""
     fig = _fig(5.5, 7.8)
     fig.subplots_adjust(hspace=0.35)
     ax = fig.add_subplot(211)
@@ -608,10 +666,7 @@ def figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) -> dict[str
     ax.set_ylabel("steps needed / uncompressed")
     ax.set_title("Convergence calibration", fontsize=9)
     _legend_right(ax)
-    figs["calibration"] = _png(fig)
-    if result.sharding.sharded:
-        figs.update(_sharded_figures(result, t))
-    return figs
+    return _png(fig)
 
 
 def _accuracy_panel(ax: Any, result: "AutotuneResult", cal: pd.DataFrame) -> None:
@@ -664,8 +719,11 @@ def _accuracy_panel(ax: Any, result: "AutotuneResult", cal: pd.DataFrame) -> Non
 def _sharded_figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) -> dict[str, str]:
     """Bytes per rank per step by collective and memory per rank (per option), and the what-if
     speedups over cluster shapes."""
-    figs: dict[str, str] = {}
-    sd = t["sharded"]
+    return {"sharded": _sharded_bytes_figure(result, t["sharded"]), "whatif": _whatif_figure(result, t["whatif"])}
+
+
+def _sharded_bytes_figure(result: "AutotuneResult", sd: pd.DataFrame) -> str:
+    """Per option: bytes per rank per step by collective (own against tuned), and memory per rank."""
     kind = result.sharding.kind.upper()
     fig = _fig(max(8.5, 1.6 * len(sd) + 4), 3.9)
     ax1, ax2 = fig.add_subplot(121), fig.add_subplot(122)
@@ -699,12 +757,16 @@ def _sharded_figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) ->
         a.legend(*a.get_legend_handles_labels(), loc="upper center", bbox_to_anchor=(0.5, -0.22),
                  ncol=2 if a is ax1 else 1, fontsize=7, frameon=False)
     fig.subplots_adjust(wspace=0.3)
-    figs["sharded"] = _png(fig)
+    return _png(fig)
 
+
+def _whatif_figure(result: "AutotuneResult", wi: pd.DataFrame) -> str:
+    """Per option, a heat map of the tuned plan's speedup over the sharding's own collectives on
+    each cluster shape (nodes x ranks per node)."""
     from matplotlib.colors import LogNorm
     from matplotlib.ticker import NullFormatter
 
-    wi = t["whatif"]
+    kind = result.sharding.kind.upper()
     opts = list(dict.fromkeys(wi["option"]))
     cols = min(3, len(opts))
     rows = -(-len(opts) // cols)
@@ -730,8 +792,7 @@ def _sharded_figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) ->
     cb = fig.colorbar(im, ax=fig.axes, shrink=0.8, label="speedup (own / tuned step time)")
     cb.set_ticks([0.5, 0.75, 1.0, 1.5, 2.0], labels=["0.5x", "0.75x", "1x", "1.5x", "2x"])
     cb.ax.yaxis.set_minor_formatter(NullFormatter())
-    figs["whatif"] = _png(fig)
-    return figs
+    return _png(fig)
 
 
 # -- documents -----------------------------------------------------------------------------------------
@@ -745,8 +806,8 @@ def _summary(result: "AutotuneResult", s: "Settings") -> list[str]:
     b, d = result.best[result.option], result.baseline[result.option]
     conv = result.convergence
     prof = result.profile
-    bp, words = _base(result)
-    short = "DDP" if bp == "ddp" else bp.upper()
+    _, words = _base(result)
+    short = _short(result)
     lines = [
         f"Target `{s.target}`, reference world size {s.world_size}, {len(prof.layers)} parameters "
         f"({sum(lp.tunable for lp in prof.layers)} tuned in {len(result.groups)} groups), "
@@ -766,12 +827,7 @@ def _summary(result: "AutotuneResult", s: "Settings") -> list[str]:
         lines.append(result.accuracy_rule.words())
     mb = result.winner(result.option).get("bucket_mb") if not result.sharding.sharded else None
     if mb is not None:
-        lines.append(f"DDP buckets: plan.json's plan is predicted fastest with bucket_cap_mb={mb} (DDP's "
-                     f"default puts the last 1 MiB, then 25 MiB, in a bucket): pass it to "
-                     f"DistributedDataParallel(model, bucket_cap_mb={mb}), FastMLStrategy(..., "
-                     f"bucket_cap_mb={mb}) or Accelerate's DistributedDataParallelKwargs(bucket_cap_mb={mb}); "
-                     f"plan.json's meta.ddp holds it (register_hook cannot change the buckets of a "
-                     f"model already wrapped).")
+        lines.append(_bucket_words(mb))
     emb = [lp.name for lp in prof.layers if lp.kind == "embedding" and lp.tunable]
     if emb:
         ch = search_expand(result)
@@ -784,27 +840,45 @@ def _summary(result: "AutotuneResult", s: "Settings") -> list[str]:
         lines.append("Tuner wall time: " + phase_words(result.phase_s) + ".")
     for note in result.budget_notes:
         lines.append(note + ".")
-    sh = result.sharding
-    if sh.sharded:
-        from fastml_strategy.autotune.costmodel import fsdp_units
-
-        o = _option(result, result.option)
-        n_units = len(fsdp_units(prof))
-        limit = ("no limit" if s.max_residual_bytes is None else
-                 f"limit {s.max_residual_bytes / 2 ** 30:.4g} GiB per rank (--max-residual-gb)")
-        lines.append(
-            f"Sharding: {sh.describe()}; {n_units} FSDP units; {result.option} is {o.nodes} node(s) x "
-            f"{o.accelerators_per_node} rank(s)"
-            + (f" (shard group {o.accelerators_per_node}, {o.nodes} replicas)" if sh.kind == "hsdp" else "")
-            + f"; intra-node link {(o.intra_link or sh.intra_link).describe()}. Per rank and step: "
-            f"all-gathers {b['allgather_bytes'] / 1e6:.4g} MB, reduction "
-            f"{(b['reduce_scatter_bytes'] + b['allreduce_bytes']) / 1e6:.4g} MB ({short} alone "
-            f"{(d['reduce_scatter_bytes'] + d['allreduce_bytes']) / 1e6:.4g} MB). FastML residuals "
-            f"{b['residual_bytes'] / 2 ** 20:.4g} MiB per rank beside {short}'s own "
-            f"{b['state_bytes'] / 2 ** 20:.4g} MiB ({limit})."
-            + (f" Each FSDP collective costs {1e3 * prof.collective_overhead_s:.3g} ms beyond the link "
-               f"(fitted to {short}'s measured step time)." if prof.collective_overhead_s else ""))
+    if result.sharding.sharded:
+        lines.append(_sharding_words(result, s))
     return lines
+
+
+def _bucket_words(mb: Any) -> str:
+    """How to give DDP the bucket cap plan.json's plan is predicted fastest with."""
+    return (f"DDP buckets: plan.json's plan is predicted fastest with bucket_cap_mb={mb} (DDP's "
+            f"default puts the last 1 MiB, then 25 MiB, in a bucket): pass it to "
+            f"DistributedDataParallel(model, bucket_cap_mb={mb}), FastMLStrategy(..., "
+            f"bucket_cap_mb={mb}) or Accelerate's DistributedDataParallelKwargs(bucket_cap_mb={mb}); "
+            f"plan.json's meta.ddp holds it (register_hook cannot change the buckets of a "
+            f"model already wrapped).")
+
+
+def _sharding_words(result: "AutotuneResult", s: "Settings") -> str:
+    """The sharded run in words: units, cluster shape, bytes per rank and step, residual memory."""
+    from fastml_strategy.autotune.costmodel import fsdp_units
+
+    b, d = result.best[result.option], result.baseline[result.option]
+    prof = result.profile
+    sh = result.sharding
+    short = _short(result)
+    o = _option(result, result.option)
+    n_units = len(fsdp_units(prof))
+    limit = ("no limit" if s.max_residual_bytes is None else
+             f"limit {s.max_residual_bytes / 2 ** 30:.4g} GiB per rank (--max-residual-gb)")
+    return (
+        f"Sharding: {sh.describe()}; {n_units} FSDP units; {result.option} is {o.nodes} node(s) x "
+        f"{o.accelerators_per_node} rank(s)"
+        + (f" (shard group {o.accelerators_per_node}, {o.nodes} replicas)" if sh.kind == "hsdp" else "")
+        + f"; intra-node link {(o.intra_link or sh.intra_link).describe()}. Per rank and step: "
+        f"all-gathers {b['allgather_bytes'] / 1e6:.4g} MB, reduction "
+        f"{(b['reduce_scatter_bytes'] + b['allreduce_bytes']) / 1e6:.4g} MB ({short} alone "
+        f"{(d['reduce_scatter_bytes'] + d['allreduce_bytes']) / 1e6:.4g} MB). FastML residuals "
+        f"{b['residual_bytes'] / 2 ** 20:.4g} MiB per rank beside {short}'s own "
+        f"{b['state_bytes'] / 2 ** 20:.4g} MiB ({limit})."
+        + (f" Each FSDP collective costs {1e3 * prof.collective_overhead_s:.3g} ms beyond the link "
+           f"(fitted to {short}'s measured step time)." if prof.collective_overhead_s else ""))
 
 
 def search_expand(result: "AutotuneResult") -> dict[str, str]:
@@ -817,8 +891,7 @@ def search_expand(result: "AutotuneResult") -> dict[str, str]:
 def _options_table(result: "AutotuneResult") -> pd.DataFrame:
     """One row per hardware option in human units, narrow enough for a page (options.csv has the
     numbers)."""
-    bp, _ = _base(result)
-    short = "DDP" if bp == "ddp" else bp.upper()
+    short = _short(result)
     rows = []
     for o in result.options:
         b, d = result.best[o.name], result.baseline[o.name]
@@ -925,71 +998,88 @@ def _html_text(line: str) -> str:
     return re.sub(r"`(.+?)`", r"<code>\1</code>", out)
 
 
-def html_report(result: "AutotuneResult", s: "Settings", t: Mapping[str, pd.DataFrame],
-                figs: Mapping[str, str]) -> str:
-    def img(key: str, alt: str) -> str:
-        return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{figs[key]}">'
+_HTML_HEAD = (
+    "<!doctype html><html><head><meta charset='utf-8'><title>fastml-autotune report</title>",
+    "<style>body{font-family:sans-serif;max-width:1240px;margin:2em auto;padding:0 1em;color:#222}"
+    "table.t{border-collapse:collapse;font-size:12px}table.t td,table.t th{padding:2px 8px;"
+    "border-bottom:1px solid #ddd;text-align:right}table.t th{vertical-align:bottom}"
+    "table.t td:first-child,table.t th:first-child{text-align:left}"
+    "img{max-width:100%}h2{margin-top:1.6em}.wide{overflow-x:auto}"
+    ".verdict{font-size:1.12em;background:#f1f6fb;border-left:5px solid #3b75af;padding:.4em 1em}"
+    ".verdict p{margin:.5em 0}p.warn{color:#8a2b06}</style>",
+    "</head><body><h1>fastml-autotune report</h1>",
+)
 
-    def table(df: pd.DataFrame) -> str:
-        # headers with spaces instead of underscores, so they wrap and a wide table fits the page;
-        # a table still too wide scrolls inside its own box
-        shown = _fmt(df).rename(columns=lambda c: str(c).replace("_", " "))
-        return '<div class="wide">' + shown.to_html(index=False, border=0, classes="t",
-                                                    escape=True) + "</div>"
 
+def _html_img(figs: Mapping[str, str], key: str, alt: str) -> str:
+    """A figure embedded as a base64 PNG."""
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{figs[key]}">'
+
+
+def _html_table(df: pd.DataFrame) -> str:
+    """A table in its own box, which scrolls when the table is still too wide for the page."""
+    # headers with spaces instead of underscores, so they wrap and a wide table fits the page
+    shown = _fmt(df).rename(columns=lambda c: str(c).replace("_", " "))
+    return '<div class="wide">' + shown.to_html(index=False, border=0, classes="t", escape=True) + "</div>"
+
+
+def _html_verdict(result: "AutotuneResult") -> str:
+    """The headline in its box, a warning marked as one."""
     head = headline(result)
-    verdict = f'<div class="verdict"><p>{_html_text(head[0])}</p>' + "".join(
+    return f'<div class="verdict"><p>{_html_text(head[0])}</p>' + "".join(
         f"<p{' class=warn' if line.startswith('**Warning') else ''}>{_html_text(line)}</p>"
         for line in head[1:]) + "</div>"
+
+
+def _html_sharded(result: "AutotuneResult", t: Mapping[str, pd.DataFrame], figs: Mapping[str, str]) -> list[str]:
+    """The sharded run's sections: bytes and memory per rank, and the what-if grid."""
+    kind = result.sharding.kind.upper()
+    return [
+        f"<h2>Sharded training ({kind}): bytes and memory per rank</h2>",
+        f"<p>Parameter all-gathers and gradient reduction per rank per step, tuned plan against "
+        f"{kind}'s own collectives; FastML's error-feedback residuals beside {kind}'s own state "
+        f"(fp32 parameter and gradient shards, optimizer state).</p>",
+        _html_img(figs, "sharded", "bytes and memory per rank"), _html_table(t["sharded"]),
+        f"<h2>What if: other cluster shapes ({kind}, nodes x ranks per node)</h2>",
+        f"<p>Each option's tuned plan: predicted ms/step and speedup over {kind}'s own "
+        f"collectives; whatif.csv adds bytes and memory per rank.</p>",
+        _html_img(figs, "whatif", "what-if speedups"), _html_table(_whatif_pivot(t)),
+    ]
+
+
+def html_report(result: "AutotuneResult", s: "Settings", t: Mapping[str, pd.DataFrame],
+                figs: Mapping[str, str]) -> str:
+    """report.html: self-contained, its figures embedded."""
+    def img(key: str, alt: str) -> str:
+        return _html_img(figs, key, alt)
+
     summary = "".join(f"<li>{_html_text(line)}</li>" for line in _summary(result, s))
     front = _front_table(t)
     _, words = _base(result)
-    sharded: list[str] = []
-    if result.sharding.sharded:
-        kind = result.sharding.kind.upper()
-        sharded = [
-            f"<h2>Sharded training ({kind}): bytes and memory per rank</h2>",
-            f"<p>Parameter all-gathers and gradient reduction per rank per step, tuned plan against "
-            f"{kind}'s own collectives; FastML's error-feedback residuals beside {kind}'s own state "
-            f"(fp32 parameter and gradient shards, optimizer state).</p>",
-            img("sharded", "bytes and memory per rank"), table(t["sharded"]),
-            f"<h2>What if: other cluster shapes ({kind}, nodes x ranks per node)</h2>",
-            f"<p>Each option's tuned plan: predicted ms/step and speedup over {kind}'s own "
-            f"collectives; whatif.csv adds bytes and memory per rank.</p>",
-            img("whatif", "what-if speedups"), table(_whatif_pivot(t)),
-        ]
     st = t["step_times"]
     parts = [
-        "<!doctype html><html><head><meta charset='utf-8'><title>fastml-autotune report</title>",
-        "<style>body{font-family:sans-serif;max-width:1240px;margin:2em auto;padding:0 1em;color:#222}"
-        "table.t{border-collapse:collapse;font-size:12px}table.t td,table.t th{padding:2px 8px;"
-        "border-bottom:1px solid #ddd;text-align:right}table.t th{vertical-align:bottom}"
-        "table.t td:first-child,table.t th:first-child{text-align:left}"
-        "img{max-width:100%}h2{margin-top:1.6em}.wide{overflow-x:auto}"
-        ".verdict{font-size:1.12em;background:#f1f6fb;border-left:5px solid #3b75af;padding:.4em 1em}"
-        ".verdict p{margin:.5em 0}p.warn{color:#8a2b06}</style>",
-        "</head><body><h1>fastml-autotune report</h1>", verdict,
+        *_HTML_HEAD, _html_verdict(result),
         "<h2>Details</h2>", f"<ul>{summary}</ul>",
         f"<h2>Time and cost per hardware option vs {html.escape(words)}</h2>", img("options", "options"),
-        table(_options_table(result)),
+        _html_table(_options_table(result)),
         *(["<h2>Per-step compression vs local steps</h2>", f"<p>{html.escape(_local_text(result))}</p>",
-           img("local_steps", "per-step compression vs local steps"), table(_local_table(result))]
+           img("local_steps", "per-step compression vs local steps"), _html_table(_local_table(result))]
           if "local_steps" in t else []),
-        *sharded,
+        *(_html_sharded(result, t, figs) if result.sharding.sharded else []),
         "<h2>Pareto front: time to accuracy vs cost</h2>", img("pareto", "pareto front"),
-        table(front) if len(front) else "",
+        _html_table(front) if len(front) else "",
         "<h2>Per-layer bits and sparsity</h2>", img("layers", "per-layer bits"),
-        table(t["layers"][["name", "numel", "group", "codec", "bits_per_element", "sparsity", "rel_error",
-                           "grad_ready_ms"]]),
+        _html_table(t["layers"][["name", "numel", "group", "codec", "bits_per_element", "sparsity",
+                                 "rel_error", "grad_ready_ms"]]),
         "<h2>Predicted vs measured step time</h2>",
         f"<p>Where: {html.escape(str(st['where'].iloc[0]))}.</p>" if len(st) else "",
         img("step_times", "predicted vs measured"),
-        table(_step_table(t)) if len(st) else "<p>not measured</p>",
+        _html_table(_step_table(t)) if len(st) else "<p>not measured</p>",
         "<h2>Predicted step time for larger clusters</h2>",
         f"<p class=warn>{html.escape(result.link_warning)}</p>" if result.link_warning else "",
         img("scaling", "scaling"),
         "<h2>Convergence calibration</h2>", img("calibration", "calibration"),
-        table(t["calibration"].drop(columns=["choice"], errors="ignore")),
+        _html_table(t["calibration"].drop(columns=["choice"], errors="ignore")),
         "<p>calibration.csv adds each run's per-group codec choice.</p>",
         "</body></html>",
     ]
