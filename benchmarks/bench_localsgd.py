@@ -45,22 +45,28 @@ the step time measured on each emulated link:
    timed steps.
 
 Per row: steps to target, ms per step, time to target = steps x ms per step, how much sooner than DDP
-fp32 and than FastML int4 every step, the bytes each rank sends per step (FastML's ``stats()``;
-2(W-1)/W x 4 bytes per parameter for DDP fp32, half for fp16) and DDP fp32's bytes over them, the bytes
+fp32 and than FastML int4 every step, the bytes each rank sends per step (FastML's ``stats()``; for DDP's
+rows 2(W-1)/W, what a ring all-reduce sends per rank, times the bytes handed to the all-reduce per step,
+measured: DDP fp32's bucket buffers, the tensors torch's fp16 hook passes to
+``torch.distributed.all_reduce`` counted by ``_bench.CollectiveBytes``) and DDP fp32's bytes over them;
+"compression" is the gradient bytes over the bytes handed to the collective (FastML: ``stats()``), the bytes
 that crossed the link per step and that over the link rate ("wire ms": the physical bound of the
 communication), the compute (the same method with no limit) and the bound max(compute, wire) (perfect
 overlap) with the measured step over it.
 
 Without root the links cannot be shaped: the script then runs on the host's loopback and labels every
 figure "no link limit". The namespaces (and anything started in them) are removed at the end, on
-failure and on SIGINT/SIGTERM too. Prints markdown tables, writes CSV (``--csv``) and the smoothed
-curves (``benchmarks/out/bench_localsgd_curves*.json``).
+failure and on SIGINT/SIGTERM too. Prints markdown tables, writes CSV (``--csv``; by default
+``benchmarks/results/bench_localsgd_cpu.csv`` for the full run as root with every default,
+``benchmarks/out/`` otherwise) and the
+smoothed curves (``benchmarks/out/bench_localsgd_*_curves.json``), atomically; every CSV row carries the
+machine (CPU model, SIMD flags, cores), Python, torch and the load average before and after
+(``benchmarks/_bench.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import json
 import math
@@ -75,6 +81,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # Benchmarks are scripts: the GPT model, its synthetic language and the machine description are
 # bench_fsdp.py's (its import is light: no torch at module level).
+import _bench  # noqa: E402
 from bench_fsdp import (_CHILDREN, _NAMESPACES, _bigram_batch, _cleanup, _fmt, _machine, _model,  # noqa: E402
                         _net_bytes, _rate_bits, _sh, _stop)
 
@@ -147,6 +154,9 @@ class _Run:
         self.params = sum(p.numel() for p in self.model.parameters())
         self.state = self.local = None
         self.every = 1
+        # torch's fp16 hook calls torch.distributed.all_reduce: count what it hands over, per step
+        self.counter = _bench.CollectiveBytes() if kind == "ddp" and s["hook"] == "fp16" else None
+        self.counted_steps = 0
         if kind == "ddp":
             self.net = DDP(self.model)
             if s["hook"] == "fp16":
@@ -175,30 +185,45 @@ class _Run:
         x, y = _bigram_batch(c["vocab"], c["batch"], c["seq"], seed=c["seed"] + 1 + rank, step=step)
         t0 = time.perf_counter()
         loss = F.cross_entropy(self.net(x).flatten(0, 1), y.flatten())
-        loss.backward()
+        if self.counter is not None:
+            with self.counter:  # only the step's own all-reduces (not the loss averaging between steps)
+                loss.backward()
+            self.counted_steps += 1
+        else:
+            loss.backward()
         self.inner.step()
         self.inner.zero_grad(set_to_none=True)
         if self.local is not None:
             self.local.step()
         return float(loss), time.perf_counter() - t0
 
+    def handed_per_step(self) -> float:
+        """DDP without FastML: the bytes handed to the all-reduce per step, measured (the fp16 hook's
+        tensors as counted; DDP fp32's bucket buffers, each all-reduced once per step)."""
+        if self.counter is not None:
+            return self.counter.bytes / max(1, self.counted_steps)
+        return float(_bench.ddp_bucket_bytes(self.net) or "nan")
+
     def bytes_per_step(self, steps: int) -> float:
-        """Bytes this rank sent per inner step (gradients or pseudo-gradients; ideal ring for DDP's own)."""
-        W = 2
+        """Bytes this rank sent per inner step (gradients or pseudo-gradients; for DDP's own all-reduce,
+        what a ring sends per rank, 2(W-1)/W, of the bytes measured as handed to it)."""
+        import torch.distributed as dist
+
         if self.local is not None:
             return self.local.stats()["bytes_per_inner_step"]
         if self.state is not None:
             s = self.state.stats()
             return s["bytes_sent"] / max(1, s["steps"])
-        width = 2 if METHODS[self.method][2]["hook"] == "fp16" else 4
-        return 2.0 * (W - 1) / W * width * self.params
+        W = dist.get_world_size()
+        return 2.0 * (W - 1) / W * self.handed_per_step()
 
     def compression(self) -> float | None:
+        """Gradient bytes over the bytes handed to the collective (FastML: its own ``stats()``)."""
         if self.local is not None:
             return self.local.stats()["compression_ratio"]
         if self.state is not None:
             return self.state.stats()["compression_ratio"]
-        return None
+        return _bench.grad_bytes(self.model) / self.handed_per_step()
 
     def close(self) -> None:
         if self.local is not None:
@@ -471,7 +496,7 @@ def _tables(curves: dict, times: list, cfg: dict, links: list, root: bool) -> tu
             runs[r["method"]] = r
     by = {(t["link"], t["method"]): t for t in times}
     methods = [m for m in cfg["methods"] if m in runs]
-    ddp_bytes = 2.0 * (2 - 1) / 2 * 4 * runs["ddp-fp32"]["params"]
+    ddp_bytes = runs["ddp-fp32"]["bytes_per_step_rank"]  # measured: 2(W-1)/W x DDP's bucket bytes
     out, rows = [], []
     for link in links:
         where = link or "none"
@@ -601,8 +626,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3, help="inner AdamW learning rate (every method)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per torchrun job")
-    ap.add_argument("--csv", default=None, help="default benchmarks/results/bench_localsgd_cpu.csv for a full "
-                    "run as root, benchmarks/out/bench_localsgd_{quick,nolimit}.csv otherwise")
+    ap.add_argument("--csv", default=None, help="default benchmarks/results/bench_localsgd_cpu.csv for the full "
+                    "run as root (every default), benchmarks/out/bench_localsgd_{quick,root,nolimit}.csv otherwise")
     # the worker's arguments (torchrun starts this file again with them)
     ap.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--_phase", dest="phase", help=argparse.SUPPRESS)
@@ -638,8 +663,12 @@ def main() -> None:
         print("bench_localsgd: not root, so the links cannot be shaped (ip netns + tc need root): every rank "
               "runs on this host's loopback and the figures are labelled 'no link limit'.", file=sys.stderr)
         links = []
+    # benchmarks/results/ only for the run the docs quote (every default, as root)
+    full = (root and links and not a.quick and a.links is None and methods == list(METHODS) and not a.stream
+            and a.outer_candidates is None and all(getattr(a, k) is None for k in FULL))
     csv_path = a.csv or ("benchmarks/out/bench_localsgd_quick.csv" if a.quick else
-                         "benchmarks/results/bench_localsgd_cpu.csv" if root and links else
+                         "benchmarks/results/bench_localsgd_cpu.csv" if full else
+                         "benchmarks/out/bench_localsgd_root.csv" if root and links else
                          "benchmarks/out/bench_localsgd_nolimit.csv")
     machine = _machine()
     load0 = os.getloadavg()
@@ -668,19 +697,15 @@ def main() -> None:
     load1 = os.getloadavg()
 
     tables, rows = _tables(curves, times, cfg, links + [None], root)
-    os.makedirs(os.path.dirname(csv_path) or ".", exist_ok=True)
     fields = list(dict.fromkeys(k for r in rows for k in r))
-    with open(csv_path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields + ["n_target", "window", "lr", "date_utc", "machine",
-                                                   "load_before", "load_after"])
-        w.writeheader()
-        for r in rows:
-            w.writerow(dict(r, n_target=cfg["n_target"], window=cfg["window"], lr=cfg["lr"],
-                            date_utc=f"{started:%Y-%m-%d %H:%M}", machine=machine,
-                            load_before=f"{load0[0]:.2f}", load_after=f"{load1[0]:.2f}"))
+    _bench.write_csv(csv_path, [dict({k: r.get(k, "") for k in fields}, n_target=cfg["n_target"],
+                                     window=cfg["window"], lr=cfg["lr"], date_utc=f"{started:%Y-%m-%d %H:%M}",
+                                     machine=machine, load_before=f"{load0[0]:.2f}",
+                                     load_after=f"{load1[0]:.2f}") for r in rows])
     curves_path = os.path.join("benchmarks", "out", os.path.basename(csv_path).replace(".csv", "_curves.json"))
-    os.makedirs(os.path.dirname(curves_path), exist_ok=True)
-    with open(curves_path, "w") as f:
+    from fastml_strategy._io import atomic_open
+
+    with atomic_open(curves_path) as f:
         json.dump({"cfg": cfg, **curves}, f)
 
     r0 = curves["runs"][0]
