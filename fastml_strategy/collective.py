@@ -29,6 +29,14 @@ encoded and piece k-1 decoded. Every block holds the same elements as without pi
 element is summed over the ranks in the same order, so a deterministic codec gives bit for bit the
 result of one piece (stochastic rounding draws other, equally distributed numbers for a slice).
 
+Segment tables (:class:`_SegmentTables`, on CUDA with the Triton backend; ``segment_tables``): the
+quantized layers of a piece that read from and decode into an fp32 bucket buffer are encoded (with
+error feedback), summed (the W copies of this rank's chunks), re-encoded and decoded by one Triton
+launch per stage and codec config, each program reading one row of a table built once per layout,
+instead of one launch per chunk and layer. Their residuals are views of two flat buffers of the
+layout (swapped together at commit), their chunk sums of one buffer per piece. Same bytes as the
+per-chunk path (tests/test_segment_tables_dist.py).
+
 Per-rank traffic of a dense codec is 2(W-1)/W of its encoded size, as for a ring all-reduce; a top-k
 layer costs (W-1) messages, which is why :func:`fastml_strategy.codecs.effective_config` falls back to
 a dense codec past the world size where that stops paying.
@@ -70,7 +78,7 @@ import torch
 import torch.distributed as dist
 
 from fastml_strategy import codecs
-from fastml_strategy.config import RECIPES, CodecConfig, Plan
+from fastml_strategy.config import RECIPES, Codec, CodecConfig, Plan
 
 __all__ = ["BucketLayout", "ShardLayout", "CompressedAllReduce", "CompressionError", "DecodeError", "StepChecks",
            "host_reads"]
@@ -127,6 +135,7 @@ class _DenseGroup:
     x: torch.Tensor | None = None  # flat fp32 staging vector (not direct)
     res_cur: torch.Tensor | None = None
     res_next: torch.Tensor | None = None  # None: the residual is updated in place (one buffer)
+    res_off: int = -1  # offset of the residuals in the layout's res_flat buffers (-1: own tensors)
     acc: torch.Tensor | None = None  # this rank's chunk sum
     # A segment of a pipelined bucket: a slice [bounds[0], bounds[W]) of ``parent``'s flat vector,
     # cut into W chunks of its own. The parent keeps the staging vector and the residuals; ``bounds``
@@ -355,6 +364,66 @@ class _Piece(_Messages):
         self.gather_size = pos
         self.send_starts = [sum(self.split_sizes[:j]) for j in range(W)]
         self.gsend = self.grecv = None
+        self.acc_flat: torch.Tensor | None = None
+        self.acc_table = 0
+        self.tables: dict | None = None  # segment tables by codec, built on first use (_SegmentTables)
+
+
+def _table_group(g: _DenseGroup) -> bool:
+    """Whether a segment can be encoded and decoded through segment tables: a quantized layer read
+    from and decoded into an fp32 bucket buffer (direct), with fp32 residuals in the layout's flat
+    buffers or none."""
+    return (g.cfg.codec is Codec.QUANTIZE and g.direct
+            and (not g.ef or (g.base.res_off >= 0 and g.base.res_next is not None)))
+
+
+class _SegmentTables:
+    """The Triton segment tables of one piece and one quantization config (bits, block size, rounding,
+    error feedback): one launch per stage for all its layers' chunks instead of one per chunk
+    (:mod:`fastml_strategy.kernels.quantize_triton`). Offsets are fixed for the layout's life; only
+    stochastic rounding's seeds change per step (a pinned, non-blocking upload of one column)."""
+
+    def __init__(self, piece: "_Piece", groups: list[_DenseGroup], W: int, r: int, device) -> None:
+        from fastml_strategy.kernels import quantize_triton as qt
+
+        cfg = groups[0].cfg
+        self.groups = groups
+        self.bits, self.block_size, self.stochastic = cfg.bits, cfg.block_size, cfg.stochastic
+        self.ef = cfg.uses_residual
+        enc, red, dec = [], [], []
+        self.enc_chunks: list[tuple[_DenseGroup, int]] = []  # (group, j) per encode-table chunk
+        for g in groups:
+            base = g.base
+            for j in range(W):
+                a, b = g.bounds[j], g.bounds[j + 1]
+                roff = base.res_off + a if self.ef else 0
+                enc.append((g.chunk_base[j], roff, roff, g.send_off[j], b - a, 0))
+                self.enc_chunks.append((g, j))
+                dec.append((j * piece.gather_size + g.gather_off[j], g.chunk_base[j], b - a))
+            n_me = g.bounds[r + 1] - g.bounds[r]
+            red.append((g.recv_off, g.acc_off, n_me))
+        self.enc, self.g = qt.encode_table(enc, self.bits, self.block_size, device)
+        self.enc_counts = self._counts(enc)
+        self.reenc, _ = qt.encode_table([(g.acc_off, 0, 0, g.gather_off[r], g.bounds[r + 1] - g.bounds[r], 0)
+                                         for g in groups], self.bits, self.block_size, device)
+        self.reenc_counts = self._counts([(0, 0, 0, 0, g.bounds[r + 1] - g.bounds[r], 0) for g in groups])
+        self.red, _ = qt.decode_table(red, self.bits, self.block_size, device)
+        self.dec, _ = qt.decode_table(dec, self.bits, self.block_size, device)
+
+    def _counts(self, rows) -> list[int]:
+        from fastml_strategy.kernels import num_blocks
+
+        return [-(-num_blocks(n, self.block_size) // self.g) if n > 0 else 0 for *_, n, _ in rows]
+
+    @staticmethod
+    def _set_seeds(table: torch.Tensor, counts: list[int], seeds: list[int]) -> None:
+        from fastml_strategy.kernels import quantize_triton as qt
+
+        col = torch.tensor([qt._seed_word(s) for s, c in zip(seeds, counts) for _ in range(c)],
+                           dtype=torch.int64)
+        if table.is_cuda:
+            col = col.pin_memory()
+        table[:, 7].copy_(col, non_blocking=table.is_cuda)
 
 
 def _segments(g: _DenseGroup, W: int, piece_numel: int) -> list[_DenseGroup]:
@@ -428,8 +497,22 @@ class BucketLayout(_Messages):
             g = _DenseGroup(cfg, params, length, bounds, nbytes,
                             pieces=[(p.boff, p.goff, p.numel) for p in params], direct=direct,
                             chunk_base=[params[0].boff + bounds[j] for j in range(W)] if direct else [])
-            g.alloc_residual(device, double_buffer)
             self.dense.append(g)
+        # Residuals: fp32 ones of a double-buffered layout are views of two flat buffers, swapped
+        # together at commit, so that one kernel launch (a segment table) reaches every layer's.
+        self.res_flat: list[torch.Tensor] | None = None
+        flat = [g for g in self.dense if g.ef and double_buffer and g.cfg.residual_torch_dtype == torch.float32]
+        if flat:
+            total = sum(g.length for g in flat)
+            self.res_flat = [torch.zeros(total, dtype=torch.float32, device=device) for _ in range(2)]
+            pos = 0
+            for g in flat:
+                g.res_off = pos
+                g.res_cur, g.res_next = (t[pos: pos + g.length] for t in self.res_flat)
+                pos += g.length
+        for g in self.dense:
+            if g.res_off < 0:
+                g.alloc_residual(device, double_buffer)
         for t in self.topk:
             t.residual = torch.zeros(t.param.numel, dtype=t.cfg.residual_torch_dtype, device=device)
         # The pipeline: segments in bucket order, packed into pieces of about piece_numel elements (a
@@ -467,8 +550,18 @@ class BucketLayout(_Messages):
                 whole[pos[i]: pos[i] + size[i]] for i, whole in
                 enumerate((self.send, self.recv, self.gsend, self.grecv)))
             pos = [a + b for a, b in zip(pos, size)]
-            for g in p.dense:
-                g.acc = torch.empty(g.bounds[r + 1] - g.bounds[r], dtype=torch.float32, device=dev)
+            # this rank's chunk sums of the piece: one buffer, segment-table groups first
+            order = sorted(p.dense, key=lambda g: not _table_group(g))
+            p.acc_flat = torch.empty(sum(g.bounds[r + 1] - g.bounds[r] for g in order),
+                                     dtype=torch.float32, device=dev)
+            p.acc_table = 0
+            at = 0
+            for g in order:
+                n = g.bounds[r + 1] - g.bounds[r]
+                g.acc, g.acc_off = p.acc_flat[at: at + n], at
+                at += n
+                if _table_group(g):
+                    p.acc_table = at
         for g in self.dense:
             if not g.direct:
                 g.x = torch.zeros(g.length, dtype=torch.float32, device=dev)
@@ -478,7 +571,7 @@ class BucketLayout(_Messages):
     def release(self) -> None:
         self.send = self.recv = self.gsend = self.grecv = None
         for p in self.pieces:
-            p.send = p.recv = p.gsend = p.grecv = None
+            p.send = p.recv = p.gsend = p.grecv = p.acc_flat = None
             for g in p.dense:
                 g.acc = None
         for g in self.dense:
@@ -614,6 +707,10 @@ class CompressedAllReduce:
         self.rank = rank
         self.world_size = world_size
         self.piece_numel = piece_numel  # elements per pipeline piece of a bucket (PIECE_NUMEL)
+        # Triton segment tables for the quantized layers of fp32 buckets: one kernel launch per stage
+        # and piece instead of one per chunk and layer. None: on CUDA when the Triton backend is used;
+        # True: also for CPU tensors (the tests, through Triton's interpreter); False: never.
+        self.segment_tables: bool | None = None
         self.layouts: dict[tuple, BucketLayout | ShardLayout] = {}
         # residuals loaded from a checkpoint before the layout that owns them exists
         self.pending_residuals: dict[str, torch.Tensor] = {}
@@ -753,11 +850,20 @@ class CompressedAllReduce:
         headers = [lay.recv[j * lay.my_chunk:] for j in range(W)]
         self._check_headers(headers, "encoding", local_error)
 
-    def _sum_own_chunks(self, lay: _Messages) -> None:
+    def _sum_own_chunks(self, lay: _Messages, tables: dict | None = None) -> None:
         """Decode the W received copies of this rank's chunk of each group and sum them into ``acc``
-        (in rank order: every rank adds in the same order)."""
+        (in rank order: every rank adds in the same order); with ``tables``, the groups of the
+        segment tables in one launch per table."""
         W, r = self.world_size, self.rank
+        if tables:
+            from fastml_strategy.kernels import quantize_triton as qt
+
+            for t in tables.values():
+                qt.dequantize_segments(lay.recv, lay.acc_flat, t.red, t.g, t.bits, t.block_size,
+                                       sources=W, src_stride=lay.my_chunk)
         for g in lay.dense:
+            if tables and _table_group(g):
+                continue
             n_me = g.bounds[r + 1] - g.bounds[r]
             for src in range(W):
                 off = src * lay.my_chunk + g.recv_off
@@ -954,11 +1060,17 @@ class CompressedAllReduce:
         a2a: list = [None] * P
         ag: list = [None] * P
 
+        tabs = [self._tables(piece, buf, layer_stats) for piece in pieces]
+
         def encode(k: int) -> None:
             piece = pieces[k]
             if checks.error is None:
                 try:
+                    if tabs[k]:
+                        self._table_encode(lay, piece, tabs[k], buf, base)
                     for g in piece.dense:
+                        if tabs[k] and _table_group(g):
+                            continue
                         e2, n2 = self._encode_group(piece, g, buf, base, layer_stats)
                         acc = stats.setdefault(id(g.base), [g.base, 0.0, 0.0])
                         acc[1] = acc[1] + e2
@@ -977,8 +1089,12 @@ class CompressedAllReduce:
             checks.add_headers("encoding", [piece.recv[j * piece.my_chunk:] for j in range(W)])
             if checks.error is None:
                 try:
-                    self._sum_own_chunks(piece)
+                    self._sum_own_chunks(piece, tabs[k])
+                    if tabs[k]:
+                        self._table_reencode(piece, tabs[k], base)
                     for g in piece.dense:
+                        if tabs[k] and _table_group(g):
+                            continue
                         g.acc.div_(W)
                         off = g.gather_off[r]
                         codecs.encode_chunk(g.acc, g.cfg, piece.gsend[off: off + g.nbytes[r]],
@@ -994,7 +1110,7 @@ class CompressedAllReduce:
             checks.add_headers("reduction", [piece.grecv[j * piece.gather_size:] for j in range(W)])
             if checks.error is None and checks.decode_error is None:
                 try:
-                    self._decode(lay, piece, buf, finite)
+                    self._decode(lay, piece, buf, finite, tabs[k])
                 except Exception as e:  # noqa: BLE001 - after the piece's last collective
                     checks.decode_error = e
 
@@ -1013,12 +1129,54 @@ class CompressedAllReduce:
             self._record_error(g, e2, n2, layer_stats)
         self.bytes_uncompressed += 2.0 * (W - 1) / W * baseline_elem_size * lay.total_numel
 
+    # -- segment tables (Triton): one launch per stage and piece for the quantized layers -----------------
+    def _tables(self, piece, buf: torch.Tensor, layer_stats: bool) -> dict | None:
+        if layer_stats or not isinstance(piece, _Piece):
+            return None  # (the per-layer error is measured chunk by chunk)
+        use = self.segment_tables
+        if use is None:
+            from fastml_strategy import kernels
+
+            use = buf.is_cuda and kernels.resolve_backend(buf, None) == "triton"
+        if not use:
+            return None
+        if piece.tables is None:
+            by: dict[tuple, list[_DenseGroup]] = {}
+            for g in piece.dense:
+                if _table_group(g):
+                    c = g.cfg
+                    by.setdefault((c.bits, c.block_size, c.stochastic, c.uses_residual), []).append(g)
+            piece.tables = {key: _SegmentTables(piece, gs, self.world_size, self.rank, buf.device)
+                            for key, gs in by.items()}
+        return piece.tables or None
+
+    def _table_encode(self, lay: BucketLayout, piece: _Piece, tables: dict, buf: torch.Tensor,
+                      base: int) -> None:
+        from fastml_strategy.kernels import quantize_triton as qt
+
+        for t in tables.values():
+            if t.stochastic:
+                t._set_seeds(t.enc, t.enc_counts, [self._seed(base, 0, g, j) for g, j in t.enc_chunks])
+            res, res_out = (lay.res_flat[0], lay.res_flat[1]) if t.ef else (None, None)
+            qt.quantize_segments(buf, piece.send, t.enc, t.g, t.bits, t.block_size, t.stochastic, res, res_out)
+
+    def _table_reencode(self, piece: _Piece, tables: dict, base: int) -> None:
+        from fastml_strategy.kernels import quantize_triton as qt
+
+        piece.acc_flat[: piece.acc_table].div_(self.world_size)
+        for t in tables.values():
+            if t.stochastic:
+                t._set_seeds(t.reenc, t.reenc_counts, [self._seed(base, 1, g) for g in t.groups])
+            qt.quantize_segments(piece.acc_flat, piece.gsend, t.reenc, t.g, t.bits, t.block_size, t.stochastic)
+
     @staticmethod
     def commit(lay: BucketLayout) -> None:
         """Make the residuals computed by the last :meth:`run` of ``lay`` the current ones."""
         for g in lay.dense:
             if g.ef and g.res_next is not None:
                 g.res_cur, g.res_next = g.res_next, g.res_cur
+        if getattr(lay, "res_flat", None):
+            lay.res_flat.reverse()
         for t in lay.topk:
             if t.cfg.uses_residual and t.pending is not None:
                 if t.residual.dtype == t.pending.dtype:
@@ -1044,11 +1202,18 @@ class CompressedAllReduce:
             t.pending = rest if res is not None else None
 
     def _decode(self, lay: BucketLayout, piece: _Piece, buf: torch.Tensor,
-                checks: list[torch.Tensor]) -> None:
+                checks: list[torch.Tensor], tables: dict | None = None) -> None:
         """Decode one piece's all-gathered message into ``buf``, adding its finiteness checks."""
         W = self.world_size
         grecv = piece.grecv.view(W, piece.gather_size)
+        if tables:
+            from fastml_strategy.kernels import quantize_triton as qt
+
+            for t in tables.values():
+                checks.append(qt.dequantize_segments(piece.grecv, buf, t.dec, t.g, t.bits, t.block_size))
         for g in piece.dense:
+            if tables and _table_group(g):
+                continue
             for j in range(W):
                 a, b = g.bounds[j], g.bounds[j + 1]
                 off = g.gather_off[j]

@@ -499,8 +499,7 @@ def encode_table(segments, bits: int, block_size: int, device) -> tuple[torch.Te
             e = b * block_size
             rows.append((x_off + e, r_off + e, rout_off + e, msg_off + 8 * nb + e * bits // 8,
                          msg_off // 4 + 2 * b, n - e, e, seed_s))
-    table = torch.tensor(rows, dtype=torch.int64).reshape(-1, _ENC_COLS)
-    return table.to(device), g
+    return _upload(torch.tensor(rows, dtype=torch.int64).reshape(-1, _ENC_COLS), device), g
 
 
 def decode_table(segments, bits: int, block_size: int, device) -> tuple[torch.Tensor, int]:
@@ -518,8 +517,16 @@ def decode_table(segments, bits: int, block_size: int, device) -> tuple[torch.Te
         for b in range(0, nb, g):
             e = b * block_size
             rows.append((msg_off // 4 + 2 * b, msg_off + 8 * nb + e * bits // 8, out_off + e, n - e))
-    table = torch.tensor(rows, dtype=torch.int64).reshape(-1, _DEC_COLS)
-    return table.to(device), g
+    return _upload(torch.tensor(rows, dtype=torch.int64).reshape(-1, _DEC_COLS), device), g
+
+
+def _upload(table: torch.Tensor, device) -> torch.Tensor:
+    """The table on ``device``; to a GPU from pinned memory without blocking the host (a pageable
+    copy would synchronise: see tests/integrations/test_gpu.py)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return table.to(device)
+    return table.pin_memory().to(device, non_blocking=True)
 
 
 def _opts() -> dict:
