@@ -55,7 +55,6 @@ import argparse
 import csv
 import json
 import os
-import platform
 import shutil
 import socket
 import subprocess
@@ -297,19 +296,6 @@ def _rate_bits(rate: str) -> float:
     raise ValueError(f"unknown rate {rate!r}: give it as tc does, e.g. 100mbit or 1gbit")
 
 
-def _machine() -> str:
-    flags = ""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        field = {k.strip(): v.strip() for k, _, v in (ln.partition(":") for ln in info.split("\n\n")[0].splitlines())}
-        model = f"{field['model name']} (family {field['cpu family']}, model {field['model']})"
-        fl = field["flags"].split()
-        flags = "+".join(f for f in ("avx2", "avx512f") if f in fl)
-    except (OSError, KeyError):
-        model = platform.processor() or platform.machine()
-    return f"{model}, {flags or 'no avx2'}, {os.cpu_count()} cores, torch {torch.__version__}"
-
-
 def inner(args: argparse.Namespace) -> None:
     # One thread per rank everywhere (ranks and torchrun children alike): 2 ranks on 2 cores.
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -353,24 +339,21 @@ def inner(args: argparse.Namespace) -> None:
             "final_value": round(r["final_value"], 4), "compression_ratio": round(r["compression_ratio"], 2),
             # 1-minute load average of the (shared) machine before and after: above ~2 on 2 cores,
             # timings are noisy
-            "load_avg": load, "link": "none" if args.no_netns else args.rate, "machine": _machine(),
+            "load_avg": load, "link": "none" if args.no_netns else args.rate,
         })
     from tabulate import tabulate
 
-    from fastml_strategy._io import atomic_open
+    import _bench
 
-    csv_path = Path(args.csv or REPO / "benchmarks" / "results" / f"bench_autotune_{task.name}_cpu.csv")
+    csv_path = Path(args.csv or _bench.default_csv(f"bench_autotune_{task.name}_cpu.csv", documented=not args.no_netns))
     csv_path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_open(csv_path, "w") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    _bench.write_csv(csv_path, rows)
     best = min((r for r in rows if r["seconds_to_target"] != "" and r["plan"] != "tuned"),
                key=lambda r: r["seconds_to_target"], default=None)
     tuned = rows[0]
     print()
     print(f"{task.name}: 2 ranks x 1 thread, link: {'none (plain loopback)' if args.no_netns else args.rate + ' emulated (tbf)'}; "
-          f"target {task.metric} {args.target}; machine {rows[0]['machine']}, load {load}; tuning took "
+          f"target {task.metric} {args.target}; {_bench.machine_line()}, load {load}; tuning took "
           f"{tune_s:.0f} s; tuned plan: {_plan_summary(tune / 'plan.json')}"
           f"{f', bucket_cap_mb {cap}' if cap else ''}")
     print(tabulate([[r["plan"], r["ms_per_step"], r["predicted_ms"], f"{r['prediction_error_pct']:+.1f}%",
