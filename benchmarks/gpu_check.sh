@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-shot GPU check of the codec kernels (issue 3). Made for an H200 with a 15-minute budget:
-# at most ~4.5 minutes (steps time out at 90 s and 160 s), every result written as it comes.
+# at most ~7 minutes (every step has a timeout), every result written as it comes.
 #
 #   OUT=/path/to/results bash benchmarks/gpu_check.sh        # from the repository root
 #
@@ -12,7 +12,12 @@
 #                            (target: int4 encode >= 3 TB/s of fp32 input; H200 copy ~4.3 TB/s)
 #   tests_cuda.txt           tests/kernels with the tensors on the GPU (FASTML_TEST_DEVICE=cuda) and
 #                            Triton compiled for real (TRITON_INTERPRET=0): bit-exact against the
-#                            CPU reference; about 220 kernel compilations, ~0.5 s each
+#                            CPU reference; about 220 kernel compilations, ~0.5 s each; includes
+#                            tests/kernels/test_segment_table.py (one launch per stage, issue 10)
+#   sync_free.txt / sync_free.json
+#                            whole DDP training steps (int4, topk1, a mixed plan; one rank, NCCL)
+#                            under torch.cuda.set_sync_debug_mode("error"), host reads per step
+#                            counted (issue 10, item 4: expect [1, 1, ...] and no error)
 #   summary.txt              exit codes and the lines that matter
 set -u
 cd "$(dirname "$0")/.."
@@ -43,7 +48,7 @@ timeout 90 "$PY" benchmarks/bench_codecs.py --device cuda --size-mb 1024 --reps 
 BENCH_RC=$?
 
 # 2. Kernel tests on the GPU (compiles ~220 kernel variants; the runtime itself is seconds).
-timeout 140 "$PY" -m pytest tests/kernels -q -rfE -p no:cacheprovider --durations=5 \
+timeout 170 "$PY" -m pytest tests/kernels -q -rfE -p no:cacheprovider --durations=5 \
     > "$OUT/tests_cuda.txt" 2>&1
 TEST_RC=$?
 
@@ -52,7 +57,13 @@ timeout 90 "$PY" -m torch.distributed.run --nproc_per_node 1 benchmarks/gpu_e2e.
     --csv "$OUT/gpu_e2e.csv" > "$OUT/e2e.txt" 2>&1
 E2E_RC=$?
 
+# 4. No host synchronisation on the hot path: whole steps under set_sync_debug_mode("error").
+timeout 120 "$PY" tests/integrations/jobs/sync_free_job.py "$OUT" > "$OUT/sync_free.txt" 2>&1
+SYNC_RC=$?
+
 {
+  echo "sync-free steps exit $SYNC_RC (124 = timed out)"
+  grep -E "^(int4|topk1|mixed) " "$OUT/sync_free.txt" | cut -c1-300
   echo "e2e exit $E2E_RC"
   tail -8 "$OUT/e2e.txt"
   echo "bench exit $BENCH_RC (124 = timed out), tests exit $TEST_RC (124 = timed out), $(( $(date +%s) - T0 )) s"
