@@ -204,26 +204,11 @@ def local_curve(wl: Workload, world_size: int, every: int, steps: int, seed: int
     ``world_size`` replicas, a synchronisation every ``every`` steps and after the last one, the
     pseudo-gradients compressed with ``option`` (tensors under ``min_numel`` exact). ``every=0`` is
     the per-step reference: one model, the mean gradient of ``world_size`` batches per step."""
-    from fastml_strategy.codecs import roundtrip
-
     wl = build_run(wl, seed)
     stream = seeded_stream(wl, seed)
     W = max(1, world_size)
-    losses: list[float] = []
     if every == 0:
-        model = wl.fresh_model()
-        model.train()
-        opt = wl.make_optimizer(model)
-        for _ in range(steps):
-            opt.zero_grad(set_to_none=True)
-            total = 0.0
-            for _ in range(W):
-                loss = wl.loss_fn(model, next(stream))
-                (loss / W).backward()
-                total += float(loss.detach())
-            opt.step()
-            losses.append(total / W if math.isfinite(total) else math.inf)
-        return losses, _metric(wl, model)
+        return _per_step_curve(wl, stream, W, steps)
     base = wl.fresh_model()
     replicas = [copy.deepcopy(base) for _ in range(W)]
     for m in replicas:
@@ -235,27 +220,7 @@ def local_curve(wl: Workload, world_size: int, every: int, steps: int, seed: int
                                 nesterov=outer == "nesterov")
     cfg = CANDIDATES[option]
     residuals: dict[tuple[int, int], torch.Tensor] = {}
-
-    def sync() -> None:
-        with torch.no_grad():
-            for j, a in enumerate(shared):
-                mean = torch.zeros_like(a)
-                for i in range(W):
-                    delta = a - named[i][j][1].detach().to(torch.float32)
-                    if cfg.lossy and delta.numel() >= min_numel:
-                        x = delta + residuals[(i, j)] if (i, j) in residuals else delta
-                        dec, _ = roundtrip(x, cfg)
-                        if cfg.uses_residual:
-                            residuals[(i, j)] = x - dec
-                        delta = dec
-                    mean += delta
-                a.grad = mean / W
-            outer_opt.step()
-            outer_opt.zero_grad(set_to_none=True)
-            for i in range(W):
-                for j, (_, p) in enumerate(named[i]):
-                    p.copy_(shared[j].to(p.dtype))
-
+    losses: list[float] = []
     for t in range(steps):
         total = 0.0
         for m, opt in zip(replicas, opts):
@@ -266,8 +231,56 @@ def local_curve(wl: Workload, world_size: int, every: int, steps: int, seed: int
             total += float(loss.detach())
         losses.append(total / W if math.isfinite(total) else math.inf)
         if (t + 1) % every == 0 or t + 1 == steps:
-            sync()
+            _outer_step(shared, named, outer_opt, cfg, residuals, min_numel)
     return losses, _metric(wl, replicas[0])
+
+
+def _per_step_curve(wl: Workload, stream: Iterator[Any], W: int, steps: int) -> tuple[list[float], float | None]:
+    """Local steps' reference: one model, each step the mean gradient of ``W`` batches (what DDP
+    computes)."""
+    model = wl.fresh_model()
+    model.train()
+    opt = wl.make_optimizer(model)
+    losses: list[float] = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for _ in range(W):
+            loss = wl.loss_fn(model, next(stream))
+            (loss / W).backward()
+            total += float(loss.detach())
+        opt.step()
+        losses.append(total / W if math.isfinite(total) else math.inf)
+    return losses, _metric(wl, model)
+
+
+def _outer_step(shared: list[torch.Tensor], named: list[list[tuple[str, torch.nn.Parameter]]],
+                outer_opt: torch.optim.Optimizer, cfg: Any, residuals: dict[tuple[int, int], torch.Tensor],
+                min_numel: int) -> None:
+    """One synchronisation: each replica's pseudo-gradient (shared - local) compressed with ``cfg``
+    (error feedback per replica), averaged, the outer optimizer's step, and every replica takes the
+    shared parameters."""
+    from fastml_strategy.codecs import roundtrip
+
+    W = len(named)
+    with torch.no_grad():
+        for j, a in enumerate(shared):
+            mean = torch.zeros_like(a)
+            for i in range(W):
+                delta = a - named[i][j][1].detach().to(torch.float32)
+                if cfg.lossy and delta.numel() >= min_numel:
+                    x = delta + residuals[(i, j)] if (i, j) in residuals else delta
+                    dec, _ = roundtrip(x, cfg)
+                    if cfg.uses_residual:
+                        residuals[(i, j)] = x - dec
+                    delta = dec
+                mean += delta
+            a.grad = mean / W
+        outer_opt.step()
+        outer_opt.zero_grad(set_to_none=True)
+        for i in range(W):
+            for j, (_, p) in enumerate(named[i]):
+                p.copy_(shared[j].to(p.dtype))
 
 
 def local_calibration_steps(calibration_steps: int, every: Sequence[int]) -> int:
@@ -417,8 +430,6 @@ def run_calibration(
     The returned reference dict adds ``references`` (seed -> run), ``paired`` and ``sigma``
     (:func:`reference_sigma`). ``deadline`` (a ``time.time()``): trials not started by then are
     skipped (the search uses what was measured)."""
-    import time
-
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -429,6 +440,35 @@ def run_calibration(
     )
     items = [(dict(p[0]), int(p[1])) if isinstance(p, tuple) else (dict(p), seed) for p in plans]
     seeds = sorted({seed + i for i in range(max(1, references))} | {s_ for _, s_ in items})
+    refs = _reference_runs(wl, study, seeds, seed, steps, deadline)
+    paired = study.user_attrs.get("paired")
+    if paired is None:
+        paired = runs_paired(wl, seed)
+        study.set_user_attr("paired", paired)
+    if progress is not None:
+        progress.update(1)
+    ref = dict(refs[seed])
+    keys = {g: f"g{i}" for i, g in enumerate(groups)}  # group -> its parameter in the study
+    todo = _trials_to_run(study, items, keys, seed, refs, progress)
+    if todo:
+        for params in todo:
+            study.enqueue_trial(params, skip_if_exists=True)
+        # (enqueued trials the deadline left unrun stay waiting: a resumed run takes them first)
+        study.optimize(_calibration_objective(wl, profile, groups, keys, refs, seed, steps),
+                       n_trials=len(todo), callbacks=[_tick_until(deadline, progress)])
+    points = _calibration_points(study, keys, seed)
+    ref["references"] = refs
+    ref["paired"] = bool(paired)
+    ref["sigma"] = reference_sigma(list(refs.values()))
+    return ref, points
+
+
+def _reference_runs(wl: Workload, study: Any, seeds: Sequence[int], seed: int, steps: int,
+                    deadline: float | None) -> dict[int, dict[str, Any]]:
+    """Seed -> uncompressed run (losses, metric), read back from the study or run and stored there;
+    past ``deadline`` the missing runs of other seeds than ``seed`` are left out."""
+    import time
+
     refs: dict[int, dict[str, Any]] = {}
     for s_ in seeds:
         key = "reference" if s_ == seed else f"reference-seed{s_}"
@@ -440,73 +480,95 @@ def run_calibration(
             got = {"losses": losses, "metric": metric}
             study.set_user_attr(key, got)
         refs[s_] = got
-    paired = study.user_attrs.get("paired")
-    if paired is None:
-        paired = runs_paired(wl, seed)
-        study.set_user_attr("paired", paired)
-    if progress is not None:
-        progress.update(1)
-    ref = dict(refs[seed])
-    names = list(groups)
-    keys = {g: f"g{i}" for i, g in enumerate(names)}
+    return refs
+
+
+def _params_key(params: Mapping[str, Any], seed: int) -> tuple:
+    """A trial's parameters as a comparable key (trials stored before seeds were a parameter ran
+    with ``seed``)."""
+    return tuple(sorted({"seed": seed, **params}.items()))
+
+
+def _trials_to_run(study: Any, items: list[tuple[dict[str, str], int]], keys: Mapping[str, str], seed: int,
+                   refs: Mapping[int, Any], progress: Any) -> list[dict[str, Any]]:
+    """The study parameters of each plan not yet finished in the study (each once) whose seed has a
+    reference run; a plan already done (or without its reference) ticks the progress bar."""
+    import optuna
+
     finished_states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
-
-    def key_of(params: Mapping[str, Any]) -> tuple:
-        return tuple(sorted({"seed": seed, **params}.items()))
-
-    done = {key_of(t.params) for t in study.trials if t.state in finished_states}
+    done = {_params_key(t.params, seed) for t in study.trials if t.state in finished_states}
     todo: list[dict[str, Any]] = []
     for p, s_ in items:
-        params = {**{keys[g]: p[g] for g in names}, "seed": s_}
-        k = key_of(params)
+        params = {**{keys[g]: p[g] for g in keys}, "seed": s_}
+        k = _params_key(params, seed)
         if k in done or s_ not in refs:
             if progress is not None:
                 progress.update(1)
             continue
         done.add(k)
         todo.append(params)
-    if todo:
-        for params in todo:
-            study.enqueue_trial(params, skip_if_exists=True)
-        top = seed + 10_000  # one distribution for every trial of the study
+    return todo
 
-        def objective(trial: optuna.Trial) -> float:
-            gchoice = {g: trial.suggest_categorical(keys[g], profile.options) for g in names}
-            s_ = trial.suggest_int("seed", seed, top)
-            r = refs[s_]
-            r_s = smooth(r["losses"])
-            choice = {n: o for g, o in gchoice.items() for n in groups[g]}
-            e = plan_error(profile, choice)
-            trial.set_user_attr("error", e)
 
-            def report(step: int, losses: list[float]) -> None:
-                lag = lag_ratio(r_s, losses)
-                trial.report(lag if math.isfinite(lag) else 1e9, step)
-                if trial.should_prune():
-                    trial.set_user_attr("pruned_at", step)
-                    raise optuna.TrialPruned()
+def _calibration_objective(wl: Workload, profile: Profile, groups: Mapping[str, list[str]],
+                           keys: Mapping[str, str], refs: Mapping[int, Mapping[str, Any]], seed: int,
+                           steps: int) -> Callable[[Any], float]:
+    """The study's objective: train the trial's plan with its seed and return the steps ratio against
+    that seed's reference, reporting the lag as it trains so that hopeless plans are pruned."""
+    import optuna
 
-            losses, metric = train_curve(wl, choice, steps, s_, report=report,
-                                         report_every=max(1, steps // 10))
-            ratio, censored = steps_ratio(r["losses"], losses)
-            trial.set_user_attr("censored", censored)
-            trial.set_user_attr("metric", metric)
-            trial.set_user_attr("accuracy_loss", _accuracy_loss(r, losses, metric))
-            return ratio
+    top = seed + 10_000  # one distribution for every trial of the study
 
-        def tick(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
-            if progress is not None:
-                progress.update(1)
-            took = ((trial.datetime_complete - trial.datetime_start).total_seconds()
-                    if trial.datetime_complete and trial.datetime_start else 0.0)
-            if deadline is not None and time.time() + took > deadline:
-                study.stop()  # the next run would end past the deadline: the search uses what was measured
+    def objective(trial: optuna.Trial) -> float:
+        gchoice = {g: trial.suggest_categorical(keys[g], profile.options) for g in keys}
+        s_ = trial.suggest_int("seed", seed, top)
+        r = refs[s_]
+        r_s = smooth(r["losses"])
+        choice = {n: o for g, o in gchoice.items() for n in groups[g]}
+        e = plan_error(profile, choice)
+        trial.set_user_attr("error", e)
 
-        # (enqueued trials the deadline left unrun stay waiting: a resumed run takes them first)
-        study.optimize(objective, n_trials=len(todo), callbacks=[tick])
+        def report(step: int, losses: list[float]) -> None:
+            lag = lag_ratio(r_s, losses)
+            trial.report(lag if math.isfinite(lag) else 1e9, step)
+            if trial.should_prune():
+                trial.set_user_attr("pruned_at", step)
+                raise optuna.TrialPruned()
+
+        losses, metric = train_curve(wl, choice, steps, s_, report=report, report_every=max(1, steps // 10))
+        ratio, censored = steps_ratio(r["losses"], losses)
+        trial.set_user_attr("censored", censored)
+        trial.set_user_attr("metric", metric)
+        trial.set_user_attr("accuracy_loss", _accuracy_loss(r, losses, metric))
+        return ratio
+
+    return objective
+
+
+def _tick_until(deadline: float | None, progress: Any) -> Callable[[Any, Any], None]:
+    """The study's callback after each trial: tick the progress bar, and stop the study when a run as
+    long as the last one would end past ``deadline``."""
+    import time
+
+    def tick(study: Any, trial: Any) -> None:
+        if progress is not None:
+            progress.update(1)
+        took = ((trial.datetime_complete - trial.datetime_start).total_seconds()
+                if trial.datetime_complete and trial.datetime_start else 0.0)
+        if deadline is not None and time.time() + took > deadline:
+            study.stop()  # the next run would end past the deadline: the search uses what was measured
+
+    return tick
+
+
+def _calibration_points(study: Any, keys: Mapping[str, str], seed: int) -> list[dict[str, Any]]:
+    """One point per finished trial: its error, steps ratio, accuracy loss, choice and seed (a pruned
+    trial: its last lag as a lower bound, failing the accuracy limit)."""
+    import optuna
+
     points = []
     for t in study.trials:
-        choice = {g: t.params[keys[g]] for g in names if keys[g] in t.params}
+        choice = {g: t.params[keys[g]] for g in keys if keys[g] in t.params}
         s_ = int(t.params.get("seed", seed))
         if t.state is optuna.trial.TrialState.COMPLETE:
             points.append({"trial": t.number, "error": t.user_attrs["error"], "ratio": t.value,
@@ -518,10 +580,7 @@ def run_calibration(
             points.append({"trial": t.number, "error": t.user_attrs.get("error", math.inf),
                            "ratio": float(last), "censored": True, "pruned": True,
                            "accuracy_loss": math.inf, "metric": None, "choice": choice, "seed": s_})
-    ref["references"] = refs
-    ref["paired"] = bool(paired)
-    ref["sigma"] = reference_sigma(list(refs.values()))
-    return ref, points
+    return points
 
 
 def _accuracy_loss(ref: Mapping[str, Any], losses: Sequence[float], metric: float | None) -> float:

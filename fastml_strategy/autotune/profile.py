@@ -135,133 +135,166 @@ def profile_workload(
     progress: Callable[[int], None] | None = None,
 ) -> Profile:
     """Measure compute time, gradient-ready times, and each layer's error and codec time per option."""
-    from fastml_strategy.codecs import roundtrip
-
     if steps < 1:
         raise ValueError(f"profile steps is {steps}; give at least 1")
+    options = _profile_options(options)
+    model = wl.fresh_model()
+    model.train()
+    opt = wl.make_optimizer(model)
+    run = _ProfileRun(wl, model, opt)
+    tunable = {n for n, p in run.named if p.numel() >= min_numel}
+    try:
+        for step in range(warmup + steps):
+            measured = step >= warmup
+            run.forward_backward(measured)
+            if measured:
+                run.measure_codecs(tunable, options, steps)
+            t3 = time.perf_counter()
+            opt.step()
+            _sync()
+            if measured:
+                run.opt_t.append(time.perf_counter() - t3)
+                if progress is not None:
+                    progress(1)
+        run.more_compute_steps()
+    finally:
+        run.remove_hooks()
+    return Profile(layers=_layer_profiles(run, tunable, options, steps), forward_s=statistics.median(run.fwd_t),
+                   backward_s=statistics.median(run.bwd_t), optimizer_s=statistics.median(run.opt_t),
+                   world_size=world_size, min_numel=min_numel, options=options,
+                   optimizer_state_bytes=_optimizer_state_bytes(opt), threads=torch.get_num_threads())
+
+
+def _profile_options(options: list[str] | None) -> list[str]:
+    """The codec options profiled, validated, with ``none`` first unless given."""
     options = list(options or BASE_OPTIONS)
     unknown = [o for o in options if o not in CANDIDATES]
     if unknown:
         raise ValueError(f"unknown codec option(s) {unknown}; choose from {list(CANDIDATES)}")
     if "none" not in options:
         options = ["none"] + options
-    model = wl.fresh_model()
-    model.train()
-    opt = wl.make_optimizer(model)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    index = {n: i for i, (n, _) in enumerate(named)}
-    ready: dict[str, float] = {}
-    t_bwd0 = [0.0]
-    handles = []
-    for n, p in named:
-        def hook(_p: torch.Tensor, n: str = n) -> None:
-            ready[n] = time.perf_counter() - t_bwd0[0]
-        handles.append(p.register_post_accumulate_grad_hook(hook))
+    return options
 
-    stream: Iterator[Any] = wl.batch_stream()
-    fwd_t: list[float] = []
-    bwd_t: list[float] = []
-    opt_t: list[float] = []
-    ready_t: dict[str, list[float]] = {n: [] for n, _ in named}
-    err_sq: dict[tuple[str, str], float] = {}
-    grad_sq: dict[str, float] = {n: 0.0 for n, _ in named}
-    codec_t: dict[tuple[str, str], list[float]] = {}
-    residual: dict[tuple[str, str], torch.Tensor] = {}
-    tunable = {n for n, p in named if p.numel() >= min_numel}
-    warmed: set[str] = set()  # codec options called once, untimed
 
-    def forward_backward(record: bool) -> float:
+class _ProfileRun:
+    """The profiling steps of one model: its timed forward and backward passes (with when each
+    gradient was ready) and each tunable gradient's codec round trips, and what they measured."""
+
+    def __init__(self, wl: Workload, model: torch.nn.Module, opt: Any) -> None:
+        self.wl, self.model, self.opt = wl, model, opt
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.ready: dict[str, float] = {}  # this step: seconds into backward each gradient was ready
+        self.t_bwd0 = 0.0
+        self.handles = [p.register_post_accumulate_grad_hook(self._ready_hook(n)) for n, p in self.named]
+        self.stream: Iterator[Any] = wl.batch_stream()
+        self.fwd_t: list[float] = []
+        self.bwd_t: list[float] = []
+        self.opt_t: list[float] = []
+        self.ready_t: dict[str, list[float]] = {n: [] for n, _ in self.named}
+        self.err_sq: dict[tuple[str, str], float] = {}
+        self.grad_sq: dict[str, float] = {n: 0.0 for n, _ in self.named}
+        self.codec_t: dict[tuple[str, str], list[float]] = {}
+        self.residual: dict[tuple[str, str], torch.Tensor] = {}
+        self.warmed: set[str] = set()  # codec options called once, untimed
+
+    def _ready_hook(self, n: str) -> Callable[[torch.Tensor], None]:
+        def hook(_p: torch.Tensor) -> None:
+            self.ready[n] = time.perf_counter() - self.t_bwd0
+        return hook
+
+    def remove_hooks(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def forward_backward(self, record: bool) -> float:
         """One timed forward + backward; records the times (and when each gradient was ready)."""
-        batch = next(stream)
-        opt.zero_grad(set_to_none=True)
-        ready.clear()
+        batch = next(self.stream)
+        self.opt.zero_grad(set_to_none=True)
+        self.ready.clear()
         _sync()
         t0 = time.perf_counter()
-        loss = wl.loss_fn(model, batch)
+        loss = self.wl.loss_fn(self.model, batch)
         _sync()
         t1 = time.perf_counter()
-        t_bwd0[0] = t1
+        self.t_bwd0 = t1
         loss.backward()
         _sync()
         t2 = time.perf_counter()
         if record:
-            fwd_t.append(t1 - t0)
-            bwd_t.append(t2 - t1)
-            for n, _ in named:
-                ready_t[n].append(ready.get(n, t2 - t1))
+            self.fwd_t.append(t1 - t0)
+            self.bwd_t.append(t2 - t1)
+            for n, _ in self.named:
+                self.ready_t[n].append(self.ready.get(n, t2 - t1))
         return t2
 
-    try:
-        for step in range(warmup + steps):
-            measured = step >= warmup
-            forward_backward(measured)
-            if measured:
-                for n, p in named:
-                    if p.grad is None:
-                        continue
-                    g = p.grad.detach()
-                    gs = float(g.float().pow(2).sum())
-                    grad_sq[n] += gs / steps
-                    if n not in tunable:
-                        continue
-                    for o in options:  # "none" too: the hook's fp32 path still copies and sums
-                        cfg = CANDIDATES[o]
-                        key = (n, o)
-                        x = g + residual[key] if key in residual else g.clone()
-                        if o not in warmed:  # a codec's first call loads (or builds) its kernel:
-                            roundtrip(x.clone(), cfg)  # seconds once, not its speed (it set int8 at 3 s)
-                            _sync()
-                            warmed.add(o)
-                        ta = time.perf_counter()
-                        dec, _ = roundtrip(x, cfg)
-                        _sync()
-                        codec_t.setdefault(key, []).append(time.perf_counter() - ta)
-                        if cfg.uses_residual:
-                            residual[key] = (x - dec).to(cfg.residual_torch_dtype)
-                        err_sq[key] = err_sq.get(key, 0.0) + float((dec - g).float().pow(2).sum())
-            t3 = time.perf_counter()
-            opt.step()
-            _sync()
-            if measured:
-                opt_t.append(time.perf_counter() - t3)
-                if progress is not None:
-                    progress(1)
-        # More compute-only steps, for a steadier median, while they are cheap (at most 20 steps
-        # or about 2 seconds): a single preempted step on a shared machine must not set the model.
-        t_start = time.perf_counter()
-        while len(fwd_t) < 20 and time.perf_counter() - t_start < 2.0:
-            t2 = forward_backward(True)
-            opt.step()
-            _sync()
-            opt_t.append(time.perf_counter() - t2)
-    finally:
-        for h in handles:
-            h.remove()
+    def measure_codecs(self, tunable: set[str], options: list[str], steps: int) -> None:
+        """Every gradient's squared norm and, for tunable layers, each option's round trip: its time
+        and its error with the option's own error-feedback residual."""
+        from fastml_strategy.codecs import roundtrip
 
-    units = fsdp_unit_modules(model)
-    embeddings = {f"{prefix}{'.' if prefix else ''}weight" for prefix, m in model.named_modules()
+        for n, p in self.named:
+            if p.grad is None:
+                continue
+            g = p.grad.detach()
+            gs = float(g.float().pow(2).sum())
+            self.grad_sq[n] += gs / steps
+            if n not in tunable:
+                continue
+            for o in options:  # "none" too: the hook's fp32 path still copies and sums
+                cfg = CANDIDATES[o]
+                key = (n, o)
+                x = g + self.residual[key] if key in self.residual else g.clone()
+                if o not in self.warmed:  # a codec's first call loads (or builds) its kernel:
+                    roundtrip(x.clone(), cfg)  # seconds once, not its speed (it set int8 at 3 s)
+                    _sync()
+                    self.warmed.add(o)
+                ta = time.perf_counter()
+                dec, _ = roundtrip(x, cfg)
+                _sync()
+                self.codec_t.setdefault(key, []).append(time.perf_counter() - ta)
+                if cfg.uses_residual:
+                    self.residual[key] = (x - dec).to(cfg.residual_torch_dtype)
+                self.err_sq[key] = self.err_sq.get(key, 0.0) + float((dec - g).float().pow(2).sum())
+
+    def more_compute_steps(self) -> None:
+        """More compute-only steps, for a steadier median, while they are cheap (at most 20 steps
+        or about 2 seconds): a single preempted step on a shared machine must not set the model."""
+        t_start = time.perf_counter()
+        while len(self.fwd_t) < 20 and time.perf_counter() - t_start < 2.0:
+            t2 = self.forward_backward(True)
+            self.opt.step()
+            _sync()
+            self.opt_t.append(time.perf_counter() - t2)
+
+
+def _optimizer_state_bytes(opt: Any) -> int:
+    """Bytes of the optimizer's tensor state (step counters and other scalars left out)."""
+    return int(sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+                   if isinstance(v, torch.Tensor) and v.dim() > 0))
+
+
+def _layer_profiles(run: _ProfileRun, tunable: set[str], options: list[str], steps: int) -> list[LayerProfile]:
+    """One profile per trainable parameter: median ready time, mean squared gradient norm, FSDP unit,
+    and per option its relative error and median codec time (0 for layers not tuned)."""
+    units = fsdp_unit_modules(run.model)
+    embeddings = {f"{prefix}{'.' if prefix else ''}weight" for prefix, m in run.model.named_modules()
                   if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))}
-    opt_bytes = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
-                    if isinstance(v, torch.Tensor) and v.dim() > 0)
     layers = []
-    for n, p in named:
-        lp = LayerProfile(name=n, numel=p.numel(), index=index[n],
-                          ready_s=statistics.median(ready_t[n]), grad_sq=grad_sq[n],
+    for i, (n, p) in enumerate(run.named):
+        lp = LayerProfile(name=n, numel=p.numel(), index=i,
+                          ready_s=statistics.median(run.ready_t[n]), grad_sq=run.grad_sq[n],
                           tunable=n in tunable, shape=list(p.shape), unit=unit_of(n, units),
                           kind="embedding" if n in embeddings else "")
-        total = grad_sq[n] * steps
+        total = run.grad_sq[n] * steps
         for o in options:
             if n not in tunable:
                 lp.rel_error[o] = 0.0
                 lp.codec_s[o] = 0.0
                 continue
-            lp.rel_error[o] = (err_sq[(n, o)] / total) ** 0.5 if total > 0 else 0.0
-            lp.codec_s[o] = statistics.median(codec_t[(n, o)])
+            lp.rel_error[o] = (run.err_sq[(n, o)] / total) ** 0.5 if total > 0 else 0.0
+            lp.codec_s[o] = statistics.median(run.codec_t[(n, o)])
         layers.append(lp)
-    return Profile(layers=layers, forward_s=statistics.median(fwd_t), backward_s=statistics.median(bwd_t),
-                   optimizer_s=statistics.median(opt_t), world_size=world_size, min_numel=min_numel,
-                   options=options, optimizer_state_bytes=int(opt_bytes),
-                   threads=torch.get_num_threads())
+    return layers
 
 
 def measure_link(sizes: tuple[int, ...] = (1 << 14, 1 << 18, 1 << 20, 1 << 22),

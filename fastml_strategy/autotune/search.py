@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import re
 from collections import OrderedDict
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -145,22 +145,52 @@ def run_search(profile: Profile, groups: Mapping[str, list[str]], option: Hardwa
             return _rows(done, option, names, keys)
     sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(10, max(1, trials // 5)))
     study = optuna.create_study(direction="minimize", sampler=sampler)
-    every = [1] + (local.every if local is not None else [])
     frags = local_fragments(profile, fragments) if local is not None else [1]
+    for gc, h, f in _first_trials(profile, groups, option, sharding, local, frags)[:trials]:
+        params: dict[str, Any] = {keys[g]: o for g, o in gc.items()}
+        if local is not None:
+            params.update(every=h, fragments=f)
+        study.enqueue_trial(params, skip_if_exists=True)
+
+    def tick(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        if progress is not None:
+            progress.update(1)
+
+    study.optimize(_trial_objective(profile, groups, option, conv, target_steps, keys, frags, sharding=sharding,
+                                    max_residual_bytes=max_residual_bytes, local=local),
+                   n_trials=trials, callbacks=[tick])
+    done = [t for t in study.get_trials(deepcopy=False) if t.state is optuna.trial.TrialState.COMPLETE]
+    if saved is not None:
+        saved.set_user_attr("option", option.name)
+        saved.add_trials(done)
+    return _rows(done, option, names, keys)
+
+
+def _first_trials(profile: Profile, groups: Mapping[str, list[str]], option: HardwareOption,
+                  sharding: Sharding | None, local: LocalCalibration | None,
+                  frags: list[int]) -> list[tuple[dict[str, str], int, int]]:
+    """The ``(group choice, H, F)`` trials the search starts from: every uniform plan, the Lagrangian
+    plans and, with local steps, the uniform plans at every sync period."""
+    names = list(groups)
     seeds = [({g: o for g in names}, 1, 1) for o in profile.options]
     seeds += [(p, 1, 1) for p in lagrangian_plans(profile, groups, option, sharding=sharding)]
     if local is not None:
         cal = LOCAL_CALIBRATION_OPTION if LOCAL_CALIBRATION_OPTION in profile.options else profile.options[-1]
         seeds += [({g: cal for g in names}, h, f) for h in local.every for f in frags]
         seeds += [({g: o for g in names}, h, 1) for h in local.every for o in profile.options if o != cal]
-    for gc, h, f in seeds[:trials]:
-        params: dict[str, Any] = {keys[g]: o for g, o in gc.items()}
-        if local is not None:
-            params.update(every=h, fragments=f)
-        study.enqueue_trial(params, skip_if_exists=True)
+    return seeds
 
-    def run_trial(trial: optuna.Trial) -> float:
-        gchoice = {g: trial.suggest_categorical(keys[g], profile.options) for g in names}
+
+def _trial_objective(profile: Profile, groups: Mapping[str, list[str]], option: HardwareOption,
+                     conv: Convergence, target_steps: float, keys: Mapping[str, str], frags: list[int], *,
+                     sharding: Sharding | None, max_residual_bytes: float | None,
+                     local: LocalCalibration | None) -> Callable[[Any], float]:
+    """The study's objective: the option's objective of the trial's plan (and H, F), with the error
+    (and residual memory) limits as constraints, every predicted figure kept on the trial."""
+    every = [1] + (local.every if local is not None else [])
+
+    def run_trial(trial: Any) -> float:
+        gchoice = {g: trial.suggest_categorical(keys[g], profile.options) for g in keys}
         h = trial.suggest_categorical("every", every) if local is not None else 1
         f = trial.suggest_categorical("fragments", frags) if local is not None else 1
         choice = expand(groups, gchoice)
@@ -180,16 +210,7 @@ def run_search(profile: Profile, groups: Mapping[str, list[str]], option: Hardwa
             trial.set_constraint("residual_over_limit", r["residual_bytes"] / max_residual_bytes - 1.0)
         return objective(r, option)
 
-    def tick(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
-        if progress is not None:
-            progress.update(1)
-
-    study.optimize(run_trial, n_trials=trials, callbacks=[tick])
-    done = [t for t in study.get_trials(deepcopy=False) if t.state is optuna.trial.TrialState.COMPLETE]
-    if saved is not None:
-        saved.set_user_attr("option", option.name)
-        saved.add_trials(done)
-    return _rows(done, option, names, keys)
+    return run_trial
 
 
 def _rows(trials: list[Any], option: HardwareOption, names: list[str],

@@ -164,45 +164,55 @@ def _lightning_workload(module: Any, datamodule: Any | None, name: str) -> Workl
             out = out["loss"]
         return out
 
-    def opt_from_model(model: Any) -> torch.optim.Optimizer:
-        cfg = model.configure_optimizers()
-        if isinstance(cfg, dict):
-            cfg = cfg["optimizer"]
+    return Workload(model=module, batches=batches, loss_fn=loss_fn,
+                    eval_fn=_lightning_eval_fn(module, datamodule), name=name,
+                    _optimizer_from_model=_lightning_optimizer)
+
+
+def _lightning_optimizer(model: Any) -> torch.optim.Optimizer:
+    """The (first) optimizer of ``configure_optimizers()``, whichever of Lightning's forms it returns."""
+    cfg = model.configure_optimizers()
+    if isinstance(cfg, dict):
+        cfg = cfg["optimizer"]
+    if isinstance(cfg, (list, tuple)):
+        cfg = cfg[0]
         if isinstance(cfg, (list, tuple)):
             cfg = cfg[0]
-            if isinstance(cfg, (list, tuple)):
-                cfg = cfg[0]
-            if isinstance(cfg, dict):
-                cfg = cfg["optimizer"]
-        return cfg
+        if isinstance(cfg, dict):
+            cfg = cfg["optimizer"]
+    return cfg
 
-    eval_fn = None
+
+def _lightning_eval_fn(module: Any, datamodule: Any | None) -> Callable[[Any], float | None] | None:
+    """An eval function from the module's ``validation_step`` over the validation batches: the mean
+    of the first logged metric whose name has "acc" (None: the module validates nothing)."""
     val_src = datamodule if datamodule is not None and hasattr(datamodule, "val_dataloader") else module
     base = next((c for c in type(module).__mro__ if c.__name__ == "LightningModule"), None)
     has_val = base is not None and type(module).validation_step is not base.validation_step
-    if has_val and hasattr(val_src, "val_dataloader"):
-        def eval_fn(model: Any) -> float | None:
-            logged: dict[str, list[float]] = {}
+    if not (has_val and hasattr(val_src, "val_dataloader")):
+        return None
 
-            def log(name: str, value: Any, *a: Any, **k: Any) -> None:
-                logged.setdefault(name, []).append(float(value))
+    def eval_fn(model: Any) -> float | None:
+        logged: dict[str, list[float]] = {}
 
-            model.log = log
-            model.log_dict = lambda d, *a, **k: [log(n, v) for n, v in d.items()]
-            was = model.training
-            model.eval()
-            with torch.no_grad():
-                for i, b in enumerate(val_src.val_dataloader()):
-                    model.validation_step(b, i)
-            model.train(was)
-            accs = sorted(n for n in logged if "acc" in n.lower())
-            if not accs:
-                return None
-            vals = logged[accs[0]]
-            return sum(vals) / len(vals)
+        def log(name: str, value: Any, *a: Any, **k: Any) -> None:
+            logged.setdefault(name, []).append(float(value))
 
-    return Workload(model=module, batches=batches, loss_fn=loss_fn, eval_fn=eval_fn, name=name,
-                    _optimizer_from_model=opt_from_model)
+        model.log = log
+        model.log_dict = lambda d, *a, **k: [log(n, v) for n, v in d.items()]
+        was = model.training
+        model.eval()
+        with torch.no_grad():
+            for i, b in enumerate(val_src.val_dataloader()):
+                model.validation_step(b, i)
+        model.train(was)
+        accs = sorted(n for n in logged if "acc" in n.lower())
+        if not accs:
+            return None
+        vals = logged[accs[0]]
+        return sum(vals) / len(vals)
+
+    return eval_fn
 
 
 def as_workload(obj: Any, name: str = "workload") -> Workload:
@@ -224,17 +234,9 @@ def as_workload(obj: Any, name: str = "workload") -> Workload:
     )
 
 
-def load_target(spec: str) -> Workload:
-    """Import ``file.py:factory`` or ``package.module:factory``, call the factory, return a Workload.
-
-    Every failure is a ValueError with a one-line message that names the problem and the fix.
-    """
-    if ":" not in spec:
-        raise ValueError(f"target {spec!r} has no ':factory' part; write path/to/file.py:factory "
-                         f"or package.module:factory")
-    where, _, attr = spec.rpartition(":")
-    if not where or not attr.isidentifier():
-        raise ValueError(f"target {spec!r}: {attr!r} is not a function name; write file.py:factory")
+def _import_target(spec: str, where: str) -> Any:
+    """The module of a target: a file (``path/to/file.py``, imported under a private name) or an
+    importable module path."""
     if where.endswith(".py") or "/" in where or "\\" in where:
         path = Path(where)
         if not path.is_file():
@@ -252,15 +254,29 @@ def load_target(spec: str) -> Workload:
                              f"{_first_line(e)})") from None
         finally:
             sys.path.remove(str(path.resolve().parent))
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ModuleNotFoundError as e:
-            raise ValueError(f"target {spec!r}: module {e.name!r} not found; check the module path or "
-                             f"give path/to/file.py:factory") from None
-        except Exception as e:
-            raise ValueError(f"target {spec!r}: importing {where!r} failed ({type(e).__name__}: "
-                             f"{_first_line(e)})") from None
+        return module
+    try:
+        return importlib.import_module(where)
+    except ModuleNotFoundError as e:
+        raise ValueError(f"target {spec!r}: module {e.name!r} not found; check the module path or "
+                         f"give path/to/file.py:factory") from None
+    except Exception as e:
+        raise ValueError(f"target {spec!r}: importing {where!r} failed ({type(e).__name__}: "
+                         f"{_first_line(e)})") from None
+
+
+def load_target(spec: str) -> Workload:
+    """Import ``file.py:factory`` or ``package.module:factory``, call the factory, return a Workload.
+
+    Every failure is a ValueError with a one-line message that names the problem and the fix.
+    """
+    if ":" not in spec:
+        raise ValueError(f"target {spec!r} has no ':factory' part; write path/to/file.py:factory "
+                         f"or package.module:factory")
+    where, _, attr = spec.rpartition(":")
+    if not where or not attr.isidentifier():
+        raise ValueError(f"target {spec!r}: {attr!r} is not a function name; write file.py:factory")
+    module = _import_target(spec, where)
     factory = getattr(module, attr, None)
     if factory is None:
         public = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
