@@ -151,8 +151,12 @@ class AutotuneResult:
     def winner(self, option: str) -> dict[str, Any]:
         """The row the option should use: its local-steps row when that beats per-step compression
         (or plain DDP) on the objective, else ``best[option]``."""
-        b, lb = self.best[option], self.local_best.get(option)
-        return lb if lb is not None and lb["objective"] < b["objective"] else b
+        return _winner(self.best[option], self.local_best.get(option))
+
+
+def _winner(best: dict[str, Any], local: dict[str, Any] | None) -> dict[str, Any]:
+    """The local-steps row when there is one and it beats the per-step row on the objective."""
+    return local if local is not None and local["objective"] < best["objective"] else best
 
 
 def uses_local_steps(row: Mapping[str, Any]) -> bool:
@@ -248,17 +252,57 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
 
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
+    out_p = _check_out(out, refuse_finished=rank == 0 and not overwrite)
+    # The whole-number options: each is checked under its flag's name and stored under its own.
+    counts = {"trials": (trials, 1), "calibration_trials": (calibration_trials, 1),
+              "calibration_steps": (calibration_steps, 10), "profile_steps": (profile_steps, 1),
+              "measure_steps": (measure_steps, 1), "max_groups": (max_groups, 1), "min_numel": (min_numel, 0),
+              "verify_rounds": (verify_rounds, 0), "calibration_repeats": (calibration_repeats, 0),
+              "references": (references, 1)}
+    for name, (v, lo) in counts.items():
+        whole_number("--" + name.replace("_", "-"), v, lo)
+    steps_source = _check_accuracy_and_length(max_accuracy_loss, target_steps, target_steps_source)
+    sharding_v = _check_sharding(sharding, ranks_per_node, param_dtype, reduce_dtype,
+                                 reshard_after_forward, intra_node_link, max_residual_gb)
+    local_v, every_v, frags_v = _check_local(local_steps, local_every, local_fragments, sharding_v)
+    opts = _check_options(options, sharding_v)
+    world_size = _world_size(world_size, distributed)
+    threads_v, threads_src = _threads_per_rank(threads_per_rank, world_size, distributed)
+    _check_budget(budget)
+    link_v = _check_link(link, world_size)
+    rpn = _ranks_per_node(sharding_v, ranks_per_node, link_v, world_size, distributed)
+    # The catalog before the target: reading a file is cheaper than building a model.
+    catalog = load_catalog(hardware)
+    wl, tname = _load_workload(target)
+    st = _open_storage(out_p, storage) if rank == 0 else _Storage(storage)
+    return Settings(workload=wl, target=tname, out=out_p, catalog=catalog,
+                    catalog_path=str(hardware) if hardware else "built-in", world_size=world_size,
+                    link=link_v, storage_url=st.url or "", max_accuracy_loss=float(max_accuracy_loss),
+                    target_steps=float(target_steps) if target_steps is not None else float(ASSUMED_TARGET_STEPS),
+                    target_steps_source=steps_source, options=opts, seed=seed, progress=progress,
+                    sharding=sharding_v, ranks_per_node=rpn,
+                    max_residual_bytes=None if max_residual_gb is None else float(max_residual_gb) * 2 ** 30,
+                    local_steps=local_v, local_every=every_v, local_fragments=frags_v,
+                    threads_per_rank=threads_v, threads_source=threads_src,
+                    budget_s=float(budget) * 60.0 if budget else None,
+                    distributed=distributed, rank=rank, storage=st.storage, created_out=st.created,
+                    **{k: v for k, (v, _) in counts.items()})
+
+
+def _check_out(out: str | os.PathLike, refuse_finished: bool) -> Path:
+    """The output folder, validated: not a file, and (``refuse_finished``) not holding an earlier
+    run's outputs."""
     out_p = Path(out)
     if out_p.exists() and not out_p.is_dir():
         raise ValueError(f"--out {str(out_p)!r} is a file; give a folder for the outputs")
-    if rank == 0 and not overwrite:
+    if refuse_finished:
         _refuse_finished_out(out_p)
-    for name, v, lo in (("--trials", trials, 1), ("--calibration-trials", calibration_trials, 1),
-                        ("--calibration-steps", calibration_steps, 10), ("--profile-steps", profile_steps, 1),
-                        ("--measure-steps", measure_steps, 1), ("--max-groups", max_groups, 1),
-                        ("--min-numel", min_numel, 0), ("--verify-rounds", verify_rounds, 0),
-                        ("--calibration-repeats", calibration_repeats, 0), ("--references", references, 1)):
-        whole_number(name, v, lo)
+    return out_p
+
+
+def _check_accuracy_and_length(max_accuracy_loss: Any, target_steps: Any, source: str | None) -> str:
+    """Validate the accuracy-loss limit and the training length; return where the length came from
+    (a key of :data:`TARGET_STEPS_SOURCES`)."""
     if isinstance(max_accuracy_loss, bool) or not isinstance(max_accuracy_loss, (int, float)) \
             or not max_accuracy_loss >= 0:
         raise ValueError(f"--max-accuracy-loss is {max_accuracy_loss!r}; give a number >= 0 "
@@ -268,19 +312,28 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
         raise ValueError(f"--target-steps is {target_steps!r}; give the number of steps uncompressed "
                          f"training takes to reach your target (> 0)")
     if target_steps is None:
-        steps_source = "assumed"
-    else:
-        steps_source = target_steps_source or "given"
-        if steps_source not in TARGET_STEPS_SOURCES:
-            raise ValueError(f"target_steps_source is {steps_source!r}; use one of {list(TARGET_STEPS_SOURCES)}")
-    sharding_v = _check_sharding(sharding, ranks_per_node, param_dtype, reduce_dtype,
-                                 reshard_after_forward, intra_node_link, max_residual_gb)
-    local_v, every_v, frags_v = _check_local(local_steps, local_every, local_fragments, sharding_v)
-    opts = list(options or default_options(sharding_v))
+        return "assumed"
+    steps_source = source or "given"
+    if steps_source not in TARGET_STEPS_SOURCES:
+        raise ValueError(f"target_steps_source is {steps_source!r}; use one of {list(TARGET_STEPS_SOURCES)}")
+    return steps_source
+
+
+def _check_options(options: list[str] | None, sharding: Sharding) -> list[str]:
+    """The codec options searched: the given ones, all known, or the sharding's defaults."""
+    opts = list(options or default_options(sharding))
     bad = [o for o in opts if o not in CANDIDATES]
     if bad:
         raise ValueError(f"codec option(s) {bad} unknown; choose from {list(CANDIDATES)}")
+    return opts
+
+
+def _world_size(world_size: Any, distributed: bool) -> int:
+    """The world size: as launched when distributed (a different ``world_size`` is an error), else
+    the given one or 2."""
     if distributed:
+        import torch.distributed as dist
+
         actual = dist.get_world_size()
         if world_size is not None and world_size != actual:
             raise ValueError(f"--world-size {world_size} but this run was launched with {actual} ranks; "
@@ -289,82 +342,95 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
     elif world_size is None:
         world_size = 2
     whole_number("--world-size", world_size, 1)
+    return world_size
+
+
+def _threads_per_rank(threads_per_rank: Any, world_size: int, distributed: bool) -> tuple[int | None, str]:
+    """The intra-op threads one rank's compute is timed with (None: as launched), and why."""
     if threads_per_rank is not None:
         whole_number("--threads-per-rank", threads_per_rank, 1)
+    if distributed:
+        return threads_per_rank, "--threads-per-rank" if threads_per_rank is not None else "as launched"
+    if threads_per_rank is not None:
+        return threads_per_rank, "--threads-per-rank"
+    from fastml_strategy.autotune.profile import available_cores
+
+    return max(1, available_cores() // world_size), f"cores / world size ({available_cores()} / {world_size})"
+
+
+def _check_budget(budget: Any) -> None:
+    """``--budget`` is minutes (> 0), or 0 / None for no cap."""
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
                                or not budget >= 0 or math.isinf(budget)):
         raise ValueError(f"--budget is {budget!r}; give the minutes the tuner may take (> 0), or 0 for "
                          f"no limit")
-    if distributed:
-        threads_v, threads_src = threads_per_rank, (
-            "--threads-per-rank" if threads_per_rank is not None else "as launched")
-    elif threads_per_rank is not None:
-        threads_v, threads_src = threads_per_rank, "--threads-per-rank"
-    else:
-        from fastml_strategy.autotune.profile import available_cores
 
-        threads_v = max(1, available_cores() // world_size)
-        threads_src = f"cores / world size ({available_cores()} / {world_size})"
+
+def _check_link(link: str | Link | None, world_size: int) -> Link | None:
+    """The link between ranks (``--link``), parsed; it needs two ranks or more."""
     link_v = parse_link(link) if isinstance(link, str) else link
     if link_v is not None and world_size < 2:
         raise ValueError("--link describes the link between ranks, but --world-size is 1; "
                          "give --world-size 2 or more")
-    rpn = 1
-    if sharding_v.sharded:
-        rpn = ranks_per_node
-        if rpn is None and sharding_v.kind == "hsdp" and link_v is not None and not distributed:
-            raise ValueError("--sharding hsdp with --link describes your own cluster, whose shard group "
-                             "is the ranks of one node: give --ranks-per-node S (--world-size is "
-                             "nodes x S), or launch with torchrun, which sets LOCAL_WORLD_SIZE")
-        if rpn is None:
-            rpn = env_whole_number("LOCAL_WORLD_SIZE", None, 1, minimum=1) if distributed else 1
-        if world_size % rpn:
-            raise ValueError(f"--ranks-per-node {rpn} does not divide the world size {world_size}; the "
-                             f"world is nodes x ranks per node: give a divisor of {world_size}")
-    # The catalog before the target: reading a file is cheaper than building a model.
-    catalog = load_catalog(hardware)
+    return link_v
+
+
+def _ranks_per_node(sharding: Sharding, ranks_per_node: Any, link: Link | None, world_size: int,
+                    distributed: bool) -> int:
+    """Ranks of one node of the user's cluster: 1 for DDP; sharded, the given number, else torchrun's
+    LOCAL_WORLD_SIZE, else 1. It must divide the world size."""
+    if not sharding.sharded:
+        return 1
+    rpn = ranks_per_node
+    if rpn is None and sharding.kind == "hsdp" and link is not None and not distributed:
+        raise ValueError("--sharding hsdp with --link describes your own cluster, whose shard group "
+                         "is the ranks of one node: give --ranks-per-node S (--world-size is "
+                         "nodes x S), or launch with torchrun, which sets LOCAL_WORLD_SIZE")
+    if rpn is None:
+        rpn = env_whole_number("LOCAL_WORLD_SIZE", None, 1, minimum=1) if distributed else 1
+    if world_size % rpn:
+        raise ValueError(f"--ranks-per-node {rpn} does not divide the world size {world_size}; the "
+                         f"world is nodes x ranks per node: give a divisor of {world_size}")
+    return rpn
+
+
+def _load_workload(target: str | Workload | Any) -> tuple[Workload, str]:
+    """The workload and the name the report gives it: a ``file.py:function`` / module target is
+    loaded, anything else converted and validated."""
     if isinstance(target, str):
-        wl = load_target(target)
-        tname = target
-    else:
-        wl = as_workload(target)
-        wl.validate()
-        tname = wl.name
+        return load_target(target), target
+    wl = as_workload(target)
+    wl.validate()
+    return wl, wl.name
+
+
+@dataclass(frozen=True)
+class _Storage:
+    """The Optuna storage as opened on rank 0 (the other ranks keep only the URL they were given)."""
+
+    url: str | None
+    storage: Any = None
+    created: bool = False  # whether the output folder was created for the default SQLite file
+
+
+def _open_storage(out: Path, url: str | None) -> _Storage:
+    """Open the storage at ``url`` (default: an SQLite file in ``out``, created if need be); a
+    folder created here is removed again when the storage cannot be opened."""
     created = False
-    st = None
-    url = storage
-    if rank == 0:
-        if storage is None:
-            created = not out_p.exists()
-            try:
-                out_p.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise ValueError(f"--out {str(out_p)!r} cannot be created ({e.strerror}); "
-                                 f"give a writable folder") from None
-            url = f"sqlite:///{(out_p / 'autotune.db').resolve()}"
+    if url is None:
+        created = not out.exists()
         try:
-            st = _check_storage(url)
-        except ValueError:
-            if created:
-                shutil.rmtree(out_p, ignore_errors=True)
-            raise
-    return Settings(workload=wl, target=tname, out=out_p, catalog=catalog,
-                    catalog_path=str(hardware) if hardware else "built-in", world_size=world_size,
-                    link=link_v, storage_url=url or "", trials=trials,
-                    calibration_trials=calibration_trials, calibration_steps=calibration_steps,
-                    profile_steps=profile_steps, measure_steps=measure_steps,
-                    max_accuracy_loss=float(max_accuracy_loss),
-                    target_steps=float(target_steps) if target_steps is not None else float(ASSUMED_TARGET_STEPS),
-                    target_steps_source=steps_source,
-                    max_groups=max_groups, min_numel=min_numel, options=opts,
-                    verify_rounds=verify_rounds, seed=seed,
-                    progress=progress, sharding=sharding_v, ranks_per_node=rpn,
-                    max_residual_bytes=None if max_residual_gb is None else float(max_residual_gb) * 2 ** 30,
-                    local_steps=local_v, local_every=every_v, local_fragments=frags_v,
-                    calibration_repeats=calibration_repeats, references=references,
-                    threads_per_rank=threads_v, threads_source=threads_src,
-                    budget_s=float(budget) * 60.0 if budget else None,
-                    distributed=distributed, rank=rank, storage=st, created_out=created)
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--out {str(out)!r} cannot be created ({e.strerror}); "
+                             f"give a writable folder") from None
+        url = f"sqlite:///{(out / 'autotune.db').resolve()}"
+    try:
+        return _Storage(url, _check_storage(url), created)
+    except ValueError:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
 
 
 def _int_list(name: str, v: Any, minimum: int, words: str) -> tuple[int, ...]:
@@ -594,9 +660,8 @@ def run(s: Settings) -> AutotuneResult:
 
 
 def _run(s: Settings) -> AutotuneResult:
-    from fastml_strategy.autotune import calibrate, profile as prof, report, search
-    from fastml_strategy.autotune.measure import (measure_distributed, measure_local,
-                                                  predict_local)
+    """The run's steps in order (see :func:`run`)."""
+    from fastml_strategy.autotune import search
 
     lead = s.rank == 0
     fp = _fingerprint(s)
@@ -605,160 +670,27 @@ def _run(s: Settings) -> AutotuneResult:
     s.deadline = None if not s.budget_s else started + s.budget_s
     try:
         # -- 1. profile (cached in the storage, so a resumed run skips it) -----------------------------
-        bar.phase("profiling", s.profile_steps, "step")
-        import optuna
-
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
         cal_name = f"fastml-{fp}-calibration"
-        profile: Profile | None = None
-        cached = None
-        if lead:
-            cal_study = optuna.create_study(storage=s.storage, study_name=cal_name,
-                                            direction="minimize", load_if_exists=True)
-            cached = cal_study.user_attrs.get("profile")
-        # Launched distributed, every rank profiles at once (rank 0's figures are kept): compute and
-        # codec times are then measured under the same contention as real training.
-        if _broadcast(cached is None, s.distributed):
-            with prof.rank_threads(s.threads_per_rank):  # compute timed as one rank will run it
-                measured = prof.profile_workload(s.workload, steps=s.profile_steps, options=s.options,
-                                                 min_numel=s.min_numel, world_size=s.world_size,
-                                                 progress=bar.update)
-            measured.threads_source = s.threads_source
-            if lead:
-                profile = measured
-                cal_study.set_user_attr("profile", profile.to_dict())
-        elif lead:
-            profile = Profile.from_dict(cached)
-            bar.update(s.profile_steps)
-        link_warning = None
-        if s.distributed:
-            samples = prof.measure_link()
-            if lead:
-                profile.link = fit_alpha_beta(samples, "measured")
-                profile.link_samples = samples
-        elif s.link is not None and lead:
-            profile.link = s.link
-        profile = _broadcast(profile, s.distributed)
-        if s.distributed:
-            link_warning = _one_machine_warning(s, profile.link)
-        options = list(s.catalog)
-        sh = s.sharding
-        base_label = baseline_label(sh)
-        if profile.link is not None:
-            # Sharded: the user's cluster is nodes x ranks per node, and the link is the node's (its
-            # ranks share it). All on one node, a measured link is the link between its ranks.
-            per_node = s.ranks_per_node if sh.sharded else 1
-            nodes = s.world_size // per_node
-            intra = profile.link if (sh.sharded and nodes == 1 and s.distributed) else None
-            options.insert(0, HardwareOption(name=LOCAL, nodes=nodes, accelerators_per_node=per_node,
-                                             price_per_hour=0.0,
-                                             bandwidth_gbps=profile.link.bandwidth_Bps * 8 / 1e9,
-                                             latency_us=profile.link.latency_s * 1e6,
-                                             compute_speed=1.0, measured_link=profile.link,
-                                             intra_link=intra))
+        profile = _profile(s, bar, cal_name)
+        link_warning = _one_machine_warning(s, profile.link) if s.distributed else None
+        options = _hardware_options(s, profile)
         groups = search.group_layers(profile, s.max_groups)
         tunable = [n for names in groups.values() for n in names]
         recipe_choices = {r: {n: r for n in tunable} for r in UNIFORM_RECIPES}
-
         # -- 1b. distributed: time the uniform recipes for real and fit the codec-time scales -------
-        measured_pre: dict[str, float] = {}
-        if s.distributed:
-            plans = {base_label: None}
-            plans.update({r: _plan_from_choice(profile, c, r)[0] for r, c in recipe_choices.items()})
-            bar.phase("timing the recipes", len(plans), "plan")
-            measured_pre = measure_distributed(s.workload, plans, steps=s.measure_steps,
-                                               sharding=sh, ranks_per_node=s.ranks_per_node)
-            bar.update(len(plans))
-            if lead:
-                if sh.sharded:  # FSDP2's own cost per collective first, then the codecs'
-                    profile.collective_overhead_s = fit_collective_overhead(
-                        profile, options[0], measured_pre[base_label], sh)
-                profile.codec_scale = fit_codec_scale(
-                    profile, options[0], {r: measured_pre[r] for r in UNIFORM_RECIPES}, sharding=sh)
-
-        # -- 2. calibrate, 3. search (rank 0; the others wait in the broadcast below) -----------------
-        result_core: Any = None
-        if lead:
-            try:
-                result_core = _calibrate_and_search(s, profile, groups, options, cal_name, fp, bar,
-                                                    calibrate, search)
-            except Exception as e:  # tell the waiting ranks, or they would wait for the timeout
-                if s.distributed:
-                    _broadcast(_Failed(f"{type(e).__name__}: {e}"), True)
-                raise
-        result_core = _broadcast(result_core, s.distributed)
-        if isinstance(result_core, _Failed):
-            raise RuntimeError(f"rank 0 failed: {result_core.message}")
-        (ref, points, conv, target_steps, rows, best, baseline, front, chosen, local_best,
-         local_cal, rule, notes) = result_core
-
+        measured_pre = _time_recipes(s, profile, options, recipe_choices, bar) if s.distributed else {}
+        # -- 2. calibrate, 3. search (rank 0; the others wait for its result) ------------------------
+        found = _search_on_rank0(s, profile, groups, options, cal_name, fp, bar)
         # -- 4. measure step times: the tuned plan (never used in a fit) and the recipes -----------
-        opt_by_name = {o.name: o for o in options}
-        tuned_choice = search.expand(groups, best[chosen]["choice"])
-        tuned_label = f"tuned ({chosen})"
-        choices: dict[str, dict[str, str] | None] = {
-            base_label: None, tuned_label: tuned_choice if best[chosen]["use_hook"] else None}
-        bar.phase("timing the tuned plan" if s.distributed else "timing plans (compute + codecs)",
-                  len(choices) if s.distributed else len(choices) + len(recipe_choices), "plan")
-        step_rows = []
-        if s.distributed:
-            profile = _broadcast(profile if lead else None, True)  # with rank 0's codec scales
-            plans = {k: (None if c is None else _plan_from_choice(profile, c, k)[0])
-                     for k, c in choices.items()}
-            measured = measure_distributed(s.workload, plans, steps=s.measure_steps, sharding=sh,
-                                           ranks_per_node=s.ranks_per_node)
-            local = opt_by_name[LOCAL]
-            where = f"{s.world_size} ranks, measured link" + (f", {sh.kind}" if sh.sharded else "")
-            for k, c in {**choices, **recipe_choices}.items():
-                pred = step_time(profile, c or {}, local, hook=c is not None, sharding=sh).step_s
-                fitted = (k in recipe_choices and family(CANDIDATES[k]) in profile.codec_scale) or (
-                    sh.sharded and k == base_label and profile.collective_overhead_s > 0)
-                step_rows.append({"plan": k, "where": where, "predicted_s": pred,
-                                  "measured_s": measured[k] if k in measured else measured_pre[k],
-                                  "used_in_fit": fitted})
-        elif lead:
-            choices.update(recipe_choices)
-            with prof.rank_threads(s.threads_per_rank):
-                measured = measure_local(s.workload, choices, steps=s.measure_steps)
-            for k, c in choices.items():
-                step_rows.append({"plan": k, "where": f"1 process, {profile.threads} thread(s): compute + "
-                                                       f"codecs (no link)",
-                                  "predicted_s": predict_local(profile, c), "measured_s": measured[k],
-                                  "used_in_fit": False})
-        bar.update(len(choices))
-        bar.close()
-        for r in step_rows:
-            r["error_pct"] = 100.0 * (r["predicted_s"] - r["measured_s"]) / r["measured_s"]
-
+        profile, step_rows = _time_plans(s, profile, groups, options, found, recipe_choices, measured_pre,
+                                         bar)
         # -- 5. scaling predictions and the report (rank 0) ----------------------------------------
-        scaling = []
-        for opt in options:
-            c = search.expand(groups, best[opt.name]["choice"]) if best[opt.name]["use_hook"] else None
-            for n in SCALING_NODES:
-                for label, ch in (("tuned", c), (base_label, None)):
-                    br = step_time(profile, ch or {}, opt, nodes=n, hook=ch is not None, sharding=sh)
-                    scaling.append({"option": opt.name, "nodes": n, "plan": label,
-                                    "step_s": br.step_s, "compute_s": br.compute_s,
-                                    "codec_s": br.codec_s, "exposed_comm_s": br.exposed_s,
-                                    "bytes_per_rank": br.bytes_per_rank})
-        whatif = _whatif(profile, options, groups, best, sh, search) if sh.sharded else []
-        result = AutotuneResult(out=s.out, plan=Plan(), option=chosen, options=options, best=best,
-                                baseline=baseline, profile=profile, convergence=conv,
-                                calibration=points, trials=rows, step_times=step_rows,
-                                scaling=scaling, pareto=front, groups=dict(groups), sharding=sh,
-                                whatif=whatif, target_steps=target_steps,
-                                target_steps_source=s.target_steps_source, link_warning=link_warning,
-                                local_best=local_best, local_calibration=local_cal,
-                                accuracy_rule=rule, budget_notes=notes)
+        result = _result(s, profile, groups, options, found, step_rows, link_warning)
         bar.close()
         result.phase_s = dict(bar.times)
-        result.plan, main_dict = _option_plan(profile, groups, result, s, chosen)
+        result.plan, main_dict = _option_plan(profile, groups, result, s, found.chosen)
         if lead:
-            bar.phase("writing the report", 1, "file set")
-            per_option_plans = {o.name: _option_plan(profile, groups, result, s, o.name)[1]
-                                for o in options}
-            report.write_outputs(result, s, main_dict, per_option_plans)
-            bar.update(1)
+            _write_report(s, profile, groups, result, main_dict, bar)
         bar.close()
         result.phase_s = dict(bar.times)
         result.phase_s["total"] = time.time() - started
@@ -767,9 +699,267 @@ def _run(s: Settings) -> AutotuneResult:
         bar.close()
 
 
+def _profile(s: Settings, bar: _Progress, cal_name: str) -> Profile:
+    """Profile the workload, with the link measured (distributed) or given (``--link``); every rank
+    returns rank 0's profile."""
+    from fastml_strategy.autotune import profile as prof
+
+    bar.phase("profiling", s.profile_steps, "step")
+    profile = _cached_or_new_profile(s, bar, cal_name)
+    if s.distributed:
+        samples = prof.measure_link()
+        if s.rank == 0:
+            profile.link = fit_alpha_beta(samples, "measured")
+            profile.link_samples = samples
+    elif s.link is not None and s.rank == 0:
+        profile.link = s.link
+    return _broadcast(profile, s.distributed)
+
+
+def _cached_or_new_profile(s: Settings, bar: _Progress, cal_name: str) -> Profile | None:
+    """Rank 0's profile: read back from the calibration study of the storage, else measured and
+    stored there (None on the other ranks)."""
+    import optuna
+
+    from fastml_strategy.autotune import profile as prof
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    lead = s.rank == 0
+    profile: Profile | None = None
+    cached = None
+    if lead:
+        cal_study = optuna.create_study(storage=s.storage, study_name=cal_name,
+                                        direction="minimize", load_if_exists=True)
+        cached = cal_study.user_attrs.get("profile")
+    # Launched distributed, every rank profiles at once (rank 0's figures are kept): compute and
+    # codec times are then measured under the same contention as real training.
+    if _broadcast(cached is None, s.distributed):
+        with prof.rank_threads(s.threads_per_rank):  # compute timed as one rank will run it
+            measured = prof.profile_workload(s.workload, steps=s.profile_steps, options=s.options,
+                                             min_numel=s.min_numel, world_size=s.world_size,
+                                             progress=bar.update)
+        measured.threads_source = s.threads_source
+        if lead:
+            profile = measured
+            cal_study.set_user_attr("profile", profile.to_dict())
+    elif lead:
+        profile = Profile.from_dict(cached)
+        bar.update(s.profile_steps)
+    return profile
+
+
+def _hardware_options(s: Settings, profile: Profile) -> list[HardwareOption]:
+    """The catalog's options, after the user's own cluster (:data:`LOCAL`) when its link is known."""
+    options = list(s.catalog)
+    if profile.link is None:
+        return options
+    sh = s.sharding
+    # Sharded: the user's cluster is nodes x ranks per node, and the link is the node's (its
+    # ranks share it). All on one node, a measured link is the link between its ranks.
+    per_node = s.ranks_per_node if sh.sharded else 1
+    nodes = s.world_size // per_node
+    intra = profile.link if (sh.sharded and nodes == 1 and s.distributed) else None
+    options.insert(0, HardwareOption(name=LOCAL, nodes=nodes, accelerators_per_node=per_node,
+                                     price_per_hour=0.0, bandwidth_gbps=profile.link.bandwidth_Bps * 8 / 1e9,
+                                     latency_us=profile.link.latency_s * 1e6, compute_speed=1.0,
+                                     measured_link=profile.link, intra_link=intra))
+    return options
+
+
+def _time_recipes(s: Settings, profile: Profile, options: list[HardwareOption],
+                  recipe_choices: Mapping[str, Mapping[str, str]], bar: _Progress) -> dict[str, float]:
+    """Distributed: time the baseline and the uniform recipes across the ranks, and fit the profile's
+    codec-time scales (and, sharded, FSDP's cost per collective) to them on rank 0."""
+    from fastml_strategy.autotune.measure import measure_distributed
+
+    sh = s.sharding
+    base_label = baseline_label(sh)
+    plans = {base_label: None}
+    plans.update({r: _plan_from_choice(profile, c, r)[0] for r, c in recipe_choices.items()})
+    bar.phase("timing the recipes", len(plans), "plan")
+    measured = measure_distributed(s.workload, plans, steps=s.measure_steps, sharding=sh,
+                                   ranks_per_node=s.ranks_per_node)
+    bar.update(len(plans))
+    if s.rank == 0:
+        if sh.sharded:  # FSDP2's own cost per collective first, then the codecs'
+            profile.collective_overhead_s = fit_collective_overhead(profile, options[0],
+                                                                    measured[base_label], sh)
+        profile.codec_scale = fit_codec_scale(
+            profile, options[0], {r: measured[r] for r in UNIFORM_RECIPES}, sharding=sh)
+    return measured
+
+
+def _search_on_rank0(s: Settings, profile: Profile, groups: Mapping[str, list[str]],
+                     options: list[HardwareOption], cal_name: str, fp: str, bar: _Progress) -> _Searched:
+    """Calibrate and search on rank 0; every rank returns its result (or raises its failure)."""
+    found: Any = None
+    if s.rank == 0:
+        try:
+            found = _calibrate_and_search(s, profile, groups, options, cal_name, fp, bar)
+        except Exception as e:  # tell the waiting ranks, or they would wait for the timeout
+            if s.distributed:
+                _broadcast(_Failed(f"{type(e).__name__}: {e}"), True)
+            raise
+    found = _broadcast(found, s.distributed)
+    if isinstance(found, _Failed):
+        raise RuntimeError(f"rank 0 failed: {found.message}")
+    return found
+
+
+def _time_plans(s: Settings, profile: Profile, groups: Mapping[str, list[str]],
+                options: list[HardwareOption], found: _Searched,
+                recipe_choices: Mapping[str, Mapping[str, str]], measured_pre: Mapping[str, float],
+                bar: _Progress) -> tuple[Profile, list[dict[str, Any]]]:
+    """Time the baseline, the tuned plan and the uniform recipes beside their predicted step times.
+    Returns the profile (distributed: rank 0's, with its codec scales, on every rank) and the rows."""
+    from fastml_strategy.autotune import search
+
+    base_label = baseline_label(s.sharding)
+    tuned = found.best[found.chosen]
+    choices: dict[str, Mapping[str, str] | None] = {
+        base_label: None,
+        f"tuned ({found.chosen})": search.expand(groups, tuned["choice"]) if tuned["use_hook"] else None}
+    # Distributed, the recipes were timed before the search (step 1b): only these two plans are left.
+    total = len(choices) if s.distributed else len(choices) + len(recipe_choices)
+    bar.phase("timing the tuned plan" if s.distributed else "timing plans (compute + codecs)", total, "plan")
+    rows: list[dict[str, Any]] = []
+    if s.distributed:
+        profile = _broadcast(profile if s.rank == 0 else None, True)  # with rank 0's codec scales
+        local = {o.name: o for o in options}[LOCAL]
+        rows = _time_distributed(s, profile, local, choices, recipe_choices, measured_pre)
+    elif s.rank == 0:
+        rows = _time_local(s, profile, {**choices, **recipe_choices})
+    bar.update(total)
+    bar.close()
+    for r in rows:
+        r["error_pct"] = 100.0 * (r["predicted_s"] - r["measured_s"]) / r["measured_s"]
+    return profile, rows
+
+
+def _time_distributed(s: Settings, profile: Profile, local: HardwareOption,
+                      choices: Mapping[str, Mapping[str, str] | None],
+                      recipe_choices: Mapping[str, Mapping[str, str]],
+                      measured_pre: Mapping[str, float]) -> list[dict[str, Any]]:
+    """Time ``choices`` across the ranks; rows for them and for the recipes timed before, each with
+    the step time the cost model predicts on the measured link."""
+    from fastml_strategy.autotune.measure import measure_distributed
+
+    sh = s.sharding
+    base_label = baseline_label(sh)
+    plans = {k: (None if c is None else _plan_from_choice(profile, c, k)[0]) for k, c in choices.items()}
+    measured = measure_distributed(s.workload, plans, steps=s.measure_steps, sharding=sh,
+                                   ranks_per_node=s.ranks_per_node)
+    where = f"{s.world_size} ranks, measured link" + (f", {sh.kind}" if sh.sharded else "")
+    rows = []
+    for k, c in {**choices, **recipe_choices}.items():
+        pred = step_time(profile, c or {}, local, hook=c is not None, sharding=sh).step_s
+        fitted = (k in recipe_choices and family(CANDIDATES[k]) in profile.codec_scale) or (
+            sh.sharded and k == base_label and profile.collective_overhead_s > 0)
+        rows.append({"plan": k, "where": where, "predicted_s": pred,
+                     "measured_s": measured[k] if k in measured else measured_pre[k], "used_in_fit": fitted})
+    return rows
+
+
+def _time_local(s: Settings, profile: Profile,
+                choices: Mapping[str, Mapping[str, str] | None]) -> list[dict[str, Any]]:
+    """Time ``choices`` in this one process (compute and codecs, no link) beside their predictions."""
+    from fastml_strategy.autotune import profile as prof
+    from fastml_strategy.autotune.measure import measure_local, predict_local
+
+    with prof.rank_threads(s.threads_per_rank):
+        measured = measure_local(s.workload, choices, steps=s.measure_steps)
+    where = f"1 process, {profile.threads} thread(s): compute + codecs (no link)"
+    return [{"plan": k, "where": where, "predicted_s": predict_local(profile, c), "measured_s": measured[k],
+             "used_in_fit": False} for k, c in choices.items()]
+
+
+def _scaling(profile: Profile, options: list[HardwareOption], groups: Mapping[str, list[str]],
+             best: Mapping[str, Mapping[str, Any]], sh: Sharding) -> list[dict[str, Any]]:
+    """Each option's tuned plan and the uncompressed baseline on :data:`SCALING_NODES` nodes."""
+    from fastml_strategy.autotune import search
+
+    base_label = baseline_label(sh)
+    rows = []
+    for opt in options:
+        c = search.expand(groups, best[opt.name]["choice"]) if best[opt.name]["use_hook"] else None
+        for n in SCALING_NODES:
+            for label, ch in (("tuned", c), (base_label, None)):
+                br = step_time(profile, ch or {}, opt, nodes=n, hook=ch is not None, sharding=sh)
+                rows.append({"option": opt.name, "nodes": n, "plan": label, "step_s": br.step_s,
+                             "compute_s": br.compute_s, "codec_s": br.codec_s,
+                             "exposed_comm_s": br.exposed_s, "bytes_per_rank": br.bytes_per_rank})
+    return rows
+
+
+def _result(s: Settings, profile: Profile, groups: Mapping[str, list[str]], options: list[HardwareOption],
+            found: _Searched, step_rows: list[dict[str, Any]], link_warning: str | None) -> AutotuneResult:
+    """The run's result (its plan still empty), with the scaling and what-if predictions."""
+    from fastml_strategy.autotune import search
+
+    sh = s.sharding
+    whatif = _whatif(profile, options, groups, found.best, sh, search) if sh.sharded else []
+    return AutotuneResult(out=s.out, plan=Plan(), option=found.chosen, options=options, best=found.best,
+                          baseline=found.baseline, profile=profile, convergence=found.conv,
+                          calibration=found.points, trials=found.rows, step_times=step_rows,
+                          scaling=_scaling(profile, options, groups, found.best, sh), pareto=found.front,
+                          groups=dict(groups), sharding=sh, whatif=whatif, target_steps=found.target_steps,
+                          target_steps_source=s.target_steps_source, link_warning=link_warning,
+                          local_best=found.local_best, local_calibration=found.local_cal,
+                          accuracy_rule=found.rule, budget_notes=found.notes)
+
+
+def _write_report(s: Settings, profile: Profile, groups: Mapping[str, list[str]], result: AutotuneResult,
+                  main_dict: dict[str, Any], bar: _Progress) -> None:
+    """Write plan.json, every option's plan, the report and the tables (rank 0)."""
+    from fastml_strategy.autotune import report
+
+    bar.phase("writing the report", 1, "file set")
+    per_option_plans = {o.name: _option_plan(profile, groups, result, s, o.name)[1] for o in result.options}
+    report.write_outputs(result, s, main_dict, per_option_plans)
+    bar.update(1)
+
+
+@dataclass(frozen=True)
+class _Calibrated:
+    """The calibration runs so far and the accuracy rule over them."""
+
+    plans: list[Any]  # the plans run (candidates, repeats, then the chosen plans verified)
+    ref: dict[str, Any]  # the reference runs (calibrate.run_calibration)
+    points: list[dict[str, Any]]  # one row per calibration run
+    rule: AccuracyRule
+    run_s: float  # wall seconds of one calibration run (measured on the first round)
+
+
+@dataclass(frozen=True)
+class _OptionSearch:
+    """One search of every hardware option under one convergence fit."""
+
+    rows: list[dict[str, Any]]  # every trial, and each option's plain DDP (or FSDP/HSDP) row
+    best: dict[str, dict[str, Any]]  # option -> best per-step row (plain DDP where nothing pays)
+    baseline: dict[str, dict[str, Any]]  # option -> uncompressed row
+    local_best: dict[str, dict[str, Any] | None]  # option -> best local-steps row (None: none feasible)
+
+
+@dataclass(frozen=True)
+class _Searched:
+    """What calibration and search found on rank 0 (broadcast to every rank)."""
+
+    points: list[dict[str, Any]]  # every calibration run
+    conv: Convergence
+    target_steps: float
+    rows: list[dict[str, Any]]  # every trial row, with "pareto" set
+    best: dict[str, dict[str, Any]]
+    baseline: dict[str, dict[str, Any]]
+    front: list[int]  # indices into rows on the Pareto front of priced options
+    chosen: str  # the option plan.json is tuned for
+    local_best: dict[str, dict[str, Any] | None]
+    local_cal: LocalCalibration | None
+    rule: AccuracyRule
+    notes: list[str]  # what --budget left out
+
+
 def _calibrate_and_search(s: Settings, profile: Profile, groups: Mapping[str, list[str]],
-                          options: list[HardwareOption], cal_name: str, fp: str, bar: Any,
-                          calibrate: Any, search: Any) -> tuple:
+                          options: list[HardwareOption], cal_name: str, fp: str, bar: _Progress) -> _Searched:
     """Calibrate (reference runs, the candidate plans, then repeats of the runs nearest the limit),
     calibrate local steps, search every option, then verify: train the plans the search chose, refit,
     and search again, until every chosen plan has been trained or ``verify_rounds`` rounds are done.
@@ -778,131 +968,207 @@ def _calibrate_and_search(s: Settings, profile: Profile, groups: Mapping[str, li
     run replays finished rounds from the database instead of recomputing them. With a deadline
     (``--budget``), runs that would end past it are not started (the reason is in the notes returned).
     """
-    target_steps = float(s.target_steps)
-    local_cal: LocalCalibration | None = None
     notes: list[str] = []
-    # time kept for timing the plans and writing the report: (plans x steps) of compute and a margin
-    reserve = (len(UNIFORM_RECIPES) + 2) * (s.measure_steps + 2) * max(profile.compute_s, 1e-3) + 10.0
-    cal_deadline = None if s.deadline is None else s.deadline - reserve
-
-    def fits(seconds: float) -> bool:
-        return cal_deadline is None or time.time() + seconds <= cal_deadline
-
-    plans: list[Any] = list(calibrate.calibration_candidates(profile, groups, s.calibration_trials, s.seed))
-    trials_per_option = max(s.trials, len(s.options))
-    none_choice = {n: "none" for names in groups.values() for n in names}
+    deadline = _calibration_deadline(s, profile)
+    cal = _first_calibration(s, profile, groups, cal_name, bar, deadline, notes)
+    local_cal = _calibrate_local_steps(s, profile, cal_name, cal.run_s, deadline, bar, notes) \
+        if s.local_steps else None
     rnd = 0
-    run_s = 0.0  # wall seconds of one calibration run (measured on the first round)
     while True:
-        # the reference run and every plan (finished ones from the storage tick at once)
-        bar.phase("calibrating" if rnd == 0 else f"verifying the chosen plans (round {rnd} of up to "
-                  f"{s.verify_rounds})", 1 + len(plans), "run")
-        t_cal = time.time()
-        ref, points = calibrate.run_calibration(
-            s.workload, profile, groups, plans, storage=s.storage, study_name=cal_name,
-            steps=s.calibration_steps, seed=s.seed, progress=bar, references=s.references,
-            deadline=cal_deadline)
-        if rnd == 0:
-            # a resumed run reads its runs back in no time: the profile's step time bounds them
-            ran = max(1, len(points) + len(ref.get("references") or {}))
-            run_s = max((time.time() - t_cal) / ran, s.calibration_steps * profile.compute_s)
-            missing = [p for p in plans if not isinstance(p, tuple) and p not in [q["choice"] for q in points]]
-            if missing:
-                notes.append(f"--budget: {len(missing)} of {len(plans)} calibration plans not run")
-        rule = _rule(s, ref, points)
-        if rnd == 0 and s.calibration_repeats > 0:
-            # chosen from the first calibration's runs alone, so a resumed run picks the same ones
-            first = [q for q in points if q.get("seed", s.seed) == s.seed and q["choice"] in plans]
-            reps = calibrate.repeat_candidates(_rule(s, ref, first), first, s.calibration_repeats, s.seed)
-            fit_n = reps if fits(run_s * (len(reps) + 1)) else []
-            if reps and not fit_n:
-                notes.append(f"--budget: the {len(reps)} repeats nearest the limit were not run")
-            if fit_n:  # the plans nearest the limit, again with other seeds
-                bar.phase("repeating the runs nearest the limit", 1 + len(fit_n), "run")
-                plans = list(plans) + fit_n
-                ref, points = calibrate.run_calibration(
-                    s.workload, profile, groups, plans, storage=s.storage, study_name=cal_name,
-                    steps=s.calibration_steps, seed=s.seed, progress=bar, references=s.references,
-                    deadline=cal_deadline)
-                rule = _rule(s, ref, points)
-        if rnd == 0 and s.local_steps:
-            steps = calibrate.local_calibration_steps(s.calibration_steps, s.local_every)
-            cost = run_s * (steps / s.calibration_steps) * s.world_size * (1 + len(s.local_every))
-            if fits(cost):
-                bar.phase("calibrating local steps", 1 + len(s.local_every), "run")
-                local_cal = calibrate.run_local_calibration(
-                    s.workload, profile, s.local_every, world_size=s.world_size, steps=steps, seed=s.seed,
-                    max_accuracy_loss=s.max_accuracy_loss, storage=s.storage,
-                    study_name=f"{cal_name}-local-{_hash([list(s.local_every), steps])}", progress=bar)
-            else:
-                notes.append(f"--budget: local steps not calibrated (about {cost / 60:.1f} min of runs), "
-                             f"so not searched")
-        conv = fit_convergence(points, s.max_accuracy_loss, rule=rule)
-        rows: list[dict[str, Any]] = []
-        best: dict[str, dict[str, Any]] = {}
-        baseline: dict[str, dict[str, Any]] = {}
-        local_best: dict[str, dict[str, Any] | None] = {}
-        sh = s.sharding
-        bar.phase("searching", len(options) * trials_per_option, "trial")
-        for opt in options:
-            bar.set_description(f"searching {opt.name}")
-            what = [_option_key(opt), asdict(opt.link), asdict(conv), target_steps, s.options,
-                    profile.codec_scale]
-            if sh.sharded:  # a DDP run's study names stay what they were (resumable)
-                what += [sh.to_dict(), s.max_residual_bytes, _option_key(opt, sharded=True),
-                         profile.collective_overhead_s]
-            if local_cal is not None:  # runs without local steps keep their study names
-                what += [local_cal.to_dict(), list(s.local_fragments)]
-            key = _hash(what)
-            r = search.run_search(profile, groups, opt, conv, target_steps, storage=s.storage,
-                                  study_name=f"fastml-{fp}-search-{opt.name}-{key}",
-                                  trials=trials_per_option, seed=s.seed, progress=bar,
-                                  sharding=sh, max_residual_bytes=s.max_residual_bytes,
-                                  local=local_cal, fragments=s.local_fragments)
-            rows.extend(dict(x, kind="local-steps" if x["every"] > 1 else "fastml") for x in r)
-            base = evaluate(profile, none_choice, opt, conv, target_steps, hook=False, sharding=sh)
-            base.update(option=opt.name, choice={g: "none" for g in groups}, use_hook=False,
-                        objective=objective(base, opt),
-                        every=1, fragments=1, delay=0)
-            baseline[opt.name] = base
-            rows.append(dict(base, trial=-1, kind="plain-ddp" if not sh.sharded else f"{sh.kind}-own"))
-            # Plain DDP is a candidate too: where no compression pays (a fast link), say so.
-            b = search.best_row(r)
-            best[opt.name] = dict(b, use_hook=True) if b["objective"] < base["objective"] else dict(base)
-            if not sh.sharded:  # DDP's bucket size for the chosen plan (plain DDP's too)
-                best[opt.name] = _best_bucket(profile, groups, opt, conv, target_steps, best[opt.name],
-                                              search)
-            try:
-                local_best[opt.name] = dict(search.best_row(r, local=True), use_hook=False)
-            except ValueError:  # local steps off, or no H within the accuracy limit
-                local_best[opt.name] = None
-        tried = [p["choice"] for p in points]
-        new = []
-        for b in best.values():  # the per-step plans (local steps' codecs compress pseudo-gradients)
-            c = b["choice"]
-            if c not in tried and c not in new and any(o != "none" for o in c.values()):
-                new.append(c)
+        conv = fit_convergence(cal.points, s.max_accuracy_loss, rule=cal.rule)
+        found = _search_options(s, profile, groups, options, conv, local_cal, fp, bar)
+        new = _untried_plans(found.best, cal.points)
         if not new or rnd >= s.verify_rounds:
             break
-        if not fits(run_s * len(new)):
+        if not _fits(deadline, cal.run_s * len(new)):
             notes.append(f"--budget: verification round {rnd + 1} ({len(new)} chosen plans) not run")
             break
-        plans = list(plans) + new
         rnd += 1
-    # The Pareto front compares priced options (a cluster you already have costs nothing here).
+        bar.phase(f"verifying the chosen plans (round {rnd} of up to {s.verify_rounds})",
+                  1 + len(cal.plans) + len(new), "run")
+        cal = _calibrate_again(s, profile, groups, cal, cal.plans + new, cal_name, bar, deadline)
+    return _Searched(points=cal.points, conv=conv, target_steps=float(s.target_steps), rows=found.rows,
+                     best=found.best, baseline=found.baseline, front=_pareto(found.rows, options),
+                     chosen=_chosen_option(options, found), local_best=found.local_best,
+                     local_cal=local_cal, rule=cal.rule, notes=notes)
+
+
+def _calibration_deadline(s: Settings, profile: Profile) -> float | None:
+    """When calibration runs must end (None: no --budget): the run's deadline less the time kept for
+    timing the plans and writing the report, (plans x steps) of compute and a margin."""
+    if s.deadline is None:
+        return None
+    return s.deadline - ((len(UNIFORM_RECIPES) + 2) * (s.measure_steps + 2) * max(profile.compute_s, 1e-3)
+                         + 10.0)
+
+
+def _fits(deadline: float | None, seconds: float) -> bool:
+    """Whether work of ``seconds`` started now ends by ``deadline`` (None: no deadline)."""
+    return deadline is None or time.time() + seconds <= deadline
+
+
+def _calibration_runs(s: Settings, profile: Profile, groups: Mapping[str, list[str]], plans: list[Any],
+                      cal_name: str, bar: _Progress,
+                      deadline: float | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The reference runs and one training run per plan (finished ones read back from the storage)."""
+    from fastml_strategy.autotune import calibrate
+
+    return calibrate.run_calibration(s.workload, profile, groups, plans, storage=s.storage,
+                                     study_name=cal_name, steps=s.calibration_steps, seed=s.seed,
+                                     progress=bar, references=s.references, deadline=deadline)
+
+
+def _calibrate_again(s: Settings, profile: Profile, groups: Mapping[str, list[str]], cal: _Calibrated,
+                     plans: list[Any], cal_name: str, bar: _Progress, deadline: float | None) -> _Calibrated:
+    """Calibrate with ``plans`` (the earlier ones read back from the storage) and refit the rule."""
+    ref, points = _calibration_runs(s, profile, groups, plans, cal_name, bar, deadline)
+    return _Calibrated(plans, ref, points, _rule(s, ref, points), cal.run_s)
+
+
+def _first_calibration(s: Settings, profile: Profile, groups: Mapping[str, list[str]], cal_name: str,
+                       bar: _Progress, deadline: float | None, notes: list[str]) -> _Calibrated:
+    """The reference runs and the candidate plans, then repeats (other seeds) of the plans nearest
+    the limit; what --budget leaves out is added to ``notes``."""
+    from fastml_strategy.autotune import calibrate
+
+    plans: list[Any] = list(calibrate.calibration_candidates(profile, groups, s.calibration_trials, s.seed))
+    bar.phase("calibrating", 1 + len(plans), "run")
+    t_cal = time.time()
+    ref, points = _calibration_runs(s, profile, groups, plans, cal_name, bar, deadline)
+    # a resumed run reads its runs back in no time: the profile's step time bounds them
+    ran = max(1, len(points) + len(ref.get("references") or {}))
+    run_s = max((time.time() - t_cal) / ran, s.calibration_steps * profile.compute_s)
+    missing = [p for p in plans if not isinstance(p, tuple) and p not in [q["choice"] for q in points]]
+    if missing:
+        notes.append(f"--budget: {len(missing)} of {len(plans)} calibration plans not run")
+    cal = _Calibrated(plans, ref, points, _rule(s, ref, points), run_s)
+    if s.calibration_repeats == 0:
+        return cal
+    # chosen from the first calibration's runs alone, so a resumed run picks the same ones
+    first = [q for q in points if q.get("seed", s.seed) == s.seed and q["choice"] in plans]
+    reps = calibrate.repeat_candidates(_rule(s, ref, first), first, s.calibration_repeats, s.seed)
+    if not reps:
+        return cal
+    if not _fits(deadline, run_s * (len(reps) + 1)):
+        notes.append(f"--budget: the {len(reps)} repeats nearest the limit were not run")
+        return cal
+    # the plans nearest the limit, again with other seeds
+    bar.phase("repeating the runs nearest the limit", 1 + len(reps), "run")
+    return _calibrate_again(s, profile, groups, cal, plans + list(reps), cal_name, bar, deadline)
+
+
+def _calibrate_local_steps(s: Settings, profile: Profile, cal_name: str, run_s: float, deadline: float | None,
+                           bar: _Progress, notes: list[str]) -> LocalCalibration | None:
+    """Calibrate local steps (LocalSGD, every sync period H), unless --budget leaves no time (None,
+    noted)."""
+    from fastml_strategy.autotune import calibrate
+
+    steps = calibrate.local_calibration_steps(s.calibration_steps, s.local_every)
+    cost = run_s * (steps / s.calibration_steps) * s.world_size * (1 + len(s.local_every))
+    if not _fits(deadline, cost):
+        notes.append(f"--budget: local steps not calibrated (about {cost / 60:.1f} min of runs), so not searched")
+        return None
+    bar.phase("calibrating local steps", 1 + len(s.local_every), "run")
+    return calibrate.run_local_calibration(
+        s.workload, profile, s.local_every, world_size=s.world_size, steps=steps, seed=s.seed,
+        max_accuracy_loss=s.max_accuracy_loss, storage=s.storage,
+        study_name=f"{cal_name}-local-{_hash([list(s.local_every), steps])}", progress=bar)
+
+
+def _search_options(s: Settings, profile: Profile, groups: Mapping[str, list[str]],
+                    options: list[HardwareOption], conv: Convergence, local_cal: LocalCalibration | None,
+                    fp: str, bar: _Progress) -> _OptionSearch:
+    """Search every option under the fit ``conv``: its best plan, against plain DDP (or FSDP/HSDP's
+    own collectives) and, with local steps, its best LocalSGD configuration."""
+    from fastml_strategy.autotune import search
+
+    sh = s.sharding
+    target_steps = float(s.target_steps)
+    trials = max(s.trials, len(s.options))
+    found = _OptionSearch(rows=[], best={}, baseline={}, local_best={})
+    bar.phase("searching", len(options) * trials, "trial")
+    for opt in options:
+        bar.set_description(f"searching {opt.name}")
+        key = _search_key(s, profile, opt, conv, local_cal)
+        r = search.run_search(profile, groups, opt, conv, target_steps, storage=s.storage,
+                              study_name=f"fastml-{fp}-search-{opt.name}-{key}", trials=trials, seed=s.seed,
+                              progress=bar, sharding=sh, max_residual_bytes=s.max_residual_bytes,
+                              local=local_cal, fragments=s.local_fragments)
+        found.rows.extend(dict(x, kind="local-steps" if x["every"] > 1 else "fastml") for x in r)
+        base = _baseline_row(profile, groups, opt, conv, target_steps, sh)
+        found.baseline[opt.name] = base
+        found.rows.append(dict(base, trial=-1, kind="plain-ddp" if not sh.sharded else f"{sh.kind}-own"))
+        # Plain DDP is a candidate too: where no compression pays (a fast link), say so.
+        b = search.best_row(r)
+        best = dict(b, use_hook=True) if b["objective"] < base["objective"] else dict(base)
+        if not sh.sharded:  # DDP's bucket size for the chosen plan (plain DDP's too)
+            best = _best_bucket(profile, groups, opt, conv, target_steps, best, search)
+        found.best[opt.name] = best
+        try:
+            found.local_best[opt.name] = dict(search.best_row(r, local=True), use_hook=False)
+        except ValueError:  # local steps off, or no H within the accuracy limit
+            found.local_best[opt.name] = None
+    return found
+
+
+def _search_key(s: Settings, profile: Profile, opt: HardwareOption, conv: Convergence,
+                local_cal: LocalCalibration | None) -> str:
+    """The hash naming an option's search study: everything the search depends on."""
+    sh = s.sharding
+    what = [_option_key(opt), asdict(opt.link), asdict(conv), float(s.target_steps), s.options,
+            profile.codec_scale]
+    if sh.sharded:  # a DDP run's study names stay what they were (resumable)
+        what += [sh.to_dict(), s.max_residual_bytes, _option_key(opt, sharded=True),
+                 profile.collective_overhead_s]
+    if local_cal is not None:  # runs without local steps keep their study names
+        what += [local_cal.to_dict(), list(s.local_fragments)]
+    return _hash(what)
+
+
+def _baseline_row(profile: Profile, groups: Mapping[str, list[str]], opt: HardwareOption, conv: Convergence,
+                  target_steps: float, sh: Sharding) -> dict[str, Any]:
+    """The option's uncompressed row: plain DDP (or FSDP/HSDP's own collectives), no hook."""
+    none_choice = {n: "none" for names in groups.values() for n in names}
+    base = evaluate(profile, none_choice, opt, conv, target_steps, hook=False, sharding=sh)
+    base.update(option=opt.name, choice={g: "none" for g in groups}, use_hook=False,
+                objective=objective(base, opt), every=1, fragments=1, delay=0)
+    return base
+
+
+def _untried_plans(best: Mapping[str, Mapping[str, Any]], points: list[dict[str, Any]]) -> list[Any]:
+    """The compressed per-step plans the search chose that no calibration run has trained yet (local
+    steps' codecs compress pseudo-gradients, so their rows are not among them)."""
+    tried = [p["choice"] for p in points]
+    new: list[Any] = []
+    for b in best.values():
+        c = b["choice"]
+        if c not in tried and c not in new and any(o != "none" for o in c.values()):
+            new.append(c)
+    return new
+
+
+def _pareto(rows: list[dict[str, Any]], options: list[HardwareOption]) -> list[int]:
+    """Mark each row's ``pareto`` and return the front's indices: time against cost over the feasible
+    rows of priced options (a cluster you already have costs nothing here)."""
     priced = {o.name for o in options if o.price_per_hour > 0}
     feas = [i for i, r in enumerate(rows) if r["feasible"] and r["option"] in priced]
     front = [feas[i] for i in pareto_front([(rows[i]["tta_s"], rows[i]["cost_usd"]) for i in feas])]
     for i, r in enumerate(rows):
         r["pareto"] = i in front
-    def winner(n: str) -> dict[str, Any]:
-        lb = local_best.get(n)
-        return lb if lb is not None and lb["objective"] < best[n]["objective"] else best[n]
+    return front
 
-    chosen = LOCAL if LOCAL in best else min(
-        (o.name for o in options), key=lambda n: (winner(n)["cost_usd"], winner(n)["tta_s"]))
-    return (ref, points, conv, target_steps, rows, best, baseline, front, chosen, local_best, local_cal,
-            rule, notes)
+
+def _chosen_option(options: list[HardwareOption], found: _OptionSearch) -> str:
+    """The option plan.json is tuned for: the user's own cluster when its link is known, else the
+    option whose winning row costs least (then: ends soonest)."""
+    if LOCAL in found.best:
+        return LOCAL
+
+    def cost_then_time(name: str) -> tuple[float, float]:
+        w = _winner(found.best[name], found.local_best.get(name))
+        return w["cost_usd"], w["tta_s"]
+
+    return min((o.name for o in options), key=cost_then_time)
 
 
 def _best_bucket(profile: Profile, groups: Mapping[str, list[str]], opt: HardwareOption, conv: Convergence,

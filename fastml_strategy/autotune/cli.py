@@ -18,9 +18,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from fastml_strategy.config import DEFAULT_MIN_NUMEL
+
+if TYPE_CHECKING:
+    from fastml_strategy.autotune._run import AutotuneResult, Settings
 
 PROG = "fastml-autotune"
 
@@ -206,9 +209,11 @@ def _interactive() -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``fastml-autotune`` command; returns its exit status (0, 1 failed, 2 bad input, 130
+    interrupted)."""
     args = build_parser().parse_args(argv)
     distributed = _init_distributed()
-    from fastml_strategy.autotune._run import prepare, run
+    from fastml_strategy.autotune._run import run
 
     steps_source = "given"
     if args.target_steps is None and not distributed and _interactive():
@@ -218,42 +223,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             _error("interrupted before anything was profiled or written")
             return 130
         steps_source = "entered"
-
-    settings = None
-    failure = None
-    try:
-        settings = prepare(
-            args.target, out=args.out, world_size=args.world_size, link=args.link,
-            hardware=args.hardware, trials=args.trials, storage=args.storage,
-            calibration_trials=args.calibration_trials, calibration_steps=args.calibration_steps,
-            profile_steps=args.profile_steps, measure_steps=args.measure_steps,
-            max_accuracy_loss=args.max_accuracy_loss, target_steps=args.target_steps,
-            max_groups=args.max_groups, min_numel=args.min_numel,
-            verify_rounds=args.verify_rounds, seed=args.seed,
-            progress=not args.quiet, sharding=args.sharding, ranks_per_node=args.ranks_per_node,
-            param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype,
-            reshard_after_forward=args.reshard_after_forward, intra_node_link=args.intra_node_link,
-            max_residual_gb=args.max_residual_gb, overwrite=args.overwrite,
-            target_steps_source=steps_source if args.target_steps is not None else None,
-            local_steps=args.local_steps, local_every=args.local_every,
-            local_fragments=args.local_fragments, calibration_repeats=args.calibration_repeats,
-            references=args.references, threads_per_rank=args.threads_per_rank,
-            budget=args.budget)
-    except ValueError as e:
-        failure = str(e)
-    if distributed:  # every rank learns whether any rank failed validation, so none hangs
-        import torch
-        import torch.distributed as dist
-
-        flags = [torch.zeros(1) for _ in range(dist.get_world_size())]
-        dist.all_gather(flags, torch.tensor([0.0 if failure else 1.0]))
-        if not (failure is None and all(float(f) == 1.0 for f in flags)):
-            # One line in all: rank 0's message, or the lowest failing rank's.
-            first = min(i for i, f in enumerate(flags) if float(f) == 0.0)
-            if failure is not None and dist.get_rank() == first:
-                _error(failure)
-            dist.destroy_process_group()
-            return 2
+    settings, failure = _prepare(args, steps_source)
+    if distributed and _any_rank_failed(failure):
+        return 2
     if failure is not None:
         _error(failure)
         return 2
@@ -269,35 +241,87 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     finally:
         if distributed:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                try:
-                    dist.barrier()
-                finally:
-                    dist.destroy_process_group()
+            _close_distributed()
     if settings.rank == 0:
-        from fastml_strategy.autotune.report import headline, phase_words, winner_line
-
-        # The report's answer, in words, then where the files are. Markdown bold is dropped here.
-        lines = [line.replace("**", "") for line in headline(result)]
-        b = result.best[result.option]
-        if settings.sharding.sharded:
-            lines.append(f"Sharding {settings.sharding.kind}; FastML residuals "
-                         f"{b.get('residual_bytes', 0) / 2 ** 20:.4g} MiB per rank.")
-        print(f"{PROG}: {lines[0]}")
-        for line in lines[1:]:
-            print(f"  {line}")
-        print(f"  Wrote {settings.out}/plan.json (tuned for {result.option}), report.html, report.md and the "
-              f"CSV tables.", flush=True)
-        if result.phase_s:
-            print(f"  Wall time: {phase_words(result.phase_s)}.", flush=True)
-        if settings.local_steps:  # which mode wins (the last line, unless plain DDP wins)
-            print(f"  {winner_line(result)}", flush=True)
-        if not settings.sharding.sharded and not result.plan_uses_hook:  # the last line
-            print(f"  Plain DDP on {result.option}: do not register FastML; plan.json is fp32 throughout "
-                  f"(meta.hook = false).", flush=True)
+        _print_answer(result, settings)
     return 0
+
+
+def _prepare(args: argparse.Namespace, steps_source: str) -> tuple[Settings | None, str | None]:
+    """The validated settings of the command line, or the one-line reason they are not valid."""
+    from fastml_strategy.autotune._run import prepare
+
+    try:
+        return prepare(
+            args.target, out=args.out, world_size=args.world_size, link=args.link,
+            hardware=args.hardware, trials=args.trials, storage=args.storage,
+            calibration_trials=args.calibration_trials, calibration_steps=args.calibration_steps,
+            profile_steps=args.profile_steps, measure_steps=args.measure_steps,
+            max_accuracy_loss=args.max_accuracy_loss, target_steps=args.target_steps,
+            max_groups=args.max_groups, min_numel=args.min_numel,
+            verify_rounds=args.verify_rounds, seed=args.seed,
+            progress=not args.quiet, sharding=args.sharding, ranks_per_node=args.ranks_per_node,
+            param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype,
+            reshard_after_forward=args.reshard_after_forward, intra_node_link=args.intra_node_link,
+            max_residual_gb=args.max_residual_gb, overwrite=args.overwrite,
+            target_steps_source=steps_source if args.target_steps is not None else None,
+            local_steps=args.local_steps, local_every=args.local_every,
+            local_fragments=args.local_fragments, calibration_repeats=args.calibration_repeats,
+            references=args.references, threads_per_rank=args.threads_per_rank,
+            budget=args.budget), None
+    except ValueError as e:
+        return None, str(e)
+
+
+def _any_rank_failed(failure: str | None) -> bool:
+    """Whether any rank failed validation (every rank learns it, so none hangs); if so, print one
+    line in all (rank 0's message, or the lowest failing rank's) and leave the process group."""
+    import torch
+    import torch.distributed as dist
+
+    flags = [torch.zeros(1) for _ in range(dist.get_world_size())]
+    dist.all_gather(flags, torch.tensor([0.0 if failure else 1.0]))
+    if failure is None and all(float(f) == 1.0 for f in flags):
+        return False
+    first = min(i for i, f in enumerate(flags) if float(f) == 0.0)
+    if failure is not None and dist.get_rank() == first:
+        _error(failure)
+    dist.destroy_process_group()
+    return True
+
+
+def _close_distributed() -> None:
+    """Wait for every rank, then leave the process group."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
+def _print_answer(result: AutotuneResult, settings: Settings) -> None:
+    """The report's answer, in words, then where the files are (rank 0). Markdown bold is dropped."""
+    from fastml_strategy.autotune.report import headline, phase_words, winner_line
+
+    lines = [line.replace("**", "") for line in headline(result)]
+    b = result.best[result.option]
+    if settings.sharding.sharded:
+        lines.append(f"Sharding {settings.sharding.kind}; FastML residuals "
+                     f"{b.get('residual_bytes', 0) / 2 ** 20:.4g} MiB per rank.")
+    print(f"{PROG}: {lines[0]}")
+    for line in lines[1:]:
+        print(f"  {line}")
+    print(f"  Wrote {settings.out}/plan.json (tuned for {result.option}), report.html, report.md and the "
+          f"CSV tables.", flush=True)
+    if result.phase_s:
+        print(f"  Wall time: {phase_words(result.phase_s)}.", flush=True)
+    if settings.local_steps:  # which mode wins (the last line, unless plain DDP wins)
+        print(f"  {winner_line(result)}", flush=True)
+    if not settings.sharding.sharded and not result.plan_uses_hook:  # the last line
+        print(f"  Plain DDP on {result.option}: do not register FastML; plan.json is fp32 throughout "
+              f"(meta.hook = false).", flush=True)
 
 
 if __name__ == "__main__":
