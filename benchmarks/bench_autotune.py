@@ -326,6 +326,9 @@ def inner(args: argparse.Namespace) -> None:
     for label, _, cap_mb in plans:
         r = results[label]
         pred_s, tuner_measured_s = predicted.get(label, (float("nan"), float("nan")))
+        # step_times.csv times and predicts the tuned plan with DDP's default buckets; the plan's own
+        # prediction (meta.predicted) is for the bucket size it chose, which this run passes to DDP
+        pred_own = (meta.get("predicted") or {}).get("step_s") if label == "tuned" and cap else None
         wire_ms = 1e3 * 2 * r["wire_bytes_per_step"] / link_bytes_s  # both ranks share the link
         bound = max(r["compute_ms"], wire_ms)
         rows.append({
@@ -333,6 +336,7 @@ def inner(args: argparse.Namespace) -> None:
             "predicted_ms": round(1e3 * pred_s, 1),
             "prediction_error_pct": round(100 * (1e3 * pred_s - r["ms_per_step"]) / r["ms_per_step"], 1),
             "tuner_measured_ms": round(1e3 * tuner_measured_s, 1),
+            "predicted_ms_own_buckets": round(1e3 * pred_own, 1) if pred_own else "",
             "compute_ms": round(r["compute_ms"], 1), "wire_mb_per_step": round(r["wire_bytes_per_step"] / 1e6, 3),
             "bound_ms": round(bound, 1), "x_bound": round(r["ms_per_step"] / bound, 2),
             "steps_to_target": r["steps"] or "", "seconds_to_target": round(r["seconds"], 2) if r["seconds"] else "",
