@@ -34,11 +34,12 @@ def _compare(rank, world_size, recipe):
     from fastml_strategy.collective import CompressedAllReduce
     from fastml_strategy.kernels import quantize_triton as qt
 
-    numels = [50000, 37, 123457, 90000, 3, 41000, 700]
+    # odd sizes, layers cut across pieces (piece_numel below), a layer smaller than min_numel
+    numels = [12500, 37, 30863, 22500, 3, 10250, 700]
     names = [f"l{i}" for i in range(len(numels))]
     offsets = [sum(numels[:i]) for i in range(len(numels))]
     gen = torch.Generator().manual_seed(rank)
-    grads = [torch.randn(sum(numels), generator=gen) for _ in range(3)]
+    grads = [torch.randn(sum(numels), generator=gen) for _ in range(2)]
     launches = {"table": 0, "chunk": 0}
     real_q, real_qs, real_ds = kernels.quantize, qt.quantize_segments, qt.dequantize_segments
 
@@ -54,7 +55,7 @@ def _compare(rank, world_size, recipe):
         kernels.quantize = count("chunk", real_q)
         qt.quantize_segments, qt.dequantize_segments = count("table", real_qs), count("table", real_ds)
         try:
-            eng = CompressedAllReduce(_plan(recipe), dist.group.WORLD, rank, world_size, piece_numel=1 << 16)
+            eng = CompressedAllReduce(_plan(recipe), dist.group.WORLD, rank, world_size, piece_numel=1 << 14)
             eng.segment_tables = tables
             lay = eng.layout_for(names, offsets, numels, torch.device("cpu"), torch.float32)
             results = []
@@ -80,8 +81,8 @@ def _compare(rank, world_size, recipe):
     }
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("recipe", ["int4", "int4-sr", "mixed"])
+# W = 2 and 3 (odd chunk counts), deterministic and stochastic rounding, several configs per piece
+@pytest.mark.parametrize("world_size,recipe", [(2, "int4"), (3, "int4-sr"), (2, "mixed"), (3, "mixed")])
 def test_segment_tables_give_the_bytes_of_the_per_chunk_path(world_size, recipe):
     for res in run_workers(_compare, world_size, recipe, timeout=280):
         assert res["same_values"] and res["same_residuals"], res["launches"]
@@ -91,7 +92,7 @@ def test_segment_tables_give_the_bytes_of_the_per_chunk_path(world_size, recipe)
         configs = 1 if recipe != "mixed" else 3  # int4, int2, int4-sr: one table each per piece
         # per piece and config at most 4 launches a step (encode, sum, re-encode, decode) instead of
         # about 2 per chunk and layer; the quantize calls left are top-k's values (mixed only)
-        assert tabled["table"] <= 3 * 4 * pieces * configs, res["launches"]
+        assert tabled["table"] <= 2 * 4 * pieces * configs, res["launches"]
         assert tabled["chunk"] == 0, res["launches"]  # every quantized layer went through a table
 
 

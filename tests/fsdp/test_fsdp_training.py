@@ -43,7 +43,7 @@ def _digits(rank, world_size, recipes, steps):
     return out
 
 
-@pytest.mark.parametrize("world_size,steps", [(2, 160), (4, 120)])
+@pytest.mark.parametrize("world_size,steps", [(2, 160), (3, 120)])  # 3: uneven shards
 def test_digits_converge_like_uncompressed_fsdp(world_size, steps):
     recipes = [None, "int4", "topk1-int4"]
     res = run_workers(_digits, world_size, recipes, steps, timeout=230)[0]
