@@ -38,7 +38,6 @@ import argparse
 import contextlib
 import datetime as _dt
 import os
-import platform
 import statistics
 import sys
 import time
@@ -102,25 +101,11 @@ class Timer:
 
 
 def machine(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model, family and SIMD flags (``_bench.cpu_info``)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    model, fam, flags = "", "?", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, val = line.partition(":")
-                key = key.strip()
-                if key == "model name" and not model:
-                    model = val.strip()
-                elif key == "cpu family" and fam == "?":
-                    fam = val.strip()
-                elif key in ("flags", "Features") and not flags:
-                    flags = set(val.split())
-    except OSError:
-        pass
-    simd = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "asimd", "sve") if f in flags]
-    model = model or platform.processor() or platform.machine()
-    return f"{model} (family {fam}; {' '.join(simd) or 'no AVX2'}; {os.cpu_count()} cpus)"
+    c = _bench.cpu_info()
+    return f"{c['cpu']} (family {c['cpu_family']}; {c['cpu_flags']}; {c['cores']} cpus)"
 
 
 def default_builds() -> list[str]:
