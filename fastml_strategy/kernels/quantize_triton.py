@@ -71,6 +71,41 @@ def _hash_uniform(idx, seed_s):
     return (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
 
 
+@triton.jit
+def _block_codes(v, vlo, vhi, idx, seed_s, BITS: tl.constexpr, G: tl.constexpr, STOCH: tl.constexpr):
+    """The format's steps 1-3 for G blocks of v ([G, BS/8, 8]; vlo/vhi: v with padding and NaN
+    already mapped for the min and the max): (codes as floats in [0, L], min, scale, bad, min used),
+    ``bad`` marking blocks that cannot be encoded (non-finite, or a range past fp32's)."""
+    LF: tl.constexpr = (1 << BITS) - 1
+    # Block statistics. tl.min/tl.max skip NaN, hence the NaN -> +inf in vhi: a NaN or an inf leaves
+    # mn or mx non-finite. (A NaN-propagating tl.reduce would save that select on a GPU, but the
+    # interpreter runs custom combiners element by element in Python: 6x slower tests.)
+    mn = tl.min(tl.min(vlo, axis=2), axis=1)  # [G]
+    mx = tl.max(tl.max(vhi, axis=2), axis=1)
+    bad = ~(tl.abs(mn) <= _FMAX) | ~(tl.abs(mx) <= _FMAX)
+    diff = mx - mn
+    wide = ~(tl.abs(diff) <= _FMAX) & ~bad  # finite block whose range overflows
+    scale = tl.math.div_rn(tl.where(wide, mx * 0.5 - mn * 0.5, diff), LF * 1.0)
+    scale = tl.where(wide, tl.minimum(scale * 2.0, _FMAX), scale)
+    # Representable (format step 2): a finite range and a top code that decodes to a finite number
+    # (launched without FP fusion: a multiply, then an add).
+    bad = bad | wide | ~(tl.abs(mn + (LF * 1.0) * scale) <= _FMAX)
+    pos = scale > 0
+    inv = tl.where(pos, tl.math.div_rn(tl.full([G], 1.0, tl.float32), tl.where(pos, scale, 1.0)), 0.0)
+    mn_q = tl.where(bad, 0.0, mn)
+    inv = tl.where(bad, 0.0, inv)
+
+    t = (v - mn_q[:, None, None]) * inv[:, None, None]
+    if STOCH:
+        t = t + _hash_uniform(idx, seed_s)
+    else:
+        t = t + 0.5
+    # For t >= 0, clamp(floor(t), 0, L) == trunc(min(t, L)): clamp first (NaN fails both tests -> 0),
+    # then the float -> int conversion truncates. A non-finite block has inv = 0, so t < 1: code 0.
+    t = tl.where(t >= 0.0, tl.where(t <= LF, t, LF * 1.0), 0.0)
+    return t, mn, scale, bad, mn_q
+
+
 @triton.jit(do_not_specialize=["n", "nbytes", "base", "seed_s"])
 def _quantize_kernel(
     x_ptr, r_ptr, rout_ptr, packed_ptr, meta_ptr,
@@ -80,7 +115,6 @@ def _quantize_kernel(
 ):
     # EVEN: every block of this launch is full (no masks; 1/2/4/8-bit groups stored as one word when
     # WORDS). Otherwise (the tail launch): n elements, masked, byte stores.
-    LF: tl.constexpr = (1 << BITS) - 1
     WORD: tl.constexpr = tl.uint32 if BITS <= 4 else tl.uint64
     pid = tl.program_id(0)
     blk = pid.to(tl.int64) * G + tl.arange(0, G)  # [G]
@@ -104,32 +138,7 @@ def _quantize_kernel(
         vlo = tl.where(mask, v, float("inf"))
         vhi = tl.where(mask, tl.where(v == v, v, float("inf")), float("-inf"))
 
-    # Block statistics. tl.min/tl.max skip NaN, hence the NaN -> +inf above: a NaN or an inf leaves
-    # mn or mx non-finite. (A NaN-propagating tl.reduce would save that select on a GPU, but the
-    # interpreter runs custom combiners element by element in Python: 6x slower tests.)
-    mn = tl.min(tl.min(vlo, axis=2), axis=1)  # [G]
-    mx = tl.max(tl.max(vhi, axis=2), axis=1)
-    bad = ~(tl.abs(mn) <= _FMAX) | ~(tl.abs(mx) <= _FMAX)
-    diff = mx - mn
-    wide = ~(tl.abs(diff) <= _FMAX) & ~bad  # finite block whose range overflows
-    scale = tl.math.div_rn(tl.where(wide, mx * 0.5 - mn * 0.5, diff), LF * 1.0)
-    scale = tl.where(wide, tl.minimum(scale * 2.0, _FMAX), scale)
-    # Representable (format step 2): a finite range and a top code that decodes to a finite number
-    # (launched without FP fusion: a multiply, then an add).
-    bad = bad | wide | ~(tl.abs(mn + (LF * 1.0) * scale) <= _FMAX)
-    pos = scale > 0
-    inv = tl.where(pos, tl.math.div_rn(tl.full([G], 1.0, tl.float32), tl.where(pos, scale, 1.0)), 0.0)
-    mn_q = tl.where(bad, 0.0, mn)
-    inv = tl.where(bad, 0.0, inv)
-
-    t = (v - mn_q[:, None, None]) * inv[:, None, None]
-    if STOCH:
-        t = t + _hash_uniform(offs + base, seed_s)
-    else:
-        t = t + 0.5
-    # For t >= 0, clamp(floor(t), 0, L) == trunc(min(t, L)): clamp first (NaN fails both tests -> 0),
-    # then the float -> int conversion truncates. A non-finite block has inv = 0, so t < 1: code 0.
-    t = tl.where(t >= 0.0, tl.where(t <= LF, t, LF * 1.0), 0.0)
+    t, mn, scale, bad, mn_q = _block_codes(v, vlo, vhi, offs + base, seed_s, BITS, G, STOCH)
     qi = t.to(tl.int32)
     if not EVEN:
         qi = tl.where(mask, qi, 0)  # padding codes are 0
@@ -365,7 +374,6 @@ def _quantize_seg_kernel(
     x_ptr, r_ptr, rout_ptr, msg_ptr, msgf_ptr, table_ptr,
     BITS: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HAS_RES: tl.constexpr, STOCH: tl.constexpr,
 ):
-    LF: tl.constexpr = (1 << BITS) - 1
     WORD: tl.constexpr = tl.uint32 if BITS <= 4 else tl.uint64
     pid = tl.program_id(0)
     row = table_ptr + pid.to(tl.int64) * 8
@@ -389,24 +397,7 @@ def _quantize_seg_kernel(
         v = v + r
     vlo = tl.where(mask, v, float("inf"))
     vhi = tl.where(mask, tl.where(v == v, v, float("inf")), float("-inf"))
-    mn = tl.min(tl.min(vlo, axis=2), axis=1)  # [G]
-    mx = tl.max(tl.max(vhi, axis=2), axis=1)
-    bad = ~(tl.abs(mn) <= _FMAX) | ~(tl.abs(mx) <= _FMAX)
-    diff = mx - mn
-    wide = ~(tl.abs(diff) <= _FMAX) & ~bad
-    scale = tl.math.div_rn(tl.where(wide, mx * 0.5 - mn * 0.5, diff), LF * 1.0)
-    scale = tl.where(wide, tl.minimum(scale * 2.0, _FMAX), scale)
-    bad = bad | wide | ~(tl.abs(mn + (LF * 1.0) * scale) <= _FMAX)
-    pos = scale > 0
-    inv = tl.where(pos, tl.math.div_rn(tl.full([G], 1.0, tl.float32), tl.where(pos, scale, 1.0)), 0.0)
-    mn_q = tl.where(bad, 0.0, mn)
-    inv = tl.where(bad, 0.0, inv)
-    t = (v - mn_q[:, None, None]) * inv[:, None, None]
-    if STOCH:
-        t = t + _hash_uniform(offs + base, seed_s)
-    else:
-        t = t + 0.5
-    t = tl.where(t >= 0.0, tl.where(t <= LF, t, LF * 1.0), 0.0)
+    t, mn, scale, bad, mn_q = _block_codes(v, vlo, vhi, offs + base, seed_s, BITS, G, STOCH)
     qi = tl.where(mask, t.to(tl.int32), 0)
     bad3 = bad[:, None, None]
     if HAS_RES:
