@@ -208,6 +208,9 @@ def main() -> None:
                        "residual_bytes": stats.get("residual_bytes"),
                        "model_type": type(accelerator.unwrap_model(model)).__name__,
                        "distributed_type": str(accelerator.distributed_type)}, f)
+    if state is not None:
+        state.close()  # FastML's hooks (and, for DDP, its process group and thread) go first
+    accelerator.wait_for_everyone()  # no rank tears its groups down while another still uses them
     accelerator.end_training()
 
 

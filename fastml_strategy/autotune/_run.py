@@ -826,7 +826,9 @@ def _time_plans(s: Settings, profile: Profile, groups: Mapping[str, list[str]],
     if s.distributed:
         profile = _broadcast(profile if s.rank == 0 else None, True)  # with rank 0's codec scales
         local = {o.name: o for o in options}[LOCAL]
-        rows = _time_distributed(s, profile, local, choices, recipe_choices, measured_pre)
+        # the tuned plan runs with the bucket size chosen for it (plan.json meta.ddp), as users will
+        buckets = {f"tuned ({found.chosen})": tuned.get("bucket_mb")}
+        rows = _time_distributed(s, profile, local, choices, recipe_choices, measured_pre, buckets)
     elif s.rank == 0:
         rows = _time_local(s, profile, {**choices, **recipe_choices})
     bar.update(total)
@@ -839,23 +841,28 @@ def _time_plans(s: Settings, profile: Profile, groups: Mapping[str, list[str]],
 def _time_distributed(s: Settings, profile: Profile, local: HardwareOption,
                       choices: Mapping[str, Mapping[str, str] | None],
                       recipe_choices: Mapping[str, Mapping[str, str]],
-                      measured_pre: Mapping[str, float]) -> list[dict[str, Any]]:
-    """Time ``choices`` across the ranks; rows for them and for the recipes timed before, each with
-    the step time the cost model predicts on the measured link."""
+                      measured_pre: Mapping[str, float],
+                      bucket_mb: Mapping[str, float | None] | None = None) -> list[dict[str, Any]]:
+    """Time ``choices`` across the ranks (``bucket_mb``: DDP's bucket cap by label; default buckets
+    otherwise); rows for them and for the recipes timed before, each with the step time the cost
+    model predicts on the measured link for the same buckets."""
     from fastml_strategy.autotune.measure import measure_distributed
 
     sh = s.sharding
     base_label = baseline_label(sh)
     plans = {k: (None if c is None else _plan_from_choice(profile, c, k)[0]) for k, c in choices.items()}
+    bucket_mb = {} if sh.sharded else dict(bucket_mb or {})
     measured = measure_distributed(s.workload, plans, steps=s.measure_steps, sharding=sh,
-                                   ranks_per_node=s.ranks_per_node)
+                                   ranks_per_node=s.ranks_per_node, bucket_mb=bucket_mb)
     where = f"{s.world_size} ranks, measured link" + (f", {sh.kind}" if sh.sharded else "")
     rows = []
     for k, c in {**choices, **recipe_choices}.items():
-        pred = step_time(profile, c or {}, local, hook=c is not None, sharding=sh).step_s
+        pred = step_time(profile, c or {}, local, hook=c is not None, sharding=sh,
+                         bucket_mb=bucket_mb.get(k)).step_s
         fitted = (k in recipe_choices and family(CANDIDATES[k]) in profile.codec_scale) or (
             sh.sharded and k == base_label and profile.collective_overhead_s > 0)
-        rows.append({"plan": k, "where": where, "predicted_s": pred,
+        rows.append({"plan": k, "where": where + (f", bucket_cap_mb {bucket_mb[k]}" if bucket_mb.get(k) else ""),
+                     "predicted_s": pred,
                      "measured_s": measured[k] if k in measured else measured_pre[k], "used_in_fit": fitted})
     return rows
 

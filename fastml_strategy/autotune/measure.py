@@ -84,9 +84,11 @@ def _sharded_module(model: torch.nn.Module, loss_fn: Any, sharding: Any, ranks_p
 
 def measure_distributed(wl: Workload, plans: Mapping[str, Plan | None], steps: int = 10,
                         warmup: int = 3, rounds: int = 3, sharding: Any = None,
-                        ranks_per_node: int = 1) -> dict[str, float]:
+                        ranks_per_node: int = 1,
+                        bucket_mb: Mapping[str, float | None] | None = None) -> dict[str, float]:
     """Seconds per step of each plan (None: plain DDP, or FSDP's own collectives when ``sharding``
-    is FSDP/HSDP), as the slowest rank saw it. All ranks call.
+    is FSDP/HSDP), as the slowest rank saw it. All ranks call. ``bucket_mb``: DDP's
+    ``bucket_cap_mb`` by plan label (absent or None: DDP's default buckets).
 
     Every plan gets its own DDP model (and hook) up front; then the plans take turns, ``rounds``
     rounds of ``steps / rounds`` steps each, so load from other processes on a shared machine hits
@@ -107,7 +109,8 @@ def measure_distributed(wl: Workload, plans: Mapping[str, Plan | None], steps: i
             ddp, st = _sharded_module(model, wl.loss_fn, sharding, ranks_per_node, plan)
             states.append(st)
         else:
-            ddp = DDP(LossModule(model, wl.loss_fn))
+            mb = (bucket_mb or {}).get(label)
+            ddp = DDP(LossModule(model, wl.loss_fn), **({} if mb is None else {"bucket_cap_mb": mb}))
             if plan is not None:
                 register_hook(ddp, prefixed(plan, "model."))
         # fully_shard swaps the model's parameters for their shards in place: same model object
