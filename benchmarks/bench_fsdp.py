@@ -122,16 +122,11 @@ def _bigram_batch(vocab: int, batch: int, seq: int, seed: int, step: int):
     """Tokens of the synthetic language: ``ACTIVE_TOKENS`` ids, each followed by one of 4 fixed random
     successors (so the loss can fall from ln(vocab) towards ln 4)."""
     import torch
+    from gpt_workload import language_batch
 
     active = min(vocab, ACTIVE_TOKENS)
     succ = torch.randint(active, (active, 4), generator=torch.Generator().manual_seed(1234))
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    toks = torch.empty(batch, seq + 1, dtype=torch.long)
-    toks[:, 0] = torch.randint(active, (batch,), generator=g)
-    pick = torch.randint(4, (batch, seq), generator=g)
-    for i in range(seq):
-        toks[:, i + 1] = succ[toks[:, i], pick[:, i]]
-    return toks[:, :-1], toks[:, 1:]
+    return language_batch(succ, torch.Generator().manual_seed(seed * 1_000_003 + step), batch, seq)
 
 
 def _net_bytes(iface: str | None) -> int | None:

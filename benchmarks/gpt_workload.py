@@ -79,12 +79,18 @@ def batch_stream(seed: int, batch: int = BATCH):
     succ = _successors()
     gen = torch.Generator().manual_seed(seed)
     while True:
-        toks = torch.empty(batch, SEQ + 1, dtype=torch.long)
-        toks[:, 0] = torch.randint(VOCAB, (batch,), generator=gen)
-        pick = torch.randint(4, (batch, SEQ), generator=gen)
-        for i in range(SEQ):
-            toks[:, i + 1] = succ[toks[:, i], pick[:, i]]
-        yield toks[:, :-1], toks[:, 1:]
+        yield language_batch(succ, gen, batch, SEQ)
+
+
+def language_batch(succ: torch.Tensor, gen: torch.Generator, batch: int, seq: int):
+    """One (input, next-token) batch of the language whose token t is followed by one of
+    ``succ[t]`` (a first token, then a successor picked uniformly each step), drawn from ``gen``."""
+    toks = torch.empty(batch, seq + 1, dtype=torch.long)
+    toks[:, 0] = torch.randint(succ.shape[0], (batch,), generator=gen)
+    pick = torch.randint(succ.shape[1], (batch, seq), generator=gen)
+    for i in range(seq):
+        toks[:, i + 1] = succ[toks[:, i], pick[:, i]]
+    return toks[:, :-1], toks[:, 1:]
 
 
 def loss_fn(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
