@@ -34,6 +34,7 @@ def _train_digits(rank, world_size, plan, steps):
     return accuracy(model, xte, yte)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_digits_accuracy_matches_fp32():
     ref = run_workers(_train_digits, 2, None, STEPS)[0]

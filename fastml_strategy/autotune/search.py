@@ -11,7 +11,7 @@ Objective, per option ``c``: the predicted cost ``S_ref g(e(p)) T(p, c) N P / 36
 accuracy when the option has no price, e.g. the user's own cluster), under the constraint
 ``e(p) <= e_max`` from the calibration (``Trial.set_constraint``, so TPE learns the feasible region
 instead of seeing a penalty cliff). A trial is a cost-model evaluation, so the study runs in memory
-and is saved to the storage afterwards (resumed runs read it back).
+and its rows are saved to the storage afterwards as one JSON document (resumed runs read it back).
 
 Seeding. Before TPE starts, the study gets the uniform plans (every group on one option) and a
 Lagrangian sweep in the spirit of L-GreCo: for a multiplier ``lam`` each layer independently takes the
@@ -33,6 +33,7 @@ the studies (a multi-objective study would lose the per-option constraint handli
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections import OrderedDict
@@ -123,10 +124,12 @@ def run_search(profile: Profile, groups: Mapping[str, list[str]], option: Hardwa
     Sharded (``sharding``): the cost model is FSDP's or HSDP's, and with ``max_residual_bytes`` a
     second constraint keeps the error-feedback memory per rank under the limit.
 
-    The study runs in memory (a trial is a cost-model evaluation, microseconds, while a database
-    commit per trial attribute would dominate) and is then saved to ``storage`` under
-    ``study_name`` with one write per trial; if a study of that name already holds the trials (a
-    resumed run, or another machine did it), it is read back instead of searched again.
+    The study runs in memory (a trial is a cost-model evaluation, microseconds) and its rows are
+    then saved to ``storage`` under ``study_name`` as one JSON document in the study's user
+    attributes (:func:`_save_rows`: Optuna's ``add_trials`` commits every parameter and attribute of
+    every trial on its own, about 40 ms per trial on SQLite, minutes for a default run); if a study
+    of that name already holds the rows (a resumed run, or another machine did it), they are read
+    back instead of searched again.
     """
     import optuna
 
@@ -137,12 +140,11 @@ def run_search(profile: Profile, groups: Mapping[str, list[str]], option: Hardwa
     if storage is not None:
         saved = optuna.create_study(storage=storage, study_name=study_name, direction="minimize",
                                     load_if_exists=True)
-        done = [t for t in saved.get_trials(deepcopy=False)
-                if t.state is optuna.trial.TrialState.COMPLETE]
-        if len(done) >= trials:
+        rows = _load_rows(saved)
+        if rows is not None and len(rows) >= trials:
             if progress is not None:
                 progress.update(trials)
-            return _rows(done, option, names, keys)
+            return rows
     sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(10, max(1, trials // 5)))
     study = optuna.create_study(direction="minimize", sampler=sampler)
     frags = local_fragments(profile, fragments) if local is not None else [1]
@@ -160,10 +162,32 @@ def run_search(profile: Profile, groups: Mapping[str, list[str]], option: Hardwa
                                     max_residual_bytes=max_residual_bytes, local=local),
                    n_trials=trials, callbacks=[tick])
     done = [t for t in study.get_trials(deepcopy=False) if t.state is optuna.trial.TrialState.COMPLETE]
+    rows = _rows(done, option, names, keys)
     if saved is not None:
         saved.set_user_attr("option", option.name)
-        saved.add_trials(done)
-    return _rows(done, option, names, keys)
+        _save_rows(saved, rows)
+    return rows
+
+
+# A study's rows are saved as JSON text cut into user attributes of at most this many characters:
+# Optuna keeps an attribute in a TEXT column, 64 KiB on MySQL (escaping can double the size).
+_ROWS_CHUNK = 30_000
+
+
+def _save_rows(study: Any, rows: list[dict[str, Any]]) -> None:
+    text = json.dumps(rows)
+    chunks = [text[i:i + _ROWS_CHUNK] for i in range(0, len(text), _ROWS_CHUNK)] or [""]
+    for i, c in enumerate(chunks):
+        study.set_user_attr(f"rows.{i}", c)
+    study.set_user_attr("rows.chunks", len(chunks))  # last: a study cut short mid-save reads as unsaved
+
+
+def _load_rows(study: Any) -> list[dict[str, Any]] | None:
+    attrs = study.user_attrs
+    n = attrs.get("rows.chunks")
+    if not isinstance(n, int) or any(f"rows.{i}" not in attrs for i in range(n)):
+        return None
+    return json.loads("".join(attrs[f"rows.{i}"] for i in range(n)))
 
 
 def _first_trials(profile: Profile, groups: Mapping[str, list[str]], option: HardwareOption,

@@ -176,6 +176,7 @@ def _run(args, timeout=150):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_same_command_same_seed_same_plan(tmp_path):
     outs = []
@@ -233,6 +234,7 @@ def _hooked_grads(rank, world_size, path):
     return out, sent
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_plain_ddp_recommendation_means_no_hook(tmp_path):
     from _dist import run_workers
@@ -257,6 +259,7 @@ def test_plain_ddp_recommendation_means_no_hook(tmp_path):
         assert sent == pytest.approx(2 * 2 * (2 - 1) / 2 * 4 * n, rel=0.01)  # fp32 ring bytes, 2 steps
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_budget_caps_the_run_and_the_report_says_what_it_left_out(tmp_path):
     out = tmp_path / "b"

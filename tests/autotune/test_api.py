@@ -17,6 +17,7 @@ from fastml_strategy.autotune.search import group_layers
 from tiny_workload import workload
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_autotune_api_with_a_workload_object(tmp_path):
     wl = workload()  # (the test's workload seeds torch itself)
@@ -75,6 +76,7 @@ def _check_figures_do_not_overlap(res):
             assert not ax.texts, "labels beside points"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_hopeless_calibration_trials_are_pruned(tmp_path):
     wl = workload()

@@ -1,12 +1,14 @@
 """Calibration curves, layer grouping and the search's guarantees, on synthetic inputs."""
 
+import math
+
 import numpy as np
 import pytest
 
 from fastml_strategy.autotune.calibrate import calibration_candidates, lag_ratio, smooth, steps_ratio
 from fastml_strategy.autotune.costmodel import CANDIDATES, Convergence, evaluate, plan_error
-from fastml_strategy.autotune.search import (TIE_TOLERANCE, best_row, expand, group_layers, lagrangian_plans,
-                                             run_search)
+from fastml_strategy.autotune.search import (TIE_TOLERANCE, _load_rows, best_row, expand, group_layers,
+                                             lagrangian_plans, run_search)
 
 from test_costmodel import make_profile, option
 
@@ -85,9 +87,29 @@ def test_search_never_predicts_worse_than_the_best_uniform_plan(tmp_path):
     url = f"sqlite:///{tmp_path}/s.db"
     rows1 = run_search(prof, groups, opt, conv, 1000, storage=url, study_name="t", trials=15, seed=0)
     study = optuna.load_study(study_name="t", storage=url)
-    assert len(study.trials) == 15
+    assert len(_load_rows(study)) == len(rows1) == 15  # one JSON document, not trial by trial
     rows2 = run_search(prof, groups, opt, conv, 1000, storage=url, study_name="t", trials=15, seed=1)
-    assert [r["choice"] for r in rows2] == [r["choice"] for r in rows1]
+    assert rows2 == rows1  # every figure read back as it was predicted
+    # read back, not searched: a shorter search would give fewer rows
+    assert run_search(prof, groups, opt, conv, 1000, storage=url, study_name="t", trials=10, seed=1) == rows1
+    assert len(run_search(prof, groups, opt, conv, 1000, storage=None, study_name="t", trials=10, seed=1)) == 10
+
+
+def test_saved_rows_are_cut_to_fit_a_text_column(tmp_path, monkeypatch):
+    import optuna
+
+    from fastml_strategy.autotune import search
+
+    monkeypatch.setattr(search, "_ROWS_CHUNK", 100)
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path}/s.db", study_name="t")
+    rows = [{"option": "x", "trial": i, "objective": i / 3, "choice": {"g": "int4"}, "inf": math.inf}
+            for i in range(20)]
+    search._save_rows(study, rows)
+    attrs = optuna.load_study(study_name="t", storage=f"sqlite:///{tmp_path}/s.db").user_attrs
+    assert attrs["rows.chunks"] > 10 and all(len(attrs[f"rows.{i}"]) <= 100 for i in range(attrs["rows.chunks"]))
+    assert _load_rows(study) == rows
+    study.set_user_attr("rows.chunks", attrs["rows.chunks"] + 1)  # a save cut short: nothing to read back
+    assert _load_rows(study) is None
 
 
 def test_lagrangian_plans_trace_time_against_error():

@@ -73,6 +73,7 @@ def _residual_of(plan, params, shard=1):
     return total
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_fsdp_run_writes_the_sharded_report(fsdp_run):
     out, r = fsdp_run
@@ -105,6 +106,7 @@ def test_fsdp_run_writes_the_sharded_report(fsdp_run):
     assert trials["choice"].str.contains("rbf16").any()  # bf16-residual options were searched
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_fsdp_what_if_grid_and_documents(fsdp_run):
     out, _ = fsdp_run
@@ -125,6 +127,7 @@ def test_fsdp_what_if_grid_and_documents(fsdp_run):
     assert "## Sharded training (FSDP)" in md and "## What if" in md and "whatif.csv" in md
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_hsdp_run_respects_the_residual_limit(hsdp_run):
     out, _ = hsdp_run

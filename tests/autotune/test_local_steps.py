@@ -228,6 +228,7 @@ def test_local_sgd_runs_a_tuned_plan_file(tmp_path):
 
 
 # -- the command ------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_command_compares_the_modes_and_says_the_winner_last(tmp_path, capsys):
     out = tmp_path / "on"

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from _fault_helpers import flat_params, loss_of, mlp
 from _dist import run_workers
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 # Seconds. The default group (rendezvous, start-up) gets a generous timeout, since ranks start
 # seconds apart on a loaded 2-core machine; FastML's collectives run on a group of their own with a

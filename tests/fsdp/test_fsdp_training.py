@@ -11,7 +11,7 @@ import torch
 from _fsdp_helpers import OddNet, full_params, max_diff, plan, shard
 from _dist import run_workers
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 
 def _digits(rank, world_size, recipes, steps):
