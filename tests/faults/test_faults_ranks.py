@@ -192,6 +192,10 @@ def test_final_decode_exception_on_one_rank_fails_every_rank_promptly():
 
 # -- non-finite gradients on one rank --------------------------------------------------------------------
 def _nonfinite(rank, world_size, plan):
+    if plan == "int4, poisoned layer none":  # the NaN in a plain all-reduce of a compressing step
+        from fastml_strategy import RECIPES, Plan
+
+        plan = Plan.from_recipe("int4").with_layers({"2.weight": RECIPES["none"]})
     model, ddp, state, opt = _setup(plan, check_replicas_every=1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
     target = "2.weight"  # 128 x 128: compressed
@@ -233,7 +237,7 @@ def _nonfinite(rank, world_size, plan):
     return out
 
 
-@pytest.mark.parametrize("plan", ["int4", "topk1"])
+@pytest.mark.parametrize("plan", ["int4", "topk1", "int4, poisoned layer none", "none"])
 def test_nonfinite_gradient_on_one_rank_reaches_all_and_spares_residuals(plan):
     for r, out in enumerate(run_workers(_nonfinite, 2, plan, timeout=90, pg_timeout=PG_TIMEOUT)):
         # Step 3: every rank (not only rank 1) receives NaN/inf in the poisoned layer's gradient...
@@ -241,6 +245,10 @@ def test_nonfinite_gradient_on_one_rank_reaches_all_and_spares_residuals(plan):
         assert not out["target_grad_finite_3"]
         # ...so GradScaler skips that step on every rank alike, and only that one.
         assert out["skipped"] == [False] * 3 + [True] + [False] * 4, (r, out["skipped"])
+        if plan == "none":  # DDP's all-reduce: no residual, nothing checked or counted (as DDP's hook)
+            assert out["residuals_changed"] == [False] * 8 and out["nonfinite_steps"] == 0, (r, out)
+            assert out["identical"] and out["finite_params"]
+            continue
         # Error feedback: no residual of any bucket moves on the skipped step; they stay finite and
         # non-trivial; every other step does update them.
         assert out["residuals_changed"] == [True] * 3 + [False] + [True] * 4, (r, out)
