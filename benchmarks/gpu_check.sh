@@ -5,7 +5,8 @@
 #   OUT=/path/to/results bash benchmarks/gpu_check.sh        # from the repository root
 #
 # Steps (outputs under $OUT):
-#   env.txt                  GPU, driver, torch/triton versions
+#   env.txt                  GPU, driver, torch/CUDA/NCCL/triton versions, the git commit, the
+#                            host's CPU and load (every figure of this run cites it)
 #   bench_cuda.txt / .csv    codec throughput on CUDA, 1 GB fp32, bits 1-8, Triton and the torch
 #                            reference, beside copy/clone; int4 launch-shape sweep; full-size
 #                            bit-exactness of Triton against the reference (--verify)
@@ -32,11 +33,15 @@ T0=$(date +%s)
 
 {
   date -u +"%Y-%m-%dT%H:%M:%SZ"
+  # FASTML_COMMIT: for a copy of the tree without .git (say it in the command that starts this script)
+  echo "commit ${FASTML_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}$(git diff --quiet 2>/dev/null || echo ' (uncommitted changes or no git)')"
+  echo "host $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores; $(uptime)"
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv 2>&1
   "$PY" - <<'EOF'
 import torch, triton, platform
+nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "none"
 print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
-      "triton", triton.__version__)
+      "nccl", nccl, "triton", triton.__version__)
 print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NO CUDA")
 EOF
 } > "$OUT/env.txt" 2>&1
@@ -62,6 +67,7 @@ timeout 120 "$PY" tests/integrations/jobs/sync_free_job.py "$OUT" > "$OUT/sync_f
 SYNC_RC=$?
 
 {
+  grep -E "^(commit|host|python|device) " "$OUT/env.txt"
   echo "sync-free steps exit $SYNC_RC (124 = timed out)"
   grep -E "^(int4|topk1|mixed) " "$OUT/sync_free.txt" | cut -c1-300
   echo "e2e exit $E2E_RC"
