@@ -1011,10 +1011,23 @@ class CompressedAllReduce:
         if W > 1:
             buf.div_(W)
             dist.all_reduce(buf, group=self.group)
+        self.count_plain(lay.total_numel, buf, baseline_elem_size)
+        checks.plain.append(buf)
+
+    def count_plain(self, numel: int, buf: torch.Tensor, baseline_elem_size: int = 4) -> None:
+        """Add a plain (ring) all-reduce of ``buf`` to the statistics, against ``numel`` elements of
+        ``baseline_elem_size`` bytes."""
+        W = self.world_size
         nbytes = buf.numel() * buf.element_size()
         self.bytes_sent += int(round(2.0 * (W - 1) / W * nbytes))
-        self.bytes_uncompressed += 2.0 * (W - 1) / W * baseline_elem_size * lay.total_numel
-        checks.plain.append(buf)
+        self.bytes_uncompressed += 2.0 * (W - 1) / W * baseline_elem_size * numel
+
+    def count_sparse(self, buf: torch.Tensor) -> None:
+        """Add gloo's sparse all-reduce of ``buf`` (it all-gathers every rank's indices and values) to
+        the statistics."""
+        nbytes = buf._values().numel() * buf.element_size() + buf._indices().numel() * 8
+        self.bytes_sent += (self.world_size - 1) * nbytes
+        self.bytes_uncompressed += (self.world_size - 1) * nbytes
 
     @torch.no_grad()
     def sparse_all_reduce(self, buf: torch.Tensor, checks: StepChecks | None = None) -> bool | None:
@@ -1023,13 +1036,10 @@ class CompressedAllReduce:
         whatever the plan says. Returns whether the result is finite (with ``checks``: adds that to
         them and returns None)."""
         W = self.world_size
-        nbytes = buf._values().numel() * buf.element_size() + buf._indices().numel() * 8
+        self.count_sparse(buf)
         if W > 1:
             dist.all_reduce(buf, group=self.group)
             buf.div_(W)
-        # gloo's sparse all-reduce all-gathers every rank's indices and values
-        self.bytes_sent += (W - 1) * nbytes
-        self.bytes_uncompressed += (W - 1) * nbytes
         ok = _finite_t(buf._values())
         if checks is None:
             return bool(_host(ok))

@@ -134,7 +134,7 @@ class _CommRunner:
                     self._work(job)
                     job.future.set_result(job.buffer)
             except BaseException as e:  # noqa: BLE001 - raised in backward by the hook
-                err = self._explain(e, job)
+                err = self._explain(e, job.index)
                 if self.failure is None:
                     self.failure = err
                 job.future.set_exception(err)
@@ -227,6 +227,12 @@ class FastMLState:
         self._engine = CompressedAllReduce(plan, process_group, rank, world_size)
         self._commit = StepCommit(self._engine)
         self._runner: Optional[_CommRunner] = _CommRunner(rank, self._process, self._explain)
+        # A plan that compresses no parameter (every layer `none`) is DDP's own all-reduce: the hook
+        # issues it itself, as torch's allreduce_hook does (no thread hand-off, no step checks), and
+        # the communication thread stays idle. Every parameter counts, frozen ones too: one unfrozen
+        # later must not bring a compressed bucket to this path.
+        self._direct = all(not plan.for_parameter(names.get(id(p), ""), p.numel()).lossy for p in params)
+        self._pending: list = []  # (bucket index, future) of this step's direct all-reduces
         self._saved: Optional[dict] = None  # an unpickled (detached) state: its state_dict()
         # -- statistics -----------------------------------------------------------------------------
         self.step = 0  # completed steps (counted at the last bucket; no_sync micro-batches call no hook)
@@ -262,11 +268,11 @@ class FastMLState:
         self._runner.submit(job)
 
     # -- the work of one bucket (on the runner's thread) ----------------------------------------------
-    def _explain(self, e: BaseException, job: _Job) -> BaseException:
+    def _explain(self, e: BaseException, index: int) -> BaseException:
         if isinstance(e, (CompressionError, ReplicaDriftError, ValueError)):
             return e
         err = CompressionError(
-            f"FastML: the compressed all-reduce of bucket {job.index} at step {self.step} failed on "
+            f"FastML: the compressed all-reduce of bucket {index} at step {self.step} failed on "
             f"rank {self.rank} ({type(e).__name__}: {e}). If another rank died or timed out, its log "
             f"has the cause; restart from the last checkpoint (torchrun --max-restarts does this)."
         )
@@ -276,18 +282,58 @@ class FastMLState:
     def _process(self, job: _Job) -> None:
         every = self.layer_stats_every
         self._commit.run_bucket(job, self.step, layer_stats=every > 0 and self.step % every == 0)
-        self._step_buckets += 1
-        self._step_numel += job.buffer.numel() if not job.sparse else 0
+        self._count_bucket(job.buffer, job.sparse)
         if job.is_last:
-            if self.step == 1:
-                self._advise_buckets(self._step_buckets, self._step_numel, job.buffer.element_size())
-            self._step_buckets = self._step_numel = 0
             # the step's one host read; an error of any rank in any bucket raises here, on every rank
             self._commit.end_step(job.buffer.device)
-            self.step += 1
-            n = self.check_replicas_every
-            if n and self.step % n == 0:
-                self._check_replicas()
+            self._end_step(job.buffer)
+
+    def _count_bucket(self, buf: torch.Tensor, sparse: bool) -> None:
+        self._step_buckets += 1
+        self._step_numel += buf.numel() if not sparse else 0
+
+    def _end_step(self, buf: torch.Tensor) -> None:
+        if self.step == 1:
+            self._advise_buckets(self._step_buckets, self._step_numel, buf.element_size())
+        self._step_buckets = self._step_numel = 0
+        self.step += 1
+        n = self.check_replicas_every
+        if n and self.step % n == 0:
+            self._check_replicas()
+
+    def _direct_all_reduce(self, job: _Job) -> torch.futures.Future:
+        """The bucket of a plan with nothing to compress: what torch's ``allreduce_hook`` does (divide,
+        then one asynchronous all-reduce, issued here in the autograd thread in bucket order), so a
+        ``none`` plan costs what DDP's own all-reduce costs. At the step's last bucket the hook waits
+        for the step's all-reduces (DDP waits for them right after anyway) so that a failure raises
+        :class:`CompressionError` on this rank, with the advice, rather than DDP's cast error."""
+        buf, W = job.buffer, self.world_size
+        if not job.sparse:  # the layout only names the bucket's layers for stats(); it holds no buffer
+            lay = self._engine.layout_for(job.names, job.offsets, job.numels, buf.device, buf.dtype)
+            self._engine.count_plain(lay.total_numel, buf)
+        else:
+            self._engine.count_sparse(buf)
+        self._count_bucket(buf, job.sparse)
+        if W > 1:
+            buf.div_(W)
+            fut = dist.all_reduce(buf, group=self.process_group, async_op=True).get_future()
+            fut = fut.then(lambda f: f.value()[0])
+        else:
+            fut = torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)
+            fut.set_result(buf)
+        self._pending.append((job.index, fut))
+        if job.is_last:
+            pending, self._pending = self._pending, []
+            for index, f in pending:
+                try:
+                    f.wait()
+                except Exception as e:  # noqa: BLE001 - the peer died, the group timed out
+                    err = self._explain(e, index)
+                    if self._runner is not None and self._runner.failure is None:
+                        self._runner.failure = err
+                    raise err from e
+            self._end_step(buf)
+        return fut
 
     def _advise_buckets(self, buckets: int, numel: int, elem_size: int) -> None:
         nbytes = numel * elem_size
@@ -419,6 +465,7 @@ class FastMLState:
         self._names, self._params, self._param_names = {}, [], d["param_names"]
         self._engine, self._runner = None, None
         self._commit = StepCommit(None)
+        self._direct, self._pending = False, []
         self._saved = d["state_dict"]
         self.step = int(self._saved["step"])
         self.nonfinite_steps = d["nonfinite_steps"]
@@ -541,6 +588,8 @@ def _fastml_hook(state, bucket):
         future=torch.futures.Future(devices=[buf.device] if buf.is_cuda else None),
         sparse=buf.is_sparse,
     )
+    if state._direct:
+        return state._direct_all_reduce(job)
     if buf.is_cuda:
         job.event = torch.cuda.Event()
         job.event.record(torch.cuda.current_stream(buf.device))

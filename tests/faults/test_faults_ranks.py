@@ -49,10 +49,10 @@ def _error_report(e: BaseException, t0: float) -> dict:
 
 
 # -- a rank dies or stalls at step 3 -------------------------------------------------------------------
-def _rank_fault(rank, world_size, how, victim):
+def _rank_fault(rank, world_size, how, victim, plan="int4"):
     import fastml_strategy.codecs as codecs
 
-    model, ddp, state, opt = _setup("int4")
+    model, ddp, state, opt = _setup(plan)
     t0 = time.monotonic()
     for step in range(6):
         if step == 3:
@@ -78,10 +78,13 @@ def _rank_fault(rank, world_size, how, victim):
     return {"step": None}
 
 
-@pytest.mark.parametrize("world_size,how", [(2, "exit"), (3, "sigkill_in_encoder"), (2, "stall")])
-def test_dead_or_stalled_rank_fails_every_other_rank_fast(world_size, how):
+@pytest.mark.parametrize("world_size,how,plan", [
+    (2, "exit", "int4"), (3, "sigkill_in_encoder", "int4"), (2, "stall", "int4"),
+    # a `none` plan's all-reduce is issued by the hook itself (no communication thread): same promise
+    (2, "exit", "none"), (2, "stall", "none")])
+def test_dead_or_stalled_rank_fails_every_other_rank_fast(world_size, how, plan):
     victim = world_size - 1
-    results = run_workers(_rank_fault, world_size, how, victim, timeout=90, pg_timeout=PG_TIMEOUT,
+    results = run_workers(_rank_fault, world_size, how, victim, plan, timeout=90, pg_timeout=PG_TIMEOUT,
                           allow_deaths=True)
     if how == "stall":
         assert results[victim][0] == "ok"  # it wakes up to a broken group and fails too
@@ -271,7 +274,7 @@ def _drift(rank, world_size, perturb):
         state = fm.register_hook(ddp, plan="int4", check_replicas_every=2)
         opt = torch.optim.SGD([p for p in ddp.parameters() if p.requires_grad], lr=0.05)
     elif perturb:
-        model, ddp, state, opt = _setup("int4", check_replicas_every=2)
+        model, ddp, state, opt = _setup("none" if perturb == "none" else "int4", check_replicas_every=2)
     else:  # the hook's own group, which must inherit init_process_group's timeout
         model = mlp()
         ddp = DDP(model, bucket_cap_mb=0.02)
@@ -291,7 +294,7 @@ def _drift(rank, world_size, perturb):
     return {"step": None, "steps": state.stats()["steps"], "timeout_s": timeout.total_seconds()}
 
 
-@pytest.mark.parametrize("perturb", [True, "frozen"])
+@pytest.mark.parametrize("perturb", [True, "frozen", "none"])
 def test_replica_drift_is_detected_on_every_rank(perturb):
     res = run_workers(_drift, 2, perturb, timeout=60, pg_timeout=PG_TIMEOUT)
     # Perturbed before step 3's forward; the check runs after steps 2, 4, 6 (at the end of the
