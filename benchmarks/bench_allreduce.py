@@ -31,11 +31,17 @@ once per step); torch's fp16 and PowerSGD hooks: the tensors they pass to ``torc
 counted by a wrapper during the timed steps (``_bench.CollectiveBytes``); FastML: ``state.stats()``
 (the fp32 ring all-reduce's bytes over the bytes FastML sent). ``ratio_source`` names which.
 
-Every row carries its physical bound, max(compute, wire bytes / link rate): "compute" is the same
+Every row carries two bounds. The physical bound, max(compute, wire bytes / link rate): "compute" is the same
 training step without any communication (forward, backward, SGD step, zero_grad; both ranks at once,
 measured in the same process just before), "wire bytes" what the namespace's loopback counted per
 step (/proc/net/dev: both ranks' traffic, TCP/IP headers included). No step can beat it; "/ bound"
-says how far a method is from it. The machine's load average is printed and written with each row:
+says how far a method is from it. It assumes the link busy from the step's first microsecond, which
+no data-parallel step can do: a gradient exists only once backward has computed it, and on this MLP 83%
+of the bytes (the 4096x4096 layer and the first) come in the last third of backward. The schedule
+bound adds that dependency (``_schedule_bound``): the latest t of [t + the wire time of the bytes of
+the gradients ready at or after t] plus SGD's step and zero_grad, with each gradient's ready time
+measured in the same compute-only steps; "/ schedule bound" says how far a method is from the best
+any overlap of communication with backward could do. The machine's load average is printed and written with each row:
 on a shared machine compare rows of one run, not figures of different runs.
 """
 
@@ -83,7 +89,25 @@ def _rate_bits(link: str) -> float | None:
 
 
 # -- one method, 2 ranks (runs inside the namespace) ---------------------------------------------------
-def _worker(rank: int, world: int, method: str, steps: int, warmup: int, port: int, out: str) -> None:
+def _schedule_bound(grads_ready: list, wire_ms: float, post_ms: float) -> float:
+    """A lower bound on the step that respects the training loop's dependencies, which
+    max(compute, wire) does not: a gradient can go on the wire only once backward has computed it,
+    and SGD's step (then zero_grad) starts only once the last byte has arrived. ``grads_ready``:
+    (ms after the step's start, elements) of every parameter, measured without communication;
+    ``wire_ms``: the whole step's bytes over the link rate, of which the parameters ready at or after
+    t carry their share by elements (exact for the benchmark's plans, whose layers all share one codec;
+    small tensors travelling uncompressed make it a little low). Then no schedule can finish before
+    max over t of [t + wire_ms x (share of elements ready at or after t)] + post_ms."""
+    total = sum(n for _, n in grads_ready)
+    worst = 0.0
+    for t, _ in grads_ready:
+        later = sum(n for u, n in grads_ready if u >= t)
+        worst = max(worst, t + wire_ms * later / total)
+    return worst + post_ms
+
+
+def _worker(rank: int, world: int, method: str, steps: int, warmup: int, port: int, out: str,
+            bucket_view: bool = False) -> None:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -98,27 +122,41 @@ def _worker(rank: int, world: int, method: str, steps: int, warmup: int, port: i
     x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(rank))
     # The compute of one step (forward, backward, SGD step, zero_grad) without any communication, both
     # ranks at once as in the measured steps: the lower bound of a step when the link is fast.
+    # Also when each gradient is ready (post-accumulate-grad hooks) and how long SGD's step and
+    # zero_grad take after backward: the schedule bound (see main()).
     plain = torch.optim.SGD(model.parameters(), lr=0.0)
-    compute = []
+    compute, ready, post = [], {n: [] for n, _ in model.named_parameters()}, []
+    clock = {"t0": 0.0}
+
+    def mark(name):
+        return lambda p: ready[name].append((time.perf_counter() - clock["t0"]) * 1000)
+
+    marks = [p.register_post_accumulate_grad_hook(mark(n)) for n, p in model.named_parameters()]
     for i in range(warmup + steps):
         dist.barrier()
-        t0 = time.perf_counter()
+        clock["t0"] = t0 = time.perf_counter()
         model(x).square().mean().backward()
+        t1 = time.perf_counter()
         plain.step()
         plain.zero_grad(set_to_none=False)
         compute.append(time.perf_counter() - t0)
+        post.append((time.perf_counter() - t1) * 1000)
+    for m in marks:
+        m.remove()
     plain.zero_grad(set_to_none=True)
     del plain
+    grads_ready = [(statistics.median(ready[n][warmup:]), p.numel()) for n, p in model.named_parameters()]
     method = method.removesuffix(BEFORE)  # the other checkout is on sys.path (PYTHONPATH): same method
     state = None
     if method == "torch-powersgd-r4":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
 
-        ddp = DDP(model, bucket_cap_mb=1024)  # one bucket: PowerSGD aborts on gloo with more
+        # one bucket: PowerSGD aborts on gloo with more
+        ddp = DDP(model, bucket_cap_mb=1024, gradient_as_bucket_view=bucket_view)
         ps_state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2)
         ddp.register_comm_hook(ps_state, ps.powerSGD_hook)
     else:
-        ddp = DDP(model)
+        ddp = DDP(model, gradient_as_bucket_view=bucket_view)
         if method == "torch-fp16":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -152,7 +190,8 @@ def _worker(rank: int, world: int, method: str, steps: int, warmup: int, port: i
     # the barriers' few bytes are counted too
     wire = (_lo_tx_bytes() - tx0) / steps
     res = {"method": method, "ms": [t * 1000 for t in times[warmup:]], "params": nparams,
-           "compute_ms": [t * 1000 for t in compute[warmup:]], "wire_bytes": wire}
+           "compute_ms": [t * 1000 for t in compute[warmup:]], "wire_bytes": wire,
+           "grads_ready": grads_ready, "post_ms": statistics.median(post[warmup:])}
     grad = _bench.grad_bytes(model)
     handed = None
     if state is not None:
@@ -176,13 +215,13 @@ def _worker(rank: int, world: int, method: str, steps: int, warmup: int, port: i
     dist.destroy_process_group()
 
 
-def _run_method(method: str, steps: int, warmup: int, out: str) -> None:
+def _run_method(method: str, steps: int, warmup: int, out: str, bucket_view: bool = False) -> None:
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(2, method, steps, warmup, port, out), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, method, steps, warmup, port, out, bucket_view), nprocs=2, join=True)
 
 
 # -- the driver ------------------------------------------------------------------------------------------------
@@ -243,17 +282,21 @@ def main() -> None:
     ap.add_argument("--csv", default=None,
                     help="default benchmarks/results/bench_allreduce_cpu.csv for the full run as root (every "
                          "method, both default links, one round), benchmarks/out/bench_allreduce.csv otherwise")
+    ap.add_argument("--bucket-view", action="store_true",
+                    help="DDP(..., gradient_as_bucket_view=True) for every method (DDP's own rows too): the "
+                         "gradients are views into DDP's buckets, which saves a copy of every gradient into "
+                         "its bucket during backward and one back after the all-reduce")
     ap.add_argument("--_run", help=argparse.SUPPRESS)
     ap.add_argument("--_out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._run:
-        _run_method(args._run, args.steps, args.warmup, args._out)
+        _run_method(args._run, args.steps, args.warmup, args._out, args.bucket_view)
         return
 
     root = os.geteuid() == 0
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     full = (root and args.methods == METHODS and args.links == ["1gbit", "none"] and args.rounds == 1
-            and args.steps == 8 and args.warmup == 3)
+            and args.steps == 8 and args.warmup == 3 and not args.bucket_view)
     args.csv = args.csv or _bench.default_csv("bench_allreduce_cpu.csv" if full else "bench_allreduce.csv", full)
     env0 = _bench.environment()
     print(f"bench_allreduce: {_bench.machine_line(env=env0)}; {_bench.load_line()}", flush=True)
@@ -272,7 +315,8 @@ def main() -> None:
                 with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
                     out = f.name
                 cmd = [sys.executable, os.path.abspath(__file__), "--_run", method, "--_out", out,
-                       "--steps", str(args.steps), "--warmup", str(args.warmup)]
+                       "--steps", str(args.steps), "--warmup", str(args.warmup)] + \
+                    (["--bucket-view"] if args.bucket_view else [])
                 if ns:
                     cmd = ["ip", "netns", "exec", ns] + cmd
                 if method.endswith(BEFORE) and not args.before:
@@ -290,16 +334,21 @@ def main() -> None:
                 rate = _rate_bits(link)
                 wire_ms = res["wire_bytes"] * 8 / rate * 1000 if (rate and ns) else float("nan")
                 bound = max(compute, wire_ms) if rate and ns else compute
+                sched = max(compute, _schedule_bound(res["grads_ready"], wire_ms, res["post_ms"])) \
+                    if rate and ns else compute
                 rows.append({"link": link, "method": method, "ms_per_step": med,
                              "ms_min": min(res["ms"]), "ms_max": max(res["ms"]),
                              "compute_ms": compute, "wire_mb_per_step": res["wire_bytes"] / 1e6 if ns else float("nan"),
                              "wire_ms": wire_ms, "bound_ms": bound, "x_bound": med / bound,
+                             "sched_bound_ms": sched, "x_sched_bound": med / sched,
                              "compression_ratio": res["ratio"], "ratio_source": res["ratio_source"],
                              "collective_bytes_per_step": res.get("collective_bytes_per_step", float("nan")),
                              "params": res["params"], "load_avg_1m": os.getloadavg()[0],
+                             "gradient_as_bucket_view": args.bucket_view,
                              "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())})
                 print(f"{link:6s} {method:26s} {med:9.1f} ms/step  bound {bound:7.1f} ms "
                       f"(compute {compute:.1f}, wire {wire_ms:.1f})  x bound {med / bound:.2f}  "
+                      f"schedule bound {sched:7.1f} ms  x {med / sched:.2f}  "
                       f"(ratio {res['ratio']:.2f}, load {os.getloadavg()[0]:.1f})", flush=True)
         finally:
             if ns:
@@ -315,11 +364,14 @@ def main() -> None:
         ms_per_step=("ms_per_step", "median"), ms_min=("ms_min", "min"), ms_max=("ms_max", "max"),
         compute_ms=("compute_ms", "median"), wire_mb_per_step=("wire_mb_per_step", "median"),
         wire_ms=("wire_ms", "median"), bound_ms=("bound_ms", "median"),
+        sched_bound_ms=("sched_bound_ms", "median"),
         compression_ratio=("compression_ratio", "first"), ratio_source=("ratio_source", "first"),
         collective_bytes_per_step=("collective_bytes_per_step", "first"), params=("params", "first"),
+        gradient_as_bucket_view=("gradient_as_bucket_view", "first"),
         load_avg_1m=("load_avg_1m", "median"), rounds=("ms_per_step", "size"),
         date_utc=("date_utc", "first")).reset_index()
     df["x_bound"] = df.ms_per_step / df.bound_ms
+    df["x_sched_bound"] = df.ms_per_step / df.sched_bound_ms
     # the machine and software of the run; load_avg_1m above is each row's own (median over its rounds)
     _bench.write_csv(args.csv, df.to_dict("records"), env0)
     table = df.pivot(index="method", columns="link", values="ms_per_step").reindex(args.methods)
@@ -327,6 +379,9 @@ def main() -> None:
     for link in links:
         table[f"bound ({link})"] = df[df.link == link].set_index("method")["bound_ms"]
         table[f"/ bound ({link})"] = table[link] / table[f"bound ({link})"]
+        if link != "none":
+            table[f"schedule bound ({link})"] = df[df.link == link].set_index("method")["sched_bound_ms"]
+            table[f"/ schedule bound ({link})"] = table[link] / table[f"schedule bound ({link})"]
     for link in links:
         base = table.loc["ddp-fp32", link] if "ddp-fp32" in table.index else float("nan")
         table[f"x vs fp32 ({link})"] = base / table[link]
@@ -339,7 +394,9 @@ def main() -> None:
     print(f"\n{_bench.machine_line(env=env0)}; {_bench.load_line()} at the end")
     print(f"2 ranks x 1 thread, gloo, MLP of {rows[0]['params'] / 1e6:.1f}M parameters, batch 8, "
           f"median of {args.steps} steps (ms/step); floor = ddp-fp32 with no rate limit; bound = "
-          f"max(compute, wire bytes / link rate), compute = the same step without communication")
+          f"max(compute, wire bytes / link rate), compute = the same step without communication; "
+          f"schedule bound = the latest gradient-ready time plus the wire time of the bytes not yet "
+          f"computed then, plus SGD's step and zero_grad (see _schedule_bound)")
     print(table.to_markdown(floatfmt=".2f"))
     print(f"\nCSV: {args.csv}")
 

@@ -363,3 +363,37 @@ def test_register_close_cycles_leak_no_thread_or_group():
     re-fit and the autotuner's measurements register again and again)."""
     for before, after in run_workers(_cycles, 2, timeout=120):
         assert after == before, (before, after)
+
+
+def _bucket_view_advice(rank, world_size):
+    import logging
+
+    import fastml_strategy as fm
+
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    logger = logging.getLogger("fastml_strategy.hook")
+    handler, level = Keep(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    out = {}
+    try:
+        for view in (False, True):
+            seen.clear()
+            ddp = DDP(_mlp(64), gradient_as_bucket_view=view)
+            fm.register_hook(ddp, plan="int4")
+            out[view] = sum("gradient_as_bucket_view=True" in m for m in seen)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return out
+
+
+def test_register_hook_advises_gradient_as_bucket_view_once_on_rank_0():
+    res = run_workers(_bucket_view_advice, 2)
+    assert res[0] == {False: 1, True: 0}, res
+    assert res[1] == {False: 0, True: 0}, res
