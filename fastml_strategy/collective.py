@@ -940,21 +940,49 @@ class CompressedAllReduce:
         own = checks is None
         if own:
             checks = StepChecks()
-        if lay.uncompressed:
-            self._plain_all_reduce(lay, buf, baseline_elem_size, checks)
-        else:
-            transient = lay.acquire()
-            try:
-                self._run(lay, buf, step, layer_stats, checks, baseline_elem_size)
-            finally:
-                if transient:
-                    lay.release()
+        tail = self.start(lay, buf, step, layer_stats, checks, baseline_elem_size)
+        if tail is not None:
+            tail()
         if not own:
             return None
         finite = self.finish(checks)
         if finite and commit:
             self.commit(lay)
         return finite
+
+    @torch.no_grad()
+    def start(self, lay: BucketLayout, buf: torch.Tensor, step: int, layer_stats: bool,
+              checks: StepChecks, baseline_elem_size: int = 4, before=None):
+        """:meth:`run` with ``checks``, less the bucket's tail: returns None when ``buf`` holds the
+        result, else a callable that completes it (waits for the last piece's all_gather and decodes
+        it into ``buf``; it issues no collective). The DDP hook runs the tail after the *next* bucket's
+        first all_to_all is on the wire, so that the wire does not idle between buckets while one is
+        decoded and the next encoded (pipelining across buckets). ``before``: called once this
+        bucket's first message is on the wire (at once for a bucket that sends nothing compressed);
+        the hook passes the previous bucket's tail. Neither moves a collective: every rank issues
+        the same collectives in the same order whenever the tails run."""
+        if lay.uncompressed:
+            if before is not None:
+                before()
+            self._plain_all_reduce(lay, buf, baseline_elem_size, checks)
+            return None
+        transient = lay.acquire()
+        try:
+            tail = self._run(lay, buf, step, layer_stats, checks, baseline_elem_size, before)
+        except BaseException:
+            if transient:
+                lay.release()
+            raise
+
+        @torch.no_grad()
+        def complete() -> None:
+            try:
+                tail()
+            finally:
+                if transient:
+                    lay.release()
+
+        return complete
 
     @torch.no_grad()
     def finish(self, checks: StepChecks, device: torch.device | None = None, exchange: bool = False,
@@ -1054,7 +1082,7 @@ class CompressedAllReduce:
         self.finish(checks, device, exchange=True, stage=stage)
 
     def _run(self, lay: BucketLayout, buf: torch.Tensor, step: int, layer_stats: bool,
-             checks: StepChecks, baseline_elem_size: int) -> None:
+             checks: StepChecks, baseline_elem_size: int, before=None):
         """The pipeline over ``lay.pieces`` (P of them). Every rank issues the same collectives in the
         same order, whatever fails where: a2a 0, a2a 1, ag 0, a2a 2, ag 1, ..., ag P-1, so that
 
@@ -1069,7 +1097,10 @@ class CompressedAllReduce:
         clamped, see :func:`fastml_strategy.codecs.decode_topk_add`). The headers each rank reads,
         in the same order on every rank, go to ``checks``, with the finiteness of the decoded
         chunks. Decoding into ``buf`` follows the last collective of its piece: an error there is
-        this rank's alone (``checks.decode_error``; the ranks exchange it at the end of the step)."""
+        this rank's alone (``checks.decode_error``; the ranks exchange it at the end of the step).
+
+        Returns the tail (:meth:`start`): the last piece's decode and the bucket's bookkeeping.
+        ``before`` runs once piece 0's all_to_all is issued."""
         W, r = self.world_size, self.rank
         base = _mix(self.plan.seed, step, r)
         pieces = lay.pieces
@@ -1134,19 +1165,24 @@ class CompressedAllReduce:
                     checks.decode_error = e
 
         encode(0)
+        if before is not None:
+            before()
         for k in range(P):
             if k + 1 < P:
                 encode(k + 1)
             reduce(k)
             if k > 0:
                 decode(k - 1)
-        decode(P - 1)
 
-        if finite:
-            checks.add_finite(torch.stack(finite).all())
-        for g, e2, n2 in stats.values():
-            self._record_error(g, e2, n2, layer_stats)
-        self.bytes_uncompressed += 2.0 * (W - 1) / W * baseline_elem_size * lay.total_numel
+        def tail() -> None:
+            decode(P - 1)
+            if finite:
+                checks.add_finite(torch.stack(finite).all())
+            for g, e2, n2 in stats.values():
+                self._record_error(g, e2, n2, layer_stats)
+            self.bytes_uncompressed += 2.0 * (W - 1) / W * baseline_elem_size * lay.total_numel
+
+        return tail
 
     # -- segment tables (Triton): one launch per stage and piece for the quantized layers -----------------
     def _tables(self, piece, buf: torch.Tensor, layer_stats: bool) -> dict | None:

@@ -42,6 +42,7 @@ Usage::
 # ``_fastml_hook`` carries none (the rest of the module may use them, as every other module does).
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -91,16 +92,30 @@ def _checksum(params) -> int:
     return total
 
 
+class _Held:
+    """A bucket whose tail (its last piece's decode) waits for the next bucket's first send."""
+
+    def __init__(self, job: _Job, tail) -> None:
+        self.job, self.tail, self.done = job, tail, False
+
+
 class _CommRunner:
     """The communication thread of one :class:`FastMLState`: buckets are queued in the order DDP hands
-    them over, and one thread runs ``work(job)`` for each (on a CUDA stream of its own for CUDA
+    them over, and one thread runs ``work(job, before)`` for each (on a CUDA stream of its own for CUDA
     buffers) and completes the job's future. The first error is sticky: the process group may be
     unusable, so no further collective is issued and every later job fails with that error (a restart
-    from a checkpoint is the fix)."""
+    from a checkpoint is the fix).
+
+    Pipelining across buckets: ``work`` may return the bucket's tail (the decode of its last piece,
+    which issues no collective) instead of running it. When the next bucket is already queued, the
+    tail is held and runs as that bucket's ``before``, once its first message is on the wire; the
+    bucket's future completes then. Otherwise it runs at once. The tails never move a collective, so
+    ranks that decide this differently (it depends on timing) still issue the same collectives in
+    the same order."""
 
     def __init__(self, rank: int, work, explain) -> None:
-        self._work = work  # job -> None: the compressed all-reduce of one bucket
-        self._explain = explain  # (exception, job) -> the exception the user sees
+        self._work = work  # (job, before) -> tail or None: the compressed all-reduce of one bucket
+        self._explain = explain  # (exception, bucket index) -> the exception the user sees
         self._queue: "queue.Queue[Optional[_Job]]" = queue.Queue()
         self._stream = None  # CUDA stream of the thread, made on the first CUDA bucket
         self.failure: Optional[BaseException] = None
@@ -118,33 +133,71 @@ class _CommRunner:
             self._queue.put(None)
             self._thread.join(timeout=timeout)
 
+    def _on_stream(self, job: _Job):
+        if not job.buffer.is_cuda:
+            return contextlib.nullcontext()
+        if self._stream is None:
+            # The current device is per thread: NCCL must see this rank's GPU here too.
+            torch.cuda.set_device(job.buffer.device)
+            self._stream = torch.cuda.Stream(device=job.buffer.device)
+        return torch.cuda.stream(self._stream)
+
+    def _fail(self, job: _Job, e: BaseException) -> BaseException:
+        err = self._explain(e, job.index)
+        if self.failure is None:
+            self.failure = err
+        job.future.set_exception(err)
+        job.done.set()
+        return err
+
+    def _complete(self, held: _Held, reraise: bool) -> None:
+        """Run a held bucket's tail and complete its future (once)."""
+        if held.done:
+            return
+        held.done = True
+        try:
+            with self._on_stream(held.job):
+                if held.tail is not None:
+                    held.tail()
+                held.job.future.set_result(held.job.buffer)
+            held.job.done.set()
+        except BaseException as e:  # noqa: BLE001 - raised in backward by the hook
+            err = self._fail(held.job, e)
+            if reraise:  # inside the next bucket: it fails too (the group may be unusable)
+                raise err from e
+
     def _loop(self) -> None:
+        held: Optional[_Held] = None
         while True:
+            if held is not None and self._queue.empty():
+                self._complete(held, reraise=False)  # nothing queued to overlap it with
+                held = None
             job = self._queue.get()
             if job is None:
+                if held is not None:
+                    self._complete(held, reraise=False)
                 return
+            prev, held = held, None
             try:
                 if self.failure is not None:
                     raise self.failure
-                if job.buffer.is_cuda:
-                    if self._stream is None:
-                        # The current device is per thread: NCCL must see this rank's GPU here too.
-                        torch.cuda.set_device(job.buffer.device)
-                        self._stream = torch.cuda.Stream(device=job.buffer.device)
-                    with torch.cuda.stream(self._stream):
+                with self._on_stream(job):
+                    if job.event is not None:
                         self._stream.wait_event(job.event)
-                        self._work(job)
+                    tail = self._work(job, (lambda: self._complete(prev, reraise=True)) if prev else None)
+                    if prev is not None:
+                        self._complete(prev, reraise=True)  # the job sent nothing (or was plain)
+                    if tail is not None and not job.is_last:
+                        held = _Held(job, tail)
+                    else:
+                        if tail is not None:
+                            tail()
                         job.future.set_result(job.buffer)
-                else:
-                    self._work(job)
-                    job.future.set_result(job.buffer)
+                        job.done.set()
             except BaseException as e:  # noqa: BLE001 - raised in backward by the hook
-                err = self._explain(e, job.index)
-                if self.failure is None:
-                    self.failure = err
-                job.future.set_exception(err)
-            finally:
-                job.done.set()
+                if prev is not None:
+                    self._complete(prev, reraise=False)
+                self._fail(job, e)
 
 
 class StepCommit:
@@ -176,15 +229,19 @@ class StepCommit:
         # DDP's one collective per bucket and no more
         self.decodes = False
 
-    def run_bucket(self, job: "_Job", step: int, layer_stats: bool) -> None:
+    def run_bucket(self, job: "_Job", step: int, layer_stats: bool, before=None):
+        """Start the bucket's all-reduce; returns its tail (:meth:`CompressedAllReduce.start`) or
+        None. ``before`` runs once the bucket's first message is on the wire."""
         eng = self.engine
         if job.sparse:
+            if before is not None:
+                before()
             eng.sparse_all_reduce(job.buffer, checks=self.checks)
-            return
+            return None
         lay = eng.layout_for(job.names, job.offsets, job.numels, job.buffer.device, job.buffer.dtype)
         self.decodes = self.decodes or not lay.uncompressed
-        eng.run(lay, job.buffer, step, layer_stats=layer_stats, commit=False, checks=self.checks)
         self.layouts.append(lay)
+        return eng.start(lay, job.buffer, step, layer_stats, self.checks, before=before)
 
     def end_step(self, device: torch.device) -> bool:
         """Resolve the step (raises its error on every rank alike), commit or skip; returns whether
@@ -284,14 +341,19 @@ class FastMLState:
         err.__cause__ = e
         return err
 
-    def _process(self, job: _Job) -> None:
+    def _process(self, job: _Job, before=None):
         every = self.layer_stats_every
-        self._commit.run_bucket(job, self.step, layer_stats=every > 0 and self.step % every == 0)
+        tail = self._commit.run_bucket(job, self.step, layer_stats=every > 0 and self.step % every == 0,
+                                       before=before)
         self._count_bucket(job.buffer, job.sparse)
-        if job.is_last:
-            # the step's one host read; an error of any rank in any bucket raises here, on every rank
-            self._commit.end_step(job.buffer.device)
-            self._end_step(job.buffer)
+        if not job.is_last:
+            return tail  # the runner runs it once the next bucket is on the wire
+        if tail is not None:
+            tail()
+        # the step's one host read; an error of any rank in any bucket raises here, on every rank
+        self._commit.end_step(job.buffer.device)
+        self._end_step(job.buffer)
+        return None
 
     def _count_bucket(self, buf: torch.Tensor, sparse: bool) -> None:
         self._step_buckets += 1

@@ -315,14 +315,14 @@ def _overlap(rank, world_size):
     first_layer_done = threading.Event()
     model[0].weight.register_hook(lambda g: first_layer_done.set())
     waited = []
-    run = state._engine.run
+    start = state._engine.start
 
-    def held_run(lay, buf, step, *a, **k):
+    def held_start(lay, buf, step, *a, **k):
         if step == 1 and not waited:  # the first bucket of the second step (after DDP's rebuild)
             waited.append(first_layer_done.wait(timeout=20))
-        return run(lay, buf, step, *a, **k)
+        return start(lay, buf, step, *a, **k)
 
-    state._engine.run = held_run
+    state._engine.start = held_start
     for _ in range(2):
         first_layer_done.clear()
         ddp(torch.randn(8, 256)).square().mean().backward()
@@ -333,6 +333,72 @@ def test_communication_overlaps_backward():
     for overlapped, buckets in run_workers(_overlap, 2, timeout=120):
         assert buckets >= 3
         assert overlapped, "bucket 0's all-reduce could not run while backward went on"
+
+
+def _across_buckets(rank, world_size, defer):
+    # Pipelining across buckets: with the next bucket already queued, a bucket's tail (its last
+    # piece's decode) runs only once the next bucket's first message is on the wire (its `before`).
+    # Backward is over before bucket 0 starts (held as in _overlap), so every bucket is queued.
+    import fastml_strategy as fm
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
+                                torch.nn.ReLU(), torch.nn.Linear(1024, 10))
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    state = fm.register_hook(ddp, plan="int4")
+    if not defer:  # the runner then never sees a next bucket queued: every tail runs at once
+        state._runner._queue.empty = lambda: True
+    backward_done = threading.Event()
+    model[0].weight.register_hook(lambda g: backward_done.set())
+    log, start = [], state._engine.start
+
+    def logged_start(lay, buf, step, layer_stats, checks, baseline_elem_size=4, before=None):
+        n = len([e for e in log if e[0] == "start"])
+        if step == 1 and n == 0:
+            backward_done.wait(timeout=20)
+        log.append(("start", n))
+
+        def logged_before():
+            log.append(("before", n))
+            if before is not None:
+                before()
+
+        tail = start(lay, buf, step, layer_stats, checks, baseline_elem_size, before=logged_before)
+
+        def logged_tail():
+            log.append(("tail", n))
+            tail()
+
+        return logged_tail if tail is not None else None
+
+    grads = []
+    for step in range(2):
+        if step == 1:
+            state._engine.start = logged_start
+        backward_done.clear()
+        torch.manual_seed(rank + 10 * step)
+        ddp(torch.randn(8, 256)).square().mean().backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    return log, torch.cat(grads)
+
+
+def test_a_bucket_is_decoded_while_the_next_one_is_on_the_wire():
+    deferred = run_workers(_across_buckets, 2, True, timeout=120)
+    at_once = run_workers(_across_buckets, 2, False, timeout=120)
+    for (log, grads), (log0, grads0) in zip(deferred, at_once):
+        n = len([e for e in log if e[0] == "start"])
+        assert n >= 3, log
+        # each bucket but the last: its tail right after the next bucket's first send
+        for b in range(n - 1):
+            i = log.index(("tail", b))
+            assert log[i - 1] == ("before", b + 1), log
+        assert log[-1] == ("tail", n - 1), log
+        # without a queued successor, each tail follows its own bucket at once
+        for b in range(n):
+            assert log0.index(("tail", b)) < log0.index(("start", b + 1)) if b + 1 < n else True, log0
+        # the same bytes decoded into the same buffers: the same gradients, bit for bit
+        assert torch.equal(grads, grads0)
+    assert torch.equal(deferred[0][1], deferred[1][1])  # and identical replicas
 
 
 def _cycles(rank, world_size):
