@@ -28,6 +28,9 @@ all_gather 0, all_to_all 2, all_gather 1, ...), so that while piece k is on the 
 encoded and piece k-1 decoded. Every block holds the same elements as without pieces, and each
 element is summed over the ranks in the same order, so a deterministic codec gives bit for bit the
 result of one piece (stochastic rounding draws other, equally distributed numbers for a slice).
+Across buckets (:meth:`CompressedAllReduce.start`): the DDP hook holds a bucket's tail (the wait for
+its last all_gather and that piece's decode, no collective) until the next queued bucket's first
+all_to_all is on the wire, so the wire does not idle while one bucket is decoded and the next encoded.
 
 Segment tables (:class:`_SegmentTables`, on CUDA with the Triton backend; ``segment_tables``): the
 quantized layers of a piece that read from and decode into an fp32 bucket buffer are encoded (with

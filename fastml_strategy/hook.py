@@ -16,7 +16,8 @@ collectives (:mod:`fastml_strategy.collective`) and completes the future. So
   thread (unused-parameter maps, buffer broadcasts, metric syncs) cannot interleave with ours;
 - inside a bucket the work is pipelined (:data:`fastml_strategy.collective.PIECE_NUMEL`): the bucket
   is cut into pieces of about 4M elements, each with its own pair of collectives, so that piece k+1
-  is encoded while piece k is on the wire and piece k-1 is decoded.
+  is encoded while piece k is on the wire and piece k-1 is decoded; and across buckets, a bucket's
+  last piece is decoded once the next bucket's first piece is on the wire (:class:`_CommRunner`).
 
 A plan that compresses no parameter (every layer ``none``) is DDP's own all-reduce and runs as torch's
 ``allreduce_hook`` does: the hook divides the bucket and issues one asynchronous all-reduce itself, in
