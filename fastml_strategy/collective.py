@@ -1297,7 +1297,6 @@ class CompressedAllReduce:
                        scale: float = 1.0, layer_stats: bool = False) -> bool:
         """Write ``scale`` x the sum over ranks of row ``rank`` of ``inp`` (compressed as the plan
         says, with error feedback) into ``out``. Returns whether this rank's result is finite."""
-        W, r = self.world_size, self.rank
         if inp.numel() != lay.input_numel or out.numel() != lay.row_numel:
             raise CompressionError(
                 f"FastML: reduce-scatter of {inp.numel()} -> {out.numel()} elements does not match "
@@ -1312,7 +1311,7 @@ class CompressedAllReduce:
 
     def _reduce_scatter(self, lay: ShardLayout, inp: torch.Tensor, out: torch.Tensor, step: int,
                         scale: float, layer_stats: bool) -> bool:
-        W, r = self.world_size, self.rank
+        r = self.rank
         base = _mix(self.plan.seed, step, r)
         self._scatter_reduce(lay, inp, base, layer_stats)
         self._sum_own_chunks(lay)

@@ -49,7 +49,6 @@ parameter list and mesh); :func:`register` checks they exist and names the torch
 import json
 import logging
 import math
-import warnings
 from typing import Any, Optional, Sequence
 
 import torch

@@ -2,7 +2,6 @@
 
 import math
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest

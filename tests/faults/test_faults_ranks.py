@@ -114,7 +114,6 @@ def _encoder_raises(rank, world_size, stage):
     for step in range(5):
         if step == 3 and rank == 1:
             real = codecs.encode_dense
-            calls = {"n": 0}
 
             def boom(x, cfg, out, *a, **k):
                 # "encoding": the first-stage encode of a gradient chunk (into the all_to_all

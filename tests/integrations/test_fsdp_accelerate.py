@@ -8,8 +8,6 @@ refused on every rank.
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
