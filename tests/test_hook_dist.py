@@ -463,3 +463,34 @@ def test_register_hook_advises_gradient_as_bucket_view_once_on_rank_0():
     res = run_workers(_bucket_view_advice, 2)
     assert res[0] == {False: 1, True: 0}, res
     assert res[1] == {False: 0, True: 0}, res
+
+
+def _bucket_view_same(rank, world_size, recipe):
+    # register_hook advises gradient_as_bucket_view=True: the gradients are then views into DDP's
+    # buckets, which the hook all-reduces in place. Same training, bit for bit, with it and without.
+    import fastml_strategy as fm
+
+    out = {}
+    for view in (False, True):
+        model = _mlp(64)
+        ddp = DDP(model, bucket_cap_mb=0.02, gradient_as_bucket_view=view)
+        state = fm.register_hook(ddp, plan=recipe)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        torch.manual_seed(rank)
+        for _ in range(4):
+            ddp(torch.randn(8, 32)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()  # set_to_none: DDP hands the bucket views out again next step
+        out[view] = (torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+                     {k: v.clone() for k, v in state.state_dict()["residuals"].items()})
+    params_equal = torch.equal(out[False][0], out[True][0])
+    res_equal = out[False][1].keys() == out[True][1].keys() and all(
+        torch.equal(out[False][1][k], out[True][1][k]) for k in out[False][1])
+    return params_equal, res_equal, len(out[True][1])
+
+
+@pytest.mark.parametrize("recipe", ["int4", "topk1", "none"])
+def test_gradient_as_bucket_view_trains_the_same(recipe):
+    for params_equal, res_equal, residuals in run_workers(_bucket_view_same, 2, recipe):
+        assert params_equal and res_equal, recipe
+        assert (residuals > 0) == (recipe != "none")
