@@ -335,8 +335,9 @@ class FastMLState:
         if isinstance(e, (CompressionError, ReplicaDriftError, ValueError)):
             return e
         err = CompressionError(
-            f"FastML: the compressed all-reduce of bucket {index} at step {self.step} failed on "
-            f"rank {self.rank} ({type(e).__name__}: {e}). If another rank died or timed out, its log "
+            f"FastML: the {'' if self._direct else 'compressed '}all-reduce of bucket {index} at step "
+            f"{self.step} failed on rank {self.rank} ({type(e).__name__}: {e}). If another rank died or "
+            f"timed out, its log "
             f"has the cause; restart from the last checkpoint (torchrun --max-restarts does this)."
         )
         err.__cause__ = e
@@ -384,12 +385,14 @@ class FastMLState:
         self._count_bucket(buf, job.sparse)
         if W > 1:
             buf.div_(W)
-            fut = dist.all_reduce(buf, group=self.process_group, async_op=True).get_future()
-            fut = fut.then(lambda f: f.value()[0])
+            work = dist.all_reduce(buf, group=self.process_group, async_op=True).get_future()
+            fut = work.then(lambda f: f.value()[0])
         else:
-            fut = torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)
+            work = fut = torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)
             fut.set_result(buf)
-        self._pending.append((job.index, fut))
+        # the all-reduce's own future: waited on, it raises gloo's or NCCL's error itself (the
+        # continuation would wrap it in "Got the following error when running the callback")
+        self._pending.append((job.index, work))
         if job.is_last:
             pending, self._pending = self._pending, []
             for index, f in pending:

@@ -99,7 +99,10 @@ def test_dead_or_stalled_rank_fails_every_other_rank_fast(world_size, how, plan)
         assert res["step"] == 3, f"rank {r} did not fail at step 3: {res}"
         assert res["type"] == "CompressionError" and res["module"] == "fastml_strategy.collective", res
         assert "restart from the last checkpoint" in res["msg"], res["msg"]
-        assert "gloo" in res["cause"] or "Connection" in res["cause"] or "Timed out" in res["cause"], res
+        # gloo says "Connection closed by peer", "Timed out waiting ..." or, for the side whose
+        # pair was closed by its own timeout, "Application timeout caused pair closure"
+        assert any(w in res["cause"] for w in ("gloo", "Connection", "Timed out", "timeout")), res
+        assert "callback" not in res["cause"], res  # gloo's own error, not a future's wrapper
         # "within the process group's timeout": a dead peer is noticed at once, a stalled one at the
         # timeout; allow a little slack for the 2-core machine.
         assert res["elapsed"] < COMM_TIMEOUT + 4, res
