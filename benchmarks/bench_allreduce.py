@@ -62,9 +62,25 @@ import _bench  # noqa: E402
 
 METHODS = ["ddp-fp32", "torch-fp16", "torch-powersgd-r4", "fastml-none", "fastml-int8", "fastml-int4",
            "fastml-int2", "fastml-topk1"]
+# Not in the default run: "fastml-RECIPE-rbf16" is RECIPE with its error-feedback residual kept in bf16
+# (CodecConfig(residual_dtype="bf16")), which moves 8.5 bytes per element through memory, not 12.5.
+EXTRA_METHODS = ["fastml-int4-rbf16", "fastml-int2-rbf16"]
 # "METHOD@before": the same method with the fastml_strategy of another checkout (--before DIR, e.g. a
 # `git worktree` of the previous commit), run in the same invocation so the two compare side by side.
 BEFORE = "@before"
+
+
+def _plan(name: str):
+    """A recipe name, or RECIPE-rbf16: the recipe with a bf16 error-feedback residual."""
+    import dataclasses
+
+    import fastml_strategy as fm
+
+    if name.endswith("-rbf16"):
+        recipe = name[: -len("-rbf16")]
+        codec = dataclasses.replace(fm.Plan.from_recipe(recipe).default, residual_dtype="bf16")
+        return fm.Plan(default=codec, name=name)
+    return name
 
 
 def _lo_tx_bytes() -> int:
@@ -164,7 +180,7 @@ def _worker(rank: int, world: int, method: str, steps: int, warmup: int, port: i
         elif method.startswith("fastml-"):
             import fastml_strategy as fm
 
-            state = fm.register_hook(ddp, plan=method[len("fastml-"):], layer_stats_every=0)
+            state = fm.register_hook(ddp, plan=_plan(method[len("fastml-"):]), layer_stats_every=0)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     times = []
     # torch's hooks call torch.distributed.all_reduce: count what they hand it (timed steps only)
@@ -268,7 +284,8 @@ def _setup_ns(name: str, rate: str | None) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", nargs="+", default=METHODS,
-                    choices=METHODS + [m + BEFORE for m in METHODS if m.startswith("fastml-")],
+                    choices=METHODS + EXTRA_METHODS
+                    + [m + BEFORE for m in METHODS + EXTRA_METHODS if m.startswith("fastml-")],
                     help=f"METHOD{BEFORE} runs METHOD with the fastml_strategy of --before")
     ap.add_argument("--before", help=f"a checkout (e.g. a git worktree of an earlier commit) whose "
                                      f"fastml_strategy the METHOD{BEFORE} methods import")

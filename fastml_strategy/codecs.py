@@ -322,6 +322,31 @@ def encode_chunk(
         (residual if residual_out is None else residual_out).copy_(torch.where(finite, rest, residual))
 
 
+def reduce_chunk(bufs: list[torch.Tensor], numel: int, cfg: CodecConfig, out: torch.Tensor, divisor: float,
+                 acc: torch.Tensor, seed: int = 0) -> None:
+    """The reduce step of a dense chunk: decode the messages ``bufs`` (``numel`` elements each), sum
+    them in order, divide by ``divisor`` and encode the result into ``out`` (no error feedback).
+    Byte for byte ``decode_chunk`` of each (the first stored, the rest added) into the fp32 scratch
+    ``acc``, ``acc.div_(divisor)`` and ``encode_chunk(acc)``; the quantize codec on the compiled CPU
+    path does it in one pass (:func:`fastml_strategy.kernels.reduce_quantize`), and then leaves
+    ``acc`` unwritten."""
+    if cfg.codec is Codec.QUANTIZE:
+        nb = kernels.num_blocks(numel, cfg.block_size)
+        pn = kernels.packed_nbytes(numel, cfg.bits)
+
+        def split(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return b[8 * nb: 8 * nb + pn], b[: 8 * nb].view(torch.float32).view(nb, 2)
+
+        packed_out, meta_out = split(out)
+        kernels.reduce_quantize([split(b) for b in bufs], numel, cfg.bits, cfg.block_size, divisor,
+                                cfg.stochastic, seed, packed_out=packed_out, meta_out=meta_out, acc=acc)
+        return
+    for i, b in enumerate(bufs):
+        decode_chunk(b, numel, cfg, acc, accumulate=i > 0)
+    acc.div_(divisor)
+    encode_chunk(acc, cfg, out, seed=seed)
+
+
 def decode_chunk(buf: torch.Tensor, numel: int, cfg: CodecConfig, out: torch.Tensor,
                  accumulate: bool = False) -> None:
     """Decode one chunk into fp32 ``out`` (``+=`` when accumulating)."""

@@ -857,25 +857,35 @@ class CompressedAllReduce:
         headers = [lay.recv[j * lay.my_chunk:] for j in range(W)]
         self._check_headers(headers, "encoding", local_error)
 
-    def _sum_own_chunks(self, lay: _Messages, tables: dict | None = None) -> None:
+    def _own_chunks(self, lay: _Messages, g: _DenseGroup) -> list[torch.Tensor]:
+        """The W received encodings of this rank's chunk of ``g``, in rank order."""
+        r = self.rank
+        return [lay.recv[src * lay.my_chunk + g.recv_off:][: g.nbytes[r]] for src in range(self.world_size)]
+
+    def _sum_own_chunks(self, lay: _Messages) -> None:
         """Decode the W received copies of this rank's chunk of each group and sum them into ``acc``
-        (in rank order: every rank adds in the same order); with ``tables``, the groups of the
-        segment tables in one launch per table."""
+        (in rank order: every rank adds in the same order)."""
+        r = self.rank
+        for g in lay.dense:
+            n_me = g.bounds[r + 1] - g.bounds[r]
+            for src, chunk in enumerate(self._own_chunks(lay, g)):
+                codecs.decode_chunk(chunk, n_me, g.cfg, g.acc, accumulate=src > 0)
+
+    def _reduce_own_chunks(self, piece: "_Piece", base: int, tables: dict | None = None) -> None:
+        """The reduce step of a piece: for each group, the W received copies of this rank's chunk
+        decoded, summed in rank order (every rank adds in the same order), divided by W and encoded
+        into ``piece.gsend`` (:func:`fastml_strategy.codecs.reduce_chunk`: one pass on the compiled
+        CPU path); with ``tables``, the groups of the segment tables in one launch per table and
+        stage."""
         W, r = self.world_size, self.rank
         if tables:
-            from fastml_strategy.kernels import quantize_triton as qt
-
-            for t in tables.values():
-                qt.dequantize_segments(lay.recv, lay.acc_flat, t.red, t.g, t.bits, t.block_size,
-                                       sources=W, src_stride=lay.my_chunk)
-        for g in lay.dense:
+            self._table_reduce(piece, tables, base)
+        for g in piece.dense:
             if tables and _table_group(g):
                 continue
-            n_me = g.bounds[r + 1] - g.bounds[r]
-            for src in range(W):
-                off = src * lay.my_chunk + g.recv_off
-                codecs.decode_chunk(lay.recv[off: off + g.nbytes[r]], n_me, g.cfg, g.acc,
-                                    accumulate=src > 0)
+            off = g.gather_off[r]
+            codecs.reduce_chunk(self._own_chunks(piece, g), g.bounds[r + 1] - g.bounds[r], g.cfg,
+                                piece.gsend[off: off + g.nbytes[r]], W, g.acc, seed=self._seed(base, 1, g))
 
     @staticmethod
     def _seed(base: int, stage: int, g: _DenseGroup, *more: int) -> int:
@@ -1142,16 +1152,7 @@ class CompressedAllReduce:
             checks.add_headers("encoding", [piece.recv[j * piece.my_chunk:] for j in range(W)])
             if checks.error is None:
                 try:
-                    self._sum_own_chunks(piece, tabs[k])
-                    if tabs[k]:
-                        self._table_reencode(piece, tabs[k], base)
-                    for g in piece.dense:
-                        if tabs[k] and _table_group(g):
-                            continue
-                        g.acc.div_(W)
-                        off = g.gather_off[r]
-                        codecs.encode_chunk(g.acc, g.cfg, piece.gsend[off: off + g.nbytes[r]],
-                                            seed=self._seed(base, 1, g))
+                    self._reduce_own_chunks(piece, base, tabs[k])
                 except Exception as e:  # noqa: BLE001
                     checks.error = e
             self._write_header(piece.gsend, checks.error)
@@ -1218,10 +1219,14 @@ class CompressedAllReduce:
             res, res_out = (lay.res_flat[0], lay.res_flat[1]) if t.ef else (None, None)
             qt.quantize_segments(buf, piece.send, t.enc, t.g, t.bits, t.block_size, t.stochastic, res, res_out)
 
-    def _table_reencode(self, piece: _Piece, tables: dict, base: int) -> None:
+    def _table_reduce(self, piece: _Piece, tables: dict, base: int) -> None:
         from fastml_strategy.kernels import quantize_triton as qt
 
-        piece.acc_flat[: piece.acc_table].div_(self.world_size)
+        W = self.world_size
+        for t in tables.values():
+            qt.dequantize_segments(piece.recv, piece.acc_flat, t.red, t.g, t.bits, t.block_size,
+                                   sources=W, src_stride=piece.my_chunk)
+        piece.acc_flat[: piece.acc_table].div_(W)
         for t in tables.values():
             if t.stochastic:
                 t._set_seeds(t.reenc, t.reenc_counts, [self._seed(base, 1, g) for g in t.groups])

@@ -107,21 +107,25 @@ def _fails_mid_bucket(rank, world_size, stage):
     ddp = DDP(model)
     state = fm.register_hook(ddp, plan="int4")
     state._engine.piece_numel = 4096
-    real = codecs.encode_chunk
+    # the encoding stage encodes with encode_chunk; the reduction stage decodes, sums and re-encodes
+    # with reduce_chunk (its message is the 4th argument)
+    name, out_arg = ("encode_chunk", 2) if stage == "encoding" else ("reduce_chunk", 3)
+    real = getattr(codecs, name)
     calls = {"n": 0}
 
-    def boom(x, cfg, out, *a, **k):
+    def boom(*a, **k):
+        out = a[out_arg]
         lays = list(state._engine.layouts.values())
         msgs = [lay.send if stage == "encoding" else lay.gsend for lay in lays]
         if any(out.untyped_storage().data_ptr() == m.untyped_storage().data_ptr() for m in msgs):
             calls["n"] += 1
             if calls["n"] == 5:  # a piece in the middle of the bucket
                 raise RuntimeError("injected codec failure")
-        return real(x, cfg, out, *a, **k)
+        return real(*a, **k)
 
     for step in range(3):
         if step == 2 and rank == 1:
-            codecs.encode_chunk = boom
+            setattr(codecs, name, boom)
         try:
             ddp(torch.randn(8, 64)).square().mean().backward()
         except CompressionError as e:

@@ -39,6 +39,7 @@ __all__ = [
     # codec
     "quantize",
     "dequantize",
+    "reduce_quantize",
     # sizes
     "packed_nbytes",
     "num_blocks",
@@ -166,6 +167,52 @@ def dequantize(
 
         return cpu.dequantize(*args)
     return dequantize_reference(*args)
+
+
+def reduce_quantize(
+    sources: list[tuple[torch.Tensor, torch.Tensor]],
+    numel: int,
+    bits: int,
+    block_size: int,
+    divisor: float,
+    stochastic: bool = False,
+    seed: int = 0,
+    packed_out: torch.Tensor | None = None,
+    meta_out: torch.Tensor | None = None,
+    acc: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reduce step of scatter-reduce-allgather: decode the ``(packed, meta)`` messages of
+    ``sources`` (``numel`` elements each, ``bits`` per element, blocks of ``block_size``), sum them in
+    source order, divide by ``divisor`` and quantize the result (no residual).
+
+    Defined as ``dequantize`` of the first into ``acc``, ``dequantize(accumulate=True)`` of the others,
+    ``acc.div_(divisor)`` and ``quantize(acc)``, which is what runs on the torch and Triton backends
+    (``acc``: a contiguous fp32 scratch of ``numel`` elements, allocated when not given). The compiled
+    CPU backend fuses the four, block by block in L1, into the same bytes without writing the sum.
+    Returns ``(packed, meta)``."""
+    _check_args(bits, block_size)
+    if not sources:
+        raise ValueError("reduce_quantize: no sources")
+    be = resolve_backend(sources[0][0], backend)
+    if packed_out is None:
+        packed_out = torch.empty(packed_nbytes(numel, bits), dtype=torch.uint8, device=sources[0][0].device)
+    if meta_out is None:
+        meta_out = torch.empty(num_blocks(numel, block_size), 2, dtype=torch.float32, device=sources[0][0].device)
+    if be == "cpu":
+        from fastml_strategy.kernels import cpu
+
+        if cpu.has_reduce():
+            cpu.reduce_quantize(sources, numel, bits, block_size, divisor, stochastic, seed, packed_out,
+                                meta_out)
+            return packed_out, meta_out
+    if acc is None:
+        acc = torch.empty(numel, dtype=torch.float32, device=sources[0][0].device)
+    for i, (packed, meta) in enumerate(sources):
+        dequantize(packed, meta, numel, bits, block_size, out=acc, accumulate=i > 0, backend=be)
+    acc.div_(divisor)
+    return quantize(acc, bits, block_size, stochastic, seed, backend=be, packed_out=packed_out,
+                    meta_out=meta_out)
 
 
 def _check_args(bits: int, block_size: int) -> None:

@@ -57,6 +57,8 @@ __all__ = [
     # the codec
     "quantize",
     "dequantize",
+    "reduce_quantize",
+    "has_reduce",
     # the build
     "available",
     "build_info",
@@ -230,6 +232,9 @@ def _build(march: str | None = None, info: dict | None = None, source: Path | No
     lib.fastml_quantize.restype = i32
     lib.fastml_dequantize.argtypes = [p, i64, p, i64, i32, i64, p, i32, i32]
     lib.fastml_dequantize.restype = i32
+    if hasattr(lib, "fastml_reduce_quantize"):  # (sources before 2026-12-01 lack it: has_reduce)
+        lib.fastml_reduce_quantize.argtypes = [p, p, p, i32, ctypes.c_float, i64, i32, i64, p, p, i32, u32, i32]
+        lib.fastml_reduce_quantize.restype = i32
     lib.fastml_cpu_abi_version.restype = i32
     if lib.fastml_cpu_abi_version() != 2:
         raise RuntimeError("stale library in the cache (ABI version mismatch)")
@@ -399,3 +404,57 @@ def _decode(packed, meta, numel, bits, block_size, out, mode):
                                out.data_ptr(), mode, _threads(numel))
     if rc != 0:
         raise ValueError(f"dequantize: invalid arguments (bits={bits}, block_size={block_size})")
+
+
+def has_reduce() -> bool:
+    """Whether the build in use has the fused reduce (:func:`reduce_quantize`); an older source given
+    to :func:`use_build` may not."""
+    lib = _active()
+    return lib is not None and hasattr(lib, "fastml_reduce_quantize")
+
+
+def reduce_quantize(
+    sources: list[tuple[torch.Tensor, torch.Tensor]],
+    numel: int,
+    bits: int,
+    block_size: int,
+    divisor: float,
+    stochastic: bool,
+    seed: int,
+    packed_out: torch.Tensor,
+    meta_out: torch.Tensor,
+) -> None:
+    """Compiled twin of :func:`fastml_strategy.kernels.reduce_quantize`: the ``(packed, meta)``
+    messages of ``sources`` (``numel`` elements each) decoded, summed in order, divided by ``divisor``
+    and quantized into ``packed_out`` / ``meta_out``, in one pass over each block."""
+    lib = _active()
+    if lib is None or not hasattr(lib, "fastml_reduce_quantize"):
+        raise RuntimeError("the compiled CPU codec in use has no fused reduce (see has_reduce())")
+    nb = num_blocks(numel, block_size)
+    nbytes = packed_nbytes(numel, bits)
+    _check(packed_out, nbytes, torch.uint8, "packed_out")
+    _check(meta_out, 2 * nb, torch.float32, "meta_out")
+    if numel == 0:
+        return
+    n = len(sources)
+    packed_ptrs = (ctypes.c_void_p * n)()
+    avail = (ctypes.c_int64 * n)()
+    meta_ptrs = (ctypes.c_void_p * n)()
+    keep = []  # contiguous copies, alive until the call returns
+    for i, (packed, meta) in enumerate(sources):
+        packed = packed.reshape(-1).contiguous()
+        meta = meta.reshape(-1).to(torch.float32).contiguous()
+        if packed.dtype != torch.uint8 or packed.numel() < nbytes or meta.numel() != 2 * nb:
+            raise ValueError(
+                f"reduce_quantize: source {i}: {numel} elements of {bits} bits in blocks of {block_size} "
+                f"need {nbytes} uint8 payload bytes and {nb}x2 metadata; got {packed.numel()} "
+                f"{packed.dtype} and {meta.numel()} metadata values")
+        keep.append((packed, meta))
+        packed_ptrs[i], avail[i], meta_ptrs[i] = packed.data_ptr(), packed.numel(), meta.data_ptr()
+    seed_s = (int(seed) * HASH_GOLDEN) & 0xFFFFFFFF
+    rc = lib.fastml_reduce_quantize(packed_ptrs, avail, meta_ptrs, n, float(divisor), numel, bits, block_size,
+                                    packed_out.data_ptr(), meta_out.data_ptr(), int(bool(stochastic)), seed_s,
+                                    _threads(numel))
+    if rc != 0:
+        raise ValueError(f"reduce_quantize: invalid arguments (bits={bits}, block_size={block_size}, "
+                         f"{n} sources)")

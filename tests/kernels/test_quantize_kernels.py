@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from fastml_strategy.kernels import dequantize, packed_nbytes, quantize, resolve_backend
+from fastml_strategy.kernels import dequantize, packed_nbytes, quantize, reduce_quantize, resolve_backend
 from fastml_strategy.kernels.reference import (
     FLT_MAX,
     dequantize_reference,
@@ -290,6 +290,70 @@ def test_misaligned_packed_out(backend, device, offset):
     assert_same(view, quantize_reference(x.cpu(), bits, 64)[0])
     y = dequantize(view, quantize_reference(x.cpu(), bits, 64)[1].to(device), n, bits, 64, backend=backend)
     assert_same(y, dequantize_reference(*quantize_reference(x.cpu(), bits, 64), n, bits, 64))
+
+
+def _reduce_sources(n, bits, block_size, nsrc, seed=0, poison=None):
+    """nsrc reference messages of n elements (scales differ per source); ``poison``: (source, index)
+    whose input is NaN, so that block of that message is non-finite."""
+    out = []
+    for s in range(nsrc):
+        x = make_input(n, torch.float32, seed=seed + s, scale=10.0 ** (s - 1))
+        if poison is not None and poison[0] == s:
+            x[poison[1]] = float("nan")
+        out.append(quantize_reference(x, bits, block_size))
+    return out
+
+
+def _reduce_oracle(sources, n, bits, block_size, divisor, stochastic, seed):
+    """The definition of the reduce step, on the torch reference: decode, add in order, divide, encode."""
+    acc = torch.empty(n)
+    for i, (p, m) in enumerate(sources):
+        dequantize_reference(p, m, n, bits, block_size, out=acc, accumulate=i > 0)
+    acc.div_(divisor)
+    return quantize_reference(acc, bits, block_size, stochastic, seed)
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("bits", [1, 3, 4, 8])
+@pytest.mark.parametrize("nsrc", [1, 2, 3])
+def test_reduce_quantize_matches_decode_sum_encode(backend, device, nsrc, bits, stochastic):
+    """The fused reduce step (decode every source, add in source order, divide, encode) writes the
+    bytes of the separate calls, on every backend; a non-finite source block makes that block
+    non-finite (meta NaN, codes 0) and leaves the others alone. The length has a partial block and
+    a partial SIMD chunk."""
+    n, bs = 3 * 512 + 37, 512
+    sources = _reduce_sources(n, bits, bs, nsrc, seed=bits, poison=(nsrc - 1, 600))
+    expected = _reduce_oracle(sources, n, bits, bs, nsrc, stochastic, 11)
+    got = reduce_quantize([(p.to(device), m.to(device)) for p, m in sources], n, bits, bs, nsrc, stochastic,
+                          11, backend=backend)
+    assert_same(got[0], expected[0])
+    assert_same(got[1], expected[1])
+    assert torch.isnan(expected[1][1]).all() and torch.isfinite(expected[1][[0, 2, 3]]).all()
+
+
+def test_reduce_quantize_fused_cpu_bytes(monkeypatch, cpu_build):
+    """The compiled CPU path's fused reduce, bit for bit (metadata compared as raw bytes, so a -0.0
+    min would count), over several threads, into views of one send buffer, with a source message
+    read from an odd offset; and the fused kernel is what runs (the fp32 scratch stays unwritten)."""
+    cpu = cpu_build
+    assert cpu.has_reduce()
+    monkeypatch.setenv("FASTML_CPU_THREADS", "3")
+    n, bits, bs, nsrc = 3 * cpu._MIN_ELEMS_PER_THREAD + 1234, 5, 256, 3
+    sources = _reduce_sources(n, bits, bs, nsrc, seed=5)
+    expected = _reduce_oracle(sources, n, bits, bs, nsrc, True, 4)
+    shifted = torch.zeros(packed_nbytes(n, bits) + 1, dtype=torch.uint8)
+    shifted[1:] = sources[1][0]
+    sources[1] = (shifted[1:], sources[1][1])
+    nb, pn = num_blocks(n, bs), packed_nbytes(n, bits)
+    buf = torch.full((8 * nb + pn + 8,), 7, dtype=torch.uint8)
+    meta_view, packed_view = buf[: 8 * nb].view(torch.float32).view(nb, 2), buf[8 * nb: 8 * nb + pn]
+    acc = torch.full((n,), 123.0)
+    reduce_quantize(sources, n, bits, bs, nsrc, True, 4, packed_out=packed_view, meta_out=meta_view, acc=acc,
+                    backend="cpu")
+    assert (acc == 123.0).all(), "the fused kernel did not run: the sum went through the scratch"
+    assert torch.equal(packed_view, expected[0])
+    assert torch.equal(meta_view.view(torch.int32), expected[1].view(torch.int32))
+    assert (buf[8 * nb + pn:] == 7).all()  # nothing written past the payload
 
 
 def test_cpu_threads_bit_exact(monkeypatch, cpu_build):
