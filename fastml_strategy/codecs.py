@@ -307,7 +307,7 @@ def encode_chunk(
     ``residual`` is given: the encoder reads ``x + residual`` and writes the new residual to
     ``residual_out`` (default: ``residual``, in place). A residual may be fp32 or bf16; a non-finite
     input leaves it unchanged (quantize: per block; top-k: the whole chunk)."""
-    if residual is not None and residual.dtype != torch.float32:
+    if residual is not None and residual.dtype != torch.float32 and cfg.codec is not Codec.QUANTIZE:
         r32 = residual.to(torch.float32)
         encode_chunk(x, cfg, out, r32, None, seed)
         (residual if residual_out is None else residual_out).copy_(r32)

@@ -123,7 +123,9 @@ def quantize(
     Returns ``(packed uint8[packed_nbytes(n, bits)], meta fp32[num_blocks(n, block_size), 2])``.
     With ``residual`` (fp32, n elements): encodes ``x + residual`` and writes the new residual
     (``x + residual - decoded``) to ``residual_out``, default ``residual`` in place; a non-finite block
-    leaves its residual unchanged. ``stochastic`` rounds with the counter-based hash of ``seed``
+    leaves its residual unchanged. A bf16 residual is read as fp32 and written rounded to nearest
+    even, as ``residual.copy_(fp32 residual)`` would (the compiled CPU path does so in its one pass;
+    the others go through an fp32 copy). ``stochastic`` rounds with the counter-based hash of ``seed``
     (same seed, same bytes on every backend). ``packed_out`` / ``meta_out``: contiguous tensors of
     those sizes to write into (e.g. views of a send buffer); they are returned.
     """
@@ -131,6 +133,17 @@ def quantize(
     be = resolve_backend(x, backend)
     if backend is None and x.dtype not in _KERNEL_DTYPES:
         be = "torch"  # e.g. float64: only the reference converts it
+    if residual is not None and residual.dtype != torch.float32:
+        native = False
+        if be == "cpu" and residual.dtype == torch.bfloat16:
+            from fastml_strategy.kernels import cpu
+
+            native = cpu.native_bf16_residual()
+        if not native:  # through an fp32 copy: the same bytes, two more passes over the residual
+            r32 = residual.to(torch.float32)
+            out = quantize(x, bits, block_size, stochastic, seed, r32, None, be, packed_out, meta_out)
+            (residual if residual_out is None else residual_out).copy_(r32)
+            return out
     args = (x, bits, block_size, stochastic, seed, residual, residual_out, packed_out, meta_out)
     if be == "triton":
         from fastml_strategy.kernels import quantize_triton

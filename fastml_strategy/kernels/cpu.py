@@ -59,6 +59,7 @@ __all__ = [
     "dequantize",
     "reduce_quantize",
     "has_reduce",
+    "native_bf16_residual",
     # the build
     "available",
     "build_info",
@@ -232,6 +233,9 @@ def _build(march: str | None = None, info: dict | None = None, source: Path | No
     lib.fastml_quantize.restype = i32
     lib.fastml_dequantize.argtypes = [p, i64, p, i64, i32, i64, p, i32, i32]
     lib.fastml_dequantize.restype = i32
+    if hasattr(lib, "fastml_quantize_r"):  # (sources before 2026-12-01 lack it: native_bf16_residual)
+        lib.fastml_quantize_r.argtypes = [p, i32, i64, p, p, i32, p, p, i32, i64, i32, u32, i32]
+        lib.fastml_quantize_r.restype = i32
     if hasattr(lib, "fastml_reduce_quantize"):  # (sources before 2026-12-01 lack it: has_reduce)
         lib.fastml_reduce_quantize.argtypes = [p, p, p, i32, ctypes.c_float, i64, i32, i64, p, p, i32, u32, i32]
         lib.fastml_reduce_quantize.restype = i32
@@ -354,15 +358,23 @@ def quantize(
     _check(packed, nbytes, torch.uint8, "packed_out")
     _check(meta, 2 * nb, torch.float32, "meta_out")
     r_ptr = rout_ptr = None
+    r_dtype = torch.float32
     if residual is not None:
-        _check(residual, n, torch.float32, "residual")
+        r_dtype = residual.dtype
+        if r_dtype == torch.bfloat16 and not hasattr(lib, "fastml_quantize_r"):
+            raise ValueError("quantize: this build of the CPU codec takes a float32 residual only")
+        _check(residual, n, r_dtype if r_dtype == torch.bfloat16 else torch.float32, "residual")
         r_ptr = residual.data_ptr()
         if residual_out is not None:
-            _check(residual_out, n, torch.float32, "residual_out")
+            _check(residual_out, n, r_dtype, "residual_out")
             rout_ptr = residual_out.data_ptr()
     seed_s = (int(seed) * HASH_GOLDEN) & 0xFFFFFFFF
-    rc = lib.fastml_quantize(x.data_ptr(), _DTYPE_CODE[x.dtype], n, r_ptr, rout_ptr, packed.data_ptr(),
-                             meta.data_ptr(), bits, block_size, int(bool(stochastic)), seed_s, _threads(n))
+    if r_dtype == torch.bfloat16:
+        rc = lib.fastml_quantize_r(x.data_ptr(), _DTYPE_CODE[x.dtype], n, r_ptr, rout_ptr, 2, packed.data_ptr(),
+                                   meta.data_ptr(), bits, block_size, int(bool(stochastic)), seed_s, _threads(n))
+    else:
+        rc = lib.fastml_quantize(x.data_ptr(), _DTYPE_CODE[x.dtype], n, r_ptr, rout_ptr, packed.data_ptr(),
+                                 meta.data_ptr(), bits, block_size, int(bool(stochastic)), seed_s, _threads(n))
     if rc != 0:
         raise ValueError(f"quantize: invalid arguments (bits={bits}, block_size={block_size}): bits must be "
                          "1-8 and block_size a power of two >= 8")
@@ -404,6 +416,14 @@ def _decode(packed, meta, numel, bits, block_size, out, mode):
                                out.data_ptr(), mode, _threads(numel))
     if rc != 0:
         raise ValueError(f"dequantize: invalid arguments (bits={bits}, block_size={block_size})")
+
+
+def native_bf16_residual() -> bool:
+    """Whether the build in use reads and writes a bf16 residual itself (:func:`quantize` with a
+    bfloat16 ``residual``: 2 bytes read and 2 written per element instead of 4 and 4); an older source
+    given to :func:`use_build` may not."""
+    lib = _active()
+    return lib is not None and hasattr(lib, "fastml_quantize_r")
 
 
 def has_reduce() -> bool:

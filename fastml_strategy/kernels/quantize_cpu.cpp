@@ -83,6 +83,14 @@ inline float bf16_to_float(uint16_t h) {
   return f;
 }
 
+// float -> bf16 as torch rounds it (c10::BFloat16): to nearest, ties to even; a NaN becomes 0x7FC0.
+inline uint16_t float_to_bf16(float f) {
+  if (std::isnan(f)) return 0x7FC0u;
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
 inline float f16_to_float(uint16_t h) {
 #if defined(__F16C__) && defined(__FLT16_MAX__)
   _Float16 v;
@@ -130,6 +138,7 @@ inline float uniform(uint32_t seed_s, uint64_t idx) {
 //   F / I                      float and int32 vectors
 //   set1, zero, load, store    (float)
 //   load_bf16, load_f16        W inputs -> fp32 (exact)
+//   store_bf16                 W floats -> bf16 as float_to_bf16 rounds them
 //   add, sub, mul, div         one IEEE rounding each
 //   vmin(v, acc), vmax(v, acc) v < acc ? v : acc (and >): pass 1's running min / max (a NaN may be
 //                              dropped or kept: the v * 0 flag marks the block non-finite anyway)
@@ -154,6 +163,15 @@ struct Isa {
   static F load_bf16(const uint16_t* p) {
     I u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+  }
+  static void store_bf16(uint16_t* p, F v) {
+    I u = _mm256_castps_si256(v);
+    I lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    I r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    // 8 values < 2**16 in 32-bit lanes -> 8 uint16 (packus works within each 128-bit half)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
   }
   static F load_f16(const uint16_t* p) {
 #if defined(__F16C__)
@@ -214,6 +232,16 @@ struct Isa {
   static F load_bf16(const uint16_t* p) {
     I h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
     return _mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), h));  // h << 16 per lane
+  }
+  static void store_bf16(uint16_t* p, F v) {
+    I u = _mm_castps_si128(v);
+    I lsb = _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1));
+    I r = _mm_srli_epi32(_mm_add_epi32(u, _mm_add_epi32(_mm_set1_epi32(0x7FFF), lsb)), 16);
+    I nan = _mm_castps_si128(_mm_cmpunord_ps(v, v));
+    r = _mm_or_si128(_mm_andnot_si128(nan, r), _mm_and_si128(nan, _mm_set1_epi32(0x7FC0)));
+    // 4 values < 2**16 -> uint16 with SSE2's signed pack: shift into int16's range and back
+    I h = _mm_packs_epi32(_mm_sub_epi32(r, _mm_set1_epi32(0x8000)), _mm_setzero_si128());
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_xor_si128(h, _mm_set1_epi16(static_cast<short>(0x8000))));
   }
   static F load_f16(const uint16_t* p) {
 #if defined(__F16C__)
@@ -287,6 +315,14 @@ struct Isa {
   static void store(float* p, F v) { vst1q_f32(p, v); }
   static F load_bf16(const uint16_t* p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
   static F load_f16(const uint16_t* p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
+  static void store_bf16(uint16_t* p, F v) {
+    uint32x4_t u = vreinterpretq_u32_f32(v);
+    uint32x4_t lsb = vandq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(1));
+    uint32x4_t r = vaddq_u32(u, vaddq_u32(vdupq_n_u32(0x7FFF), lsb));
+    uint32x4_t is_num = vceqq_f32(v, v);
+    r = vbslq_u32(is_num, r, vdupq_n_u32(0x7FC00000u));
+    vst1_u16(p, vshrn_n_u32(r, 16));
+  }
   static F add(F a, F b) { return vaddq_f32(a, b); }
   static F sub(F a, F b) { return vsubq_f32(a, b); }
   static F mul(F a, F b) { return vmulq_f32(a, b); }
@@ -342,6 +378,7 @@ struct Isa {
   static void store(float* p, F v) { *p = v; }
   static F load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
   static F load_f16(const uint16_t* p) { return f16_to_float(*p); }
+  static void store_bf16(uint16_t* p, F v) { *p = float_to_bf16(v); }
   static F add(F a, F b) { return a + b; }
   static F sub(F a, F b) { return a - b; }
   static F mul(F a, F b) { return a * b; }
@@ -384,6 +421,18 @@ struct F16 {
   using T = uint16_t;
   static float cvt(uint16_t h) { return f16_to_float(h); }
   static Isa::F vload(const uint16_t* p) { return Isa::load_f16(p); }
+};
+
+// ---- residual types (read and written) ------------------------------------------------------------
+
+struct ResF32 : F32 {
+  static float from(float v) { return v; }
+  static void vstore(float* p, Isa::F v) { Isa::store(p, v); }
+};
+
+struct ResBF16 : BF16 {
+  static uint16_t from(float v) { return float_to_bf16(v); }
+  static void vstore(uint16_t* p, Isa::F v) { Isa::store_bf16(p, v); }
 };
 
 // ---- bit packing: 8 one-byte codes <-> 8*BITS bits ---------------------------------------------
@@ -512,8 +561,8 @@ UnpackFn unpack_fn(int bits) {
 
 struct EncodeArgs {
   const void* x;
-  const float* r;
-  float* rout;
+  const void* r;  // the residual's type: ResF32 or ResBF16
+  void* rout;
   uint8_t* packed;
   float* meta;
   int64_t n;
@@ -533,9 +582,10 @@ struct BlockOut {
 // The second half of a block's encoding, once its values v are in `vbuf` with their min, max and
 // sum of v * 0 (`z`): the block's metadata, its codes (packed into the payload) and, with HAS_RES,
 // the new residual `ro` (`rb`: the residual read, copied to `ro` unchanged for a non-finite block).
-template <bool HAS_RES, bool STOCH>
+template <class Res, bool HAS_RES, bool STOCH>
 inline void quantize_block(const BlockOut& o, const float* vbuf, uint8_t* qbuf, int64_t blk, int64_t start,
-                           int64_t len, float mn, float mx, float z, const float* rb, float* ro) {
+                           int64_t len, float mn, float mx, float z, const typename Res::T* rb,
+                           typename Res::T* ro) {
   using F = Isa::F;
   using I = Isa::I;
   constexpr int W = Isa::W;
@@ -564,7 +614,7 @@ inline void quantize_block(const BlockOut& o, const float* vbuf, uint8_t* qbuf, 
     mb[0] = NAN;
     mb[1] = NAN;
     std::memset(pb, 0, static_cast<size_t>(room));
-    if (HAS_RES && ro != rb) std::memcpy(ro, rb, sizeof(float) * len);
+    if (HAS_RES && ro != rb) std::memcpy(ro, rb, sizeof(typename Res::T) * len);
     return;
   }
   const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
@@ -586,7 +636,7 @@ inline void quantize_block(const BlockOut& o, const float* vbuf, uint8_t* qbuf, 
       qi[j] = Isa::cvtt(Isa::clamp(t, vL));
       if (HAS_RES) {
         F y = Isa::add(vmn_b, Isa::mul(Isa::cvtf(qi[j]), vsc));
-        Isa::store(ro + off, Isa::sub(v, y));
+        Res::vstore(ro + off, Isa::sub(v, y));
       }
     }
     Isa::codes32(qd + k, qi);
@@ -599,7 +649,7 @@ inline void quantize_block(const BlockOut& o, const float* vbuf, uint8_t* qbuf, 
     qd[k] = static_cast<uint8_t>(qi);
     if (HAS_RES) {
       float y = mn + static_cast<float>(qi) * scale;
-      ro[k] = vbuf[k] - y;
+      ro[k] = Res::from(vbuf[k] - y);
     }
   }
   if (bits < 8) {
@@ -645,9 +695,10 @@ struct MinMax {
   }
 };
 
-template <class In, bool HAS_RES, bool STOCH>
+template <class In, class Res, bool HAS_RES, bool STOCH>
 void encode_blocks(const EncodeArgs& a, int64_t b0, int64_t b1) {
   using T = typename In::T;
+  using R = typename Res::T;
   using F = Isa::F;
   constexpr int W = Isa::W;
   const T* x = static_cast<const T*>(a.x);
@@ -663,7 +714,7 @@ void encode_blocks(const EncodeArgs& a, int64_t b0, int64_t b1) {
     const int64_t len = a.n - start < bs ? a.n - start : bs;
     const int64_t main_len = len - len % kChunk;
     const T* xb = x + start;
-    const float* rb = HAS_RES ? a.r + start : nullptr;
+    const R* rb = HAS_RES ? static_cast<const R*>(a.r) + start : nullptr;
 
     // pass 1: v, min, max, non-finite.
     MinMax m;
@@ -671,29 +722,31 @@ void encode_blocks(const EncodeArgs& a, int64_t b0, int64_t b1) {
       F v[kVecs];
       for (int j = 0; j < kVecs; ++j) {
         v[j] = In::vload(xb + i + j * W);
-        if (HAS_RES) v[j] = Isa::add(v[j], Isa::load(rb + i + j * W));
+        if (HAS_RES) v[j] = Isa::add(v[j], Res::vload(rb + i + j * W));
         Isa::store(vbuf + i + j * W, v[j]);
       }
       m.chunk(v);
     }
     for (int64_t i = main_len; i < len; ++i) {
       float v = In::cvt(xb[i]);
-      if (HAS_RES) v = v + rb[i];
+      if (HAS_RES) v = v + Res::cvt(rb[i]);
       vbuf[i] = v;
       m.scalar(v);
     }
     m.lanes();
-    quantize_block<HAS_RES, STOCH>(o, vbuf, qbuf, blk, start, len, m.mn, m.mx, m.z, rb,
-                                   HAS_RES ? a.rout + start : nullptr);
+    quantize_block<Res, HAS_RES, STOCH>(o, vbuf, qbuf, blk, start, len, m.mn, m.mx, m.z, rb,
+                                        HAS_RES ? static_cast<R*>(a.rout) + start : nullptr);
   }
 }
 
 using EncodeFn = void (*)(const EncodeArgs&, int64_t, int64_t);
 
 template <class In>
-EncodeFn encode_fn(bool has_res, bool stoch) {
-  if (has_res) return stoch ? encode_blocks<In, true, true> : encode_blocks<In, true, false>;
-  return stoch ? encode_blocks<In, false, true> : encode_blocks<In, false, false>;
+EncodeFn encode_fn(bool has_res, bool res_bf16, bool stoch) {
+  if (has_res && res_bf16)
+    return stoch ? encode_blocks<In, ResBF16, true, true> : encode_blocks<In, ResBF16, true, false>;
+  if (has_res) return stoch ? encode_blocks<In, ResF32, true, true> : encode_blocks<In, ResF32, true, false>;
+  return stoch ? encode_blocks<In, ResF32, false, true> : encode_blocks<In, ResF32, false, false>;
 }
 
 // ---- decoder ----------------------------------------------------------------------------------
@@ -822,7 +875,7 @@ void reduce_blocks(const ReduceArgs& a, int64_t b0, int64_t b1) {
     }
     for (int64_t k = main_len; k < len; ++k) m.scalar(vbuf[k]);
     m.lanes();
-    quantize_block<false, STOCH>(o, vbuf, qbuf, blk, start, len, m.mn, m.mx, m.z, nullptr, nullptr);
+    quantize_block<ResF32, false, STOCH>(o, vbuf, qbuf, blk, start, len, m.mn, m.mx, m.z, nullptr, nullptr);
   }
 }
 
@@ -853,24 +906,33 @@ int fastml_cpu_abi_version() { return 2; }
 // The instruction set this build's kernels use: "avx2", "sse2", "neon" or "scalar".
 const char* fastml_cpu_isa() { return Isa::kName; }
 
-// dtype: 0 float32, 1 float16, 2 bfloat16. r == nullptr: no error feedback. Returns 0, or a
-// negative value for invalid arguments.
-int fastml_quantize(const void* x, int dtype, int64_t n, const float* r, float* rout, uint8_t* packed,
-                    float* meta, int bits, int64_t bs, int stochastic, uint32_t seed_s, int nthreads) {
+// dtype: 0 float32, 1 float16, 2 bfloat16 (x); r_dtype: 0 float32, 2 bfloat16 (the residual r and
+// rout, read as float and written rounded to nearest even). r == nullptr: no error feedback. Returns 0,
+// or a negative value for invalid arguments. (Newer than ABI version 2: look it up before use.)
+int fastml_quantize_r(const void* x, int dtype, int64_t n, const void* r, void* rout, int r_dtype,
+                      uint8_t* packed, float* meta, int bits, int64_t bs, int stochastic, uint32_t seed_s,
+                      int nthreads) {
   if (bits < 1 || bits > 8 || bs < 8 || (bs & (bs - 1)) != 0 || n < 0) return -1;
+  if (r_dtype != 0 && r_dtype != 2) return -2;
   if (n == 0) return 0;
-  EncodeArgs a{x, r, rout ? rout : const_cast<float*>(r), packed, meta, n, bs, bits, seed_s};
-  const bool has_res = r != nullptr, st = stochastic != 0;
+  EncodeArgs a{x, r, rout ? rout : const_cast<void*>(r), packed, meta, n, bs, bits, seed_s};
+  const bool has_res = r != nullptr, st = stochastic != 0, rb16 = r_dtype == 2;
   EncodeFn fn;
   switch (dtype) {
-    case 0: fn = encode_fn<F32>(has_res, st); break;
-    case 1: fn = encode_fn<F16>(has_res, st); break;
-    case 2: fn = encode_fn<BF16>(has_res, st); break;
+    case 0: fn = encode_fn<F32>(has_res, rb16, st); break;
+    case 1: fn = encode_fn<F16>(has_res, rb16, st); break;
+    case 2: fn = encode_fn<BF16>(has_res, rb16, st); break;
     default: return -2;
   }
   const int64_t nblocks = (n + bs - 1) / bs;
   run_parallel(nblocks, nthreads, [&](int64_t b0, int64_t b1) { fn(a, b0, b1); });
   return 0;
+}
+
+// The encoder with a float32 residual (ABI version 2).
+int fastml_quantize(const void* x, int dtype, int64_t n, const float* r, float* rout, uint8_t* packed,
+                    float* meta, int bits, int64_t bs, int stochastic, uint32_t seed_s, int nthreads) {
+  return fastml_quantize_r(x, dtype, n, r, rout, 0, packed, meta, bits, bs, stochastic, seed_s, nthreads);
 }
 
 // mode: 0 out = y, 1 out += y. avail: payload bytes.

@@ -248,6 +248,56 @@ def test_error_feedback_identity(backend, device, bits, dtype):
     assert ((lhs - v).abs() <= 2 * EPS * (v.abs() + (v - y).abs())).all()
 
 
+@pytest.mark.parametrize("out_of_place", [False, True])
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("bits", [1, 4, 8])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_bf16_residual(backend, device, dtype, bits, stochastic, out_of_place):
+    """A bf16 residual: encodes x + float(r) and writes the new residual rounded to nearest even,
+    exactly as the reference on an fp32 copy followed by ``copy_`` into bf16 (the compiled CPU path
+    reads and writes bf16 itself). Covers a non-finite block (its residual kept), residuals that
+    round half-way (ties to even), a partial block and a partial SIMD chunk."""
+    n, bs = 2 * 512 + 45, 512
+    x = make_input(n, dtype, seed=bits)
+    x[700] = float("inf")  # block 1 is non-finite: its residual stays as it was
+    r = (torch.randn(n) * 0.05).to(torch.bfloat16)
+    r32 = r.float()
+    p_ref, m_ref = quantize_reference(x, bits, bs, stochastic, 3, r32)
+    r_ref = r32.to(torch.bfloat16)
+    r_dev = r.clone().to(device)
+    r_out = torch.full((n,), 9.0, dtype=torch.bfloat16, device=device) if out_of_place else None
+    p, m = quantize(x.to(device), bits, bs, stochastic, 3, r_dev, r_out, backend=backend)
+    assert_same(p, p_ref)
+    assert_same(m, m_ref)
+    written = r_out if out_of_place else r_dev
+    assert written.dtype == torch.bfloat16
+    assert torch.equal(written.cpu().view(torch.int16), r_ref.view(torch.int16))
+    if out_of_place:
+        assert torch.equal(r_dev.cpu(), r)  # the input residual is left alone
+    assert torch.equal(r_ref[512:1024], r[512:1024])
+
+
+def test_bf16_residual_rounds_to_nearest_even(cpu_build):
+    """The compiled store of a bf16 residual rounds as torch does (ties to even, carries into the
+    exponent, subnormals), on every float32 bit pattern it is given. Blocks of 8 are [0, 1, v1..v6]
+    with 0 <= v < scale / 2, so every v gets code 0, decodes to exactly 0, and its new residual is v."""
+    cpu = cpu_build
+    assert cpu.native_bf16_residual()
+    g = torch.Generator().manual_seed(0)
+    top = 0x3A800000  # 2**-10 < (1 / 255) / 2
+    v = torch.randint(0, top, (6 * 4096,), generator=g, dtype=torch.int64)
+    ties = torch.tensor([0x39808000, 0x39818000, 0x397F8000, 0x397FFFFF, 0x00008000, 0x00018000, 0x00007FFF,
+                         0x007F8000, 0x3A7F8000, 0x3A7FC000, 0x39807FFF, 0x39808001], dtype=torch.int64)
+    v = torch.cat([ties, v])
+    v = v[: v.numel() // 6 * 6].to(torch.int32).view(torch.float32).view(-1, 6)
+    x = torch.cat([torch.zeros(v.shape[0], 1), torch.ones(v.shape[0], 1), v], dim=1).reshape(-1)
+    n = x.numel()
+    r_out = torch.empty(n, dtype=torch.bfloat16)
+    cpu.quantize(x, 8, 8, residual=torch.zeros(n, dtype=torch.bfloat16), residual_out=r_out)
+    got = r_out.view(-1, 8)[:, 2:]
+    assert torch.equal(got.view(torch.int16), v.to(torch.bfloat16).view(torch.int16))
+
+
 def test_accumulate(backend, device):
     """Decode-and-add: out + decoded, bit-exactly, and several messages added in order."""
     n, bits = 30011, 4
