@@ -5,7 +5,8 @@
 //
 // Inputs come from a fixed xorshift generator (plus NaN, inf, subnormals, signed zeros and ranges that
 // overflow fp32); every case hashes the payload, the metadata, the new residual and the decoded
-// values (store and add) with FNV-1a. Two things are canonicalised before hashing,
+// values (store and add) with FNV-1a. Then, per size, block size and bit-width: a bf16 residual, and
+// the fused reduce of three messages. Two things are canonicalised before hashing,
 // because the format does not fix them: the sign of a zero in the metadata (a block's min may be
 // -0 or +0 depending on the lane that saw it first) and the payload of a NaN.
 
@@ -140,6 +141,49 @@ int main() {
                         stoch ? 1 : 0, rc, static_cast<unsigned long long>(h.h));
             ++cases;
           }
+        }
+        // fp32 input, with and without stochastic rounding: a bf16 residual (read, and written
+        // rounded to nearest even), and the fused reduce of three messages (decode, sum, divide by 3,
+        // encode).
+        for (int stoch = 0; stoch < 2; ++stoch) {
+          const int threads = (n > 1000 && bits == 5) ? 3 : 1;
+          const int64_t nbytes = (n * bits + 7) / 8, nb = (n + bs - 1) / bs;
+          const uint32_t seed_s = static_cast<uint32_t>(7654321u * 0x9E3779B9u);
+          std::vector<uint16_t> r16(n);
+          for (int64_t i = 0; i < n; ++i) r16[i] = float_to_bf16(r0[i]);
+          std::vector<uint8_t> packed(nbytes + 16, 0xA5);
+          std::vector<float> meta(2 * nb);
+          int rc = fastml_quantize_r(xf.data(), 0, n, r16.data(), nullptr, 2, packed.data(), meta.data(), bits, bs,
+                                     stoch, seed_s, threads);
+          Fnv h;
+          h.bytes(packed.data(), packed.size());
+          h.floats(meta.data(), meta.size(), true);
+          h.bytes(r16.data(), 2 * r16.size());
+          std::printf("n=%lld bs=%lld bits=%d r=bf16 stoch=%d rc=%d %016llx\n", static_cast<long long>(n),
+                      static_cast<long long>(bs), bits, stoch, rc, static_cast<unsigned long long>(h.h));
+          ++cases;
+
+          std::vector<std::vector<uint8_t>> sp(3, std::vector<uint8_t>(nbytes + 16, 0));
+          std::vector<std::vector<float>> sm(3, std::vector<float>(2 * nb));
+          std::vector<float> xs(n);
+          for (int s = 0; s < 3; ++s) {
+            for (int64_t i = 0; i < n; ++i) xs[i] = xf[(i + 5 * s) % n] * static_cast<float>(s + 1);
+            rc |= fastml_quantize(xs.data(), 0, n, nullptr, nullptr, sp[s].data(), sm[s].data(), bits, bs, 1,
+                                  seed_s + s, 1);
+          }
+          const uint8_t* srcp[3] = {sp[0].data(), sp[1].data(), sp[2].data()};
+          const int64_t avail[3] = {nbytes, nbytes, nbytes};
+          const float* srcm[3] = {sm[0].data(), sm[1].data(), sm[2].data()};
+          std::vector<uint8_t> out(nbytes + 16, 0xA5);
+          std::vector<float> out_meta(2 * nb);
+          rc |= fastml_reduce_quantize(srcp, avail, srcm, 3, 3.0f, n, bits, bs, out.data(), out_meta.data(), stoch,
+                                       seed_s, threads);
+          Fnv g;
+          g.bytes(out.data(), out.size());
+          g.floats(out_meta.data(), out_meta.size(), true);
+          std::printf("n=%lld bs=%lld bits=%d reduce=3 stoch=%d rc=%d %016llx\n", static_cast<long long>(n),
+                      static_cast<long long>(bs), bits, stoch, rc, static_cast<unsigned long long>(g.h));
+          ++cases;
         }
       }
     }
