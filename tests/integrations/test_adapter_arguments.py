@@ -25,7 +25,12 @@ def test_strategy_rejects_comm_hook_arguments_and_bad_settings(monkeypatch):
         FastMLStrategy(plan="int5")  # an explicit plan: the message does not blame FASTML_PLAN
     monkeypatch.setenv("FASTML_PLAN", "int2")
     s = FastMLStrategy(static_graph=True, log_every_n_steps=5)
-    assert s.plan == Plan.from_recipe("int2") and s._ddp_kwargs == {"static_graph": True}
+    # gradient_as_bucket_view defaults to True (DDP's copies into and out of its buckets are saved)
+    assert s.plan == Plan.from_recipe("int2")
+    assert s._ddp_kwargs == {"static_graph": True, "gradient_as_bucket_view": True}
+    assert FastMLStrategy(gradient_as_bucket_view=False)._ddp_kwargs == {"gradient_as_bucket_view": False}
+    assert FastMLFabricStrategy()._ddp_kwargs == {"gradient_as_bucket_view": True}
+    assert FastMLFabricStrategy(gradient_as_bucket_view=False)._ddp_kwargs == {"gradient_as_bucket_view": False}
     assert FastMLStrategy(plan=Plan.uniform(bits=3)).plan.default.bits == 3  # the argument wins
 
 

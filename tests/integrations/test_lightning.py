@@ -32,6 +32,7 @@ def test_strategy_fastml_compresses_and_keeps_replicas_identical(job):
     assert r0["strategy"] == "FastMLStrategy" and r0["plan"] == "int4"  # strategy="fastml" + FASTML_PLAN
     assert r0["digest"] == r1["digest"], "replicas differ after training"
     for r in (r0, r1):
+        assert r["bucket_view"] is True  # FastMLStrategy's default: DDP(gradient_as_bucket_view=True)
         assert r["fastml_step"] == r["global_step"] == 6
         assert r["stats"]["steps"] == 6
         assert r["stats"]["compression_ratio"] > 4.0  # int4 on the two hidden matrices

@@ -51,6 +51,8 @@ class Net(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        # the DDP wrapper the strategy trains with (Lightning unwraps it after fit)
+        self.bucket_view = bool(getattr(self.trainer.strategy.model, "gradient_as_bucket_view", False))
         loss = torch.nn.functional.cross_entropy(self(x).float(), y)
         if self.global_step == self.inject_inf_at and self.global_rank == self.inject_rank:
             loss = loss * float("inf")
@@ -104,7 +106,8 @@ def part_basic(out: str) -> dict:
     t.fit(model, loader(320))
     res = {"strategy": type(t.strategy).__name__, "plan": t.strategy.plan.name,
            "digest": param_digest(model), "stats": t.strategy.compression_stats(),
-           "fastml_step": t.strategy.fastml_state.step, "global_step": t.global_step}
+           "fastml_step": t.strategy.fastml_state.step, "global_step": t.global_step,
+           "bucket_view": model.bucket_view}
     # fit, then evaluate: no DDP wrapper, no hook, Lightning's own samplers and metric sync.
     res["validate"] = t.validate(model, loader(128, shuffle=False), verbose=False)
     res["test"] = t.test(model, loader(128, shuffle=False), verbose=False)
