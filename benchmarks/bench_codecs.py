@@ -4,8 +4,11 @@ and accumulate), per bit-width, for every available backend, beside the memory l
 The memory limit is measured two ways on the same tensor: ``clone`` (allocates, as a naive caller
 would; on CPU this pays the page faults of fresh memory) and ``copy`` (into a preallocated buffer:
 the traffic a pass over memory can reach). ``%copy`` compares each operation's memory traffic
-(bytes read + written per element: encode 4 + bits/8, with error feedback 12 + bits/8, decode
-4 + bits/8, decode-and-add 8 + bits/8; copy 8) with the copy's.
+(bytes read + written per element: encode 4 + bits/8, with error feedback 12 + bits/8, with a bf16
+error-feedback residual 8 + bits/8, decode 4 + bits/8, decode-and-add 8 + bits/8; copy 8) with the
+copy's. ``reduce2`` is the reduce step of scatter-reduce-allgather for 2 ranks (decode two messages, add,
+halve, encode: ``kernels.reduce_quantize``), in GB/s of fp32 elements; its traffic counts the three
+messages (3 bits/8 per element), and a build without the fused kernel runs it as the separate calls.
 
 The codecs run as the collective calls them: outputs preallocated (``packed_out``/``meta_out``/
 ``out``), the residual updated in place. CPU runs use one thread unless ``--threads``.
@@ -57,16 +60,18 @@ from fastml_strategy.kernels import (  # noqa: E402
     num_blocks,
     packed_nbytes,
     quantize,
+    reduce_quantize,
 )
 
-OPS = ("encode", "encode_ef", "decode", "decode_acc")
+OPS = ("encode", "encode_ef", "encode_ef_rbf16", "decode", "decode_acc", "reduce2")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def traffic_per_elem(op: str, bits: int, in_bytes: int = 4) -> float:
     """Bytes read + written per element; ``in_bytes``: the encoder's input element (fp32 4, bf16/fp16 2)."""
     return {"clone": 8.0, "copy": 8.0, "encode": in_bytes + bits / 8, "encode_ef": in_bytes + 8 + bits / 8,
-            "decode": 4 + bits / 8, "decode_acc": 8 + bits / 8}[op]
+            "encode_ef_rbf16": in_bytes + 4 + bits / 8, "decode": 4 + bits / 8, "decode_acc": 8 + bits / 8,
+            "reduce2": 3 * bits / 8}[op]
 
 
 class Timer:
@@ -161,6 +166,7 @@ def run(args) -> list[dict]:
     x32 = torch.randn(n, generator=g).to(device)  # the copy's tensor, and the encoder's input as fp32
     x = x32.to(DTYPES[args.dtype])
     residual = (torch.randn(n, generator=g) * 0.01).to(device)
+    residual16 = residual.to(torch.bfloat16)
     out = torch.zeros(n, device=device)
     dst = torch.empty_like(x32)
     stamp = _dt.datetime.now().isoformat(timespec="seconds")
@@ -184,19 +190,29 @@ def run(args) -> list[dict]:
             nbytes, nb = packed_nbytes(n, bits), num_blocks(n, bs)
             packed = torch.empty(nbytes, dtype=torch.uint8, device=device)
             meta = torch.empty(nb, 2, device=device)
+            packed2 = torch.empty(nbytes, dtype=torch.uint8, device=device)  # reduce2's second message
+            meta2 = torch.empty(nb, 2, device=device)
+            packed3 = torch.empty(nbytes, dtype=torch.uint8, device=device)  # and its output
+            meta3 = torch.empty(nb, 2, device=device)
             cases = {
                 "encode": lambda be: quantize(x, bits, bs, stoch, 1, backend=be, packed_out=packed, meta_out=meta),
                 "encode_ef": lambda be: quantize(x, bits, bs, stoch, 1, residual=residual, backend=be,
                                                  packed_out=packed, meta_out=meta),
+                "encode_ef_rbf16": lambda be: quantize(x, bits, bs, stoch, 1, residual=residual16, backend=be,
+                                                       packed_out=packed, meta_out=meta),
                 "decode": lambda be: dequantize(packed, meta, n, bits, bs, out=out, backend=be),
                 "decode_acc": lambda be: dequantize(packed, meta, n, bits, bs, out=out, accumulate=True,
                                                     backend=be),
+                "reduce2": lambda be: reduce_quantize([(packed, meta), (packed2, meta2)], n, bits, bs, 2, stoch, 1,
+                                                      packed_out=packed3, meta_out=meta3, acc=out, backend=be),
             }
             for op in OPS:
                 for label, be, build in todo:
                     with selected(build):
-                        if op.startswith("decode"):  # a payload this implementation wrote
+                        if op.startswith("decode") or op == "reduce2":  # payloads this implementation wrote
                             cases["encode"](be)
+                            if op == "reduce2":
+                                quantize(x32 * 0.5, bits, bs, stoch, 2, backend=be, packed_out=packed2, meta_out=meta2)
                         add(label, op, bits, lambda: cases[op](be), build)
             print(f"  round {rnd + 1}/{args.rounds} bits={bits} done", file=sys.stderr, flush=True)
             add("-", "copy", 0, lambda: dst.copy_(x32))  # again: on a shared machine, keep the best
@@ -291,26 +307,26 @@ def print_table(rows: list[dict]) -> None:
         bits = sorted({r["bits"] for r in sub})
         isa = f" ({sub[0]['isa']} kernels)" if sub[0].get("isa") else ""
         print(f"\n  backend {be}{isa}")
-        print("  " + f"{'op':<11}" + "".join(f"{'int' + str(b):>15}" for b in bits))
+        print("  " + f"{'op':<16}" + "".join(f"{'int' + str(b):>15}" for b in bits))
         for op in OPS:
             cells = []
             for b in bits:
                 hit = [r for r in sub if r["op"] == op and r["bits"] == b]
                 cells.append(f"{hit[0]['gbps_input']:8.2f} ({hit[0]['pct_of_copy']:3.0f}%)" if hit else " " * 15)
             if any(c.strip() for c in cells):
-                print("  " + f"{op:<11}" + "".join(f"{c:>15}" for c in cells))
+                print("  " + f"{op:<16}" + "".join(f"{c:>15}" for c in cells))
     cpus = [be for be in backends if be.startswith("cpu[")]
     if len(cpus) > 1 and copy:
         print(f"\n  side by side ({unit} of input; copy {copy['gbps_input']:.2f}):")
         width = max(22, *(len(be) + 2 for be in cpus))
-        print("  " + f"{'op':<16}" + "".join(f"{be:>{width}}" for be in cpus))
+        print("  " + f"{'op':<21}" + "".join(f"{be:>{width}}" for be in cpus))
         for b in sorted({r["bits"] for r in rows if r["backend"] in cpus}):
             for op in OPS:
                 hit = {r["backend"]: r for r in rows if r["op"] == op and r["bits"] == b and r["backend"] in cpus}
                 if hit:
                     cells = [f"{hit[be]['gbps_input']:8.2f} ({hit[be]['pct_of_copy']:3.0f}%)" if be in hit else ""
                              for be in cpus]
-                    print("  " + f"{op + ' int' + str(b):<16}" + "".join(f"{c:>{width}}" for c in cells))
+                    print("  " + f"{op + ' int' + str(b):<21}" + "".join(f"{c:>{width}}" for c in cells))
 
 
 def main(argv=None) -> None:
