@@ -53,6 +53,11 @@ variable                        meaning                                         
 ``FASTML_LAYER_STATS_EVERY``    measure per-layer compression error every N steps           10
 =============================== =========================================================== ========
 
+``Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)])`` makes the
+gradients views into DDP's buckets, which saves DDP's copy of every gradient into its bucket and back
+(``FastMLStrategy`` does it by default; here DDP is Accelerate's to build, so ``recipes/train_accelerate.py``
+passes it).
+
 Gradient accumulation with ``accelerator.accumulate(model)`` needs nothing more: the micro-batches
 inside ``no_sync`` call no hook. With ``mixed_precision="fp16"`` the hook propagates a non-finite
 value to every rank, so the GradScaler skips the step everywhere.

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
+from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, DistributedType, set_seed
 
 import fastml_strategy.accelerate
 
@@ -118,7 +118,10 @@ def main() -> None:
                               gradient_accumulation_steps=args.accumulate,
                               # shuffle order from (seed, epoch), not from the RNG's position: a resumed
                               # run then sees the batches the uninterrupted run saw
-                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+                              # gradients as views into DDP's buckets: DDP copies none into its buckets
+                              # and back (FastMLStrategy does this by default; Accelerate cannot)
+                              kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)])
     if args.fully_shard and accelerator.distributed_type == DistributedType.FSDP:
         raise SystemExit("--fully-shard is for runs where Accelerate does not shard (CPU); with an FSDP "
                          "config (recipes/accelerate/fsdp2.yaml) prepare() shards the model itself: drop it")

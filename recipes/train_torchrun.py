@@ -115,7 +115,8 @@ def main() -> None:
     train, val = digits_split()
     sampler = torch.utils.data.DistributedSampler(train, shuffle=True, seed=0, drop_last=True)
     loader = torch.utils.data.DataLoader(train, batch_size=args.batch_size, sampler=sampler)
-    model = DDP(make_model(args.hidden).to(device), device_ids=[device.index] if device.type == "cuda" else None)
+    model = DDP(make_model(args.hidden).to(device), device_ids=[device.index] if device.type == "cuda" else None,
+                gradient_as_bucket_view=True)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
     try:
