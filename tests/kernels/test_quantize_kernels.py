@@ -195,8 +195,10 @@ def test_round_trip_bound(backend, device, bits):
 
 
 def test_stochastic_unbiased(backend, device):
-    """E[decoded] = v: the mean over S seeds is within 6 standard errors (scale / (2 sqrt S))."""
-    n, bs, bits, draws = 1000, 256, 2, 400
+    """E[decoded] = v: the mean over S seeds is within 6 standard errors (scale / (2 sqrt S)). Triton's
+    CPU interpreter takes 100 draws (its 800 launches took 19 s), the compiled paths 400."""
+    n, bs, bits = 1000, 256, 2
+    draws = 100 if backend == "triton" and device.type == "cpu" else 400
     v = make_input(n, torch.float32, seed=5).to(device)
     acc = torch.zeros(n, dtype=torch.float64)
     for s in range(draws):
