@@ -871,21 +871,23 @@ class CompressedAllReduce:
             for src, chunk in enumerate(self._own_chunks(lay, g)):
                 codecs.decode_chunk(chunk, n_me, g.cfg, g.acc, accumulate=src > 0)
 
-    def _reduce_own_chunks(self, piece: "_Piece", base: int, tables: dict | None = None) -> None:
+    def _reduce_own_chunks(self, piece: "_Piece", base: int, tables: dict | None = None,
+                           divisor: float | None = None) -> None:
         """The reduce step of a piece: for each group, the W received copies of this rank's chunk
         decoded, summed in rank order (every rank adds in the same order), divided by W and encoded
         into ``piece.gsend`` (:func:`fastml_strategy.codecs.reduce_chunk`: one pass on the compiled
         CPU path); with ``tables``, the groups of the segment tables in one launch per table and
-        stage."""
+        stage; ``divisor`` replaces W (1: the sum)."""
         W, r = self.world_size, self.rank
+        div = W if divisor is None else divisor
         if tables:
-            self._table_reduce(piece, tables, base)
+            self._table_reduce(piece, tables, base, div)
         for g in piece.dense:
             if tables and _table_group(g):
                 continue
             off = g.gather_off[r]
             codecs.reduce_chunk(self._own_chunks(piece, g), g.bounds[r + 1] - g.bounds[r], g.cfg,
-                                piece.gsend[off: off + g.nbytes[r]], W, g.acc, seed=self._seed(base, 1, g))
+                                piece.gsend[off: off + g.nbytes[r]], div, g.acc, seed=self._seed(base, 1, g))
 
     @staticmethod
     def _seed(base: int, stage: int, g: _DenseGroup, *more: int) -> int:
@@ -937,13 +939,15 @@ class CompressedAllReduce:
     @torch.no_grad()
     def run(self, lay: BucketLayout, buf: torch.Tensor, step: int, layer_stats: bool = False,
             commit: bool = True, baseline_elem_size: int = 4,
-            checks: StepChecks | None = None) -> bool | None:
+            checks: StepChecks | None = None, divisor: float | None = None) -> bool | None:
         """Replace flat bucket ``buf`` (any float dtype) by the mean over ranks of the compressed
         gradients. Returns whether the result is finite; the new residuals are committed only then
         (with ``commit=False`` not at all: the caller calls :meth:`commit` once the whole step is
         known to be finite, so a step that GradScaler skips leaves every bucket's residuals alone).
         ``baseline_elem_size``: bytes per element of the uncompressed all-reduce the statistics
-        compare against (fp32 for DDP).
+        compare against (fp32 for DDP). ``divisor``: what the sum over ranks is divided by (default
+        the world size: the mean; 1: the sum, as for an FSDP unit with a gradient divide factor,
+        which its reduce-scatter has applied already).
 
         With ``checks`` (the DDP hook: one :class:`StepChecks` per step) nothing is read on the host
         and nothing raised for what the headers or the results say: they are added to ``checks``,
@@ -953,7 +957,7 @@ class CompressedAllReduce:
         own = checks is None
         if own:
             checks = StepChecks()
-        tail = self.start(lay, buf, step, layer_stats, checks, baseline_elem_size)
+        tail = self.start(lay, buf, step, layer_stats, checks, baseline_elem_size, divisor=divisor)
         if tail is not None:
             tail()
         if not own:
@@ -965,7 +969,8 @@ class CompressedAllReduce:
 
     @torch.no_grad()
     def start(self, lay: BucketLayout, buf: torch.Tensor, step: int, layer_stats: bool,
-              checks: StepChecks, baseline_elem_size: int = 4, before=None):
+              checks: StepChecks, baseline_elem_size: int = 4, before=None,
+              divisor: float | None = None):
         """:meth:`run` with ``checks``, less the bucket's tail: returns None when ``buf`` holds the
         result, else a callable that completes it (waits for the last piece's all_gather and decodes
         it into ``buf``; it issues no collective). The DDP hook runs the tail after the *next* bucket's
@@ -977,11 +982,11 @@ class CompressedAllReduce:
         if lay.uncompressed:
             if before is not None:
                 before()
-            self._plain_all_reduce(lay, buf, baseline_elem_size, checks)
+            self._plain_all_reduce(lay, buf, baseline_elem_size, checks, divisor)
             return None
         transient = lay.acquire()
         try:
-            tail = self._run(lay, buf, step, layer_stats, checks, baseline_elem_size, before)
+            tail = self._run(lay, buf, step, layer_stats, checks, baseline_elem_size, before, divisor)
         except BaseException:
             if transient:
                 lay.release()
@@ -1044,13 +1049,15 @@ class CompressedAllReduce:
         return not any(flags[W * len(checks.headers):])
 
     def _plain_all_reduce(self, lay: BucketLayout, buf: torch.Tensor, baseline_elem_size: int,
-                          checks: StepChecks) -> None:
+                          checks: StepChecks, divisor: float | None = None) -> None:
         """A bucket with nothing to compress: exactly what DDP's own hook does (divide, then one
         all-reduce in the gradients' dtype), so ``none`` is DDP's result for every dtype (float64 too)
         and costs one collective; its finiteness is left to :meth:`finish` (``plain``)."""
         W = self.world_size
+        div = W if divisor is None else divisor
+        if div != 1:
+            buf.div_(div)
         if W > 1:
-            buf.div_(W)
             dist.all_reduce(buf, group=self.group)
         self.count_plain(lay.total_numel, buf, baseline_elem_size)
         checks.plain.append(buf)
@@ -1095,7 +1102,7 @@ class CompressedAllReduce:
         self.finish(checks, device, exchange=True, stage=stage)
 
     def _run(self, lay: BucketLayout, buf: torch.Tensor, step: int, layer_stats: bool,
-             checks: StepChecks, baseline_elem_size: int, before=None):
+             checks: StepChecks, baseline_elem_size: int, before=None, divisor: float | None = None):
         """The pipeline over ``lay.pieces`` (P of them). Every rank issues the same collectives in the
         same order, whatever fails where: a2a 0, a2a 1, ag 0, a2a 2, ag 1, ..., ag P-1, so that
 
@@ -1152,7 +1159,7 @@ class CompressedAllReduce:
             checks.add_headers("encoding", [piece.recv[j * piece.my_chunk:] for j in range(W)])
             if checks.error is None:
                 try:
-                    self._reduce_own_chunks(piece, base, tabs[k])
+                    self._reduce_own_chunks(piece, base, tabs[k], divisor)
                 except Exception as e:  # noqa: BLE001
                     checks.error = e
             self._write_header(piece.gsend, checks.error)
@@ -1164,7 +1171,7 @@ class CompressedAllReduce:
             checks.add_headers("reduction", [piece.grecv[j * piece.gather_size:] for j in range(W)])
             if checks.error is None and checks.decode_error is None:
                 try:
-                    self._decode(lay, piece, buf, finite, tabs[k])
+                    self._decode(lay, piece, buf, finite, tabs[k], divisor)
                 except Exception as e:  # noqa: BLE001 - after the piece's last collective
                     checks.decode_error = e
 
@@ -1219,14 +1226,14 @@ class CompressedAllReduce:
             res, res_out = (lay.res_flat[0], lay.res_flat[1]) if t.ef else (None, None)
             qt.quantize_segments(buf, piece.send, t.enc, t.g, t.bits, t.block_size, t.stochastic, res, res_out)
 
-    def _table_reduce(self, piece: _Piece, tables: dict, base: int) -> None:
+    def _table_reduce(self, piece: _Piece, tables: dict, base: int, divisor: float) -> None:
         from fastml_strategy.kernels import quantize_triton as qt
 
         W = self.world_size
         for t in tables.values():
             qt.dequantize_segments(piece.recv, piece.acc_flat, t.red, t.g, t.bits, t.block_size,
                                    sources=W, src_stride=piece.my_chunk)
-        piece.acc_flat[: piece.acc_table].div_(W)
+        piece.acc_flat[: piece.acc_table].div_(divisor)
         for t in tables.values():
             if t.stochastic:
                 t._set_seeds(t.reenc, t.reenc_counts, [self._seed(base, 1, g) for g in t.groups])
@@ -1265,7 +1272,8 @@ class CompressedAllReduce:
             t.pending = rest if res is not None else None
 
     def _decode(self, lay: BucketLayout, piece: _Piece, buf: torch.Tensor,
-                checks: list[torch.Tensor], tables: dict | None = None) -> None:
+                checks: list[torch.Tensor], tables: dict | None = None,
+                divisor: float | None = None) -> None:
         """Decode one piece's all-gathered message into ``buf``, adding its finiteness checks."""
         W = self.world_size
         grecv = piece.grecv.view(W, piece.gather_size)
@@ -1293,7 +1301,7 @@ class CompressedAllReduce:
                 msg = grecv[j, t.gather_off: t.gather_off + t.nbytes]
                 codecs.decode_chunk(msg, p.numel, t.cfg, acc, accumulate=True)
                 checks.append(codecs.chunk_finite(msg, p.numel, t.cfg))
-            acc.div_(W)
+            acc.div_(W if divisor is None else divisor)
             buf[p.boff: p.boff + p.numel].copy_(acc)
 
     # -- the reduce-scatter of an FSDP unit --------------------------------------------------------------
