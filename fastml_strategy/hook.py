@@ -756,13 +756,19 @@ def plan_summary(plan: Plan, params: dict, world_size: int) -> str:
 
 
 def agreed_plan(plan: Any, names: list, group: Any, world_size: int, check: Any = None,
-                aliases: Optional[dict] = None, frozen: Any = (), local_steps: bool = False) -> Plan:
+                aliases: Optional[dict] = None, frozen: Any = (), local_steps: bool = False,
+                settings: Optional[dict] = None, owner: str = "FastML") -> Plan:
     """Resolve ``plan`` and check it against the parameter ``names`` on every rank (``aliases`` and
     ``frozen``: see :meth:`Plan.resolve_names`), then agree: every rank raises the same ValueError if
     the plan (or ``check()``, any further validation) failed on any rank, or if ranks hold different
     plans. A collective on ``group``. Returns the plan with aliases resolved; notes are warned, and so
     is a plan tuned for local steps (``Plan.local_steps``) given to a per-step user (``local_steps``
-    False: the DDP hook, FSDP)."""
+    False: the DDP hook, FSDP).
+
+    ``settings``: the caller's other settings that ranks must share (they change the bytes on the wire
+    or the schedule of collectives: ``{"every": 50, ...}``, compared by value); if any differs between
+    ranks, every rank raises the same ValueError naming it and each rank's value (``owner`` begins
+    the message), instead of one rank waiting for a collective the others never issue."""
     # Validate locally, then agree: a rank whose plan is bad must not leave the others waiting.
     error, digest, plan_obj, failed_check, notes = None, None, None, None, []
     try:
@@ -777,7 +783,7 @@ def agreed_plan(plan: Any, names: list, group: Any, world_size: int, check: Any 
     except Exception as e:  # noqa: BLE001 - any local failure must reach every rank, or they hang
         error = str(e) if isinstance(e, ValueError) or failed_check else f"{type(e).__name__}: {e}"
     reports = _agree(group, world_size, (error, digest, plan_obj.name if plan_obj else None,
-                                         failed_check))
+                                         failed_check, dict(settings or {})))
     bad = [(r, rep[0], rep[3]) for r, rep in enumerate(reports) if rep[0] is not None]
     if bad:
         ranks = [r for r, _, _ in bad]
@@ -793,6 +799,7 @@ def agreed_plan(plan: Any, names: list, group: Any, world_size: int, check: Any 
             f"FastML: ranks hold different plans ({desc}); give every rank the same plan (the same "
             f"file, recipe or FASTML_PLAN), or the ranks' messages would not match"
         )
+    _check_same_settings(reports, owner)
     for note in notes:
         warnings.warn(f"FastML plan: {note}", stacklevel=3)
     if plan_obj.local_steps is not None and not local_steps:
@@ -802,6 +809,19 @@ def agreed_plan(plan: Any, names: list, group: Any, world_size: int, check: Any 
                       f"fastml_strategy.LocalSGD.from_plan(model, inner_optimizer, plan) instead, or "
                       f"use the per-step plan of the autotuner's report.", stacklevel=3)
     return plan_obj
+
+
+def _check_same_settings(reports: list, owner: str) -> None:
+    """Raise the same ValueError on every rank if the ranks' settings (the fifth field of each
+    rank's agreement report) differ, naming the first setting that does and every rank's value."""
+    keys = sorted({k for rep in reports for k in (rep[4] or {})})
+    for key in keys:
+        values = [(rep[4] or {}).get(key) for rep in reports]
+        if len({repr(v) for v in values}) > 1:
+            desc = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+            raise ValueError(f"{owner}: ranks hold different {key} ({desc}); give every rank the same "
+                             f"{key}, or their collectives would not match and one rank would wait "
+                             f"for the others until the timeout")
 
 
 def register_hook(
