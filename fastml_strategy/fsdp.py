@@ -49,6 +49,7 @@ parameter list and mesh); :func:`register` checks they exist and names the torch
 import json
 import logging
 import math
+import weakref
 from typing import Any, Optional, Sequence
 
 import torch
@@ -58,8 +59,8 @@ from fastml_strategy import codecs
 from fastml_strategy._validate import whole_number
 from fastml_strategy.collective import CompressedAllReduce, CompressionError, ShardedTensor
 from fastml_strategy.config import Plan, resolve_plan
-from fastml_strategy.hook import (agreed_plan, check_saved_state, fitting_residuals, model_names,
-                                  own_rank_state)
+from fastml_strategy.hook import (agreed_plan, check_saved_state, check_state_kind, fitting_residuals,
+                                  model_names, own_rank_state)
 
 __all__ = ["register", "FSDPState", "shard_chunks", "save_distributed", "load_distributed", "TESTED_TORCH"]
 
@@ -201,6 +202,9 @@ class FSDPState:
         self._step_finite = True
         self._failure: Optional[BaseException] = None
         self._closed = False
+        # HSDP under set_requires_all_reduce(False): each unit's reduced shard summed over the
+        # micro-batches that skip the cross-replica all-reduce (FSDP's own partial_reduce_output)
+        self._partial: dict[int, torch.Tensor] = {}
 
     def _create_residuals(self) -> None:
         """Zero residuals for every gradient that will keep one, made now rather than at the first
@@ -246,6 +250,9 @@ class FSDPState:
         return every > 0 and self.step % every == 0
 
     def _fail(self, e: BaseException, what: str, unit: _Unit) -> BaseException:
+        """The error to raise for ``e`` (FastML's own as it is, with its cause; anything else wrapped
+        in a CompressionError whose ``__cause__`` is ``e``); the state stays failed with it. Raise it
+        with a plain ``raise`` (``from None`` would drop the cause)."""
         if isinstance(e, (CompressionError, ValueError)):
             err = e
         else:
@@ -269,12 +276,36 @@ class FSDPState:
                                         scale=_scale_of(op, self.shard_size, unit.group),
                                         layer_stats=self._layer_stats_now())
         except BaseException as e:  # noqa: BLE001
-            raise self._fail(e, "reduce-scatter", unit) from None
+            raise self._fail(e, "reduce-scatter", unit)  # noqa: B904 - the cause is set
         self._step_finite = self._step_finite and finite
 
     def _all_reduce(self, unit: _Unit, reduce_output: torch.Tensor) -> None:
+        g = unit.group
+        buf = reduce_output.view(-1)
+        if not g.all_reduce_grads:
+            # set_requires_all_reduce(False) (gradient accumulation that reduce-scatters every
+            # micro-batch but all-reduces across replicas once): keep the reduced shard and add it to
+            # the next one that is all-reduced, as FSDP's own HSDP does. FSDP adds what this hook
+            # leaves in reduce_output to the sharded gradient: zeros, so the gradient is the same.
+            if self._failure is not None:
+                raise self._failure
+            partial = self._partial.get(unit.index)
+            if partial is None:
+                self._partial[unit.index] = buf.clone()
+            else:
+                partial += buf
+            buf.zero_()
+            return
+        partial = self._partial.pop(unit.index, None)
+        if partial is not None:
+            buf += partial
         self._begin()
         eng = self._ar
+        # With set_gradient_divide_factor(f) FSDP's reduce-scatter has divided by f already (FastML
+        # shows FSDP a 1-D shard mesh): the replicas' shards are summed, so the gradient is
+        # sum / f, as FSDP's own HSDP gives. Otherwise the mean over the replicas completes FSDP's
+        # mean over the shard.
+        divisor = 1.0 if getattr(g, "gradient_divide_factor", None) else None
         try:
             names, offsets, numels, full, pos = [], [], [], [], 0
             for t in unit.tensors(self.shard_size):
@@ -283,7 +314,6 @@ class FSDPState:
                 numels.append(t.chunk_numels[self.shard_rank])
                 full.append(t.numel)
                 pos += t.padded
-            buf = reduce_output.view(-1)
             if pos != buf.numel():
                 raise CompressionError(
                     f"FastML: the reduced shard of FSDP unit {unit.index} has {buf.numel()} elements, "
@@ -291,9 +321,9 @@ class FSDPState:
             lay = eng.layout_for(names, offsets, numels, buf.device, buf.dtype, double_buffer=False,
                                  persistent=False, plan_numels=full)
             finite = eng.run(lay, buf, self.step, layer_stats=self._layer_stats_now(), commit=True,
-                             baseline_elem_size=buf.element_size())
+                             baseline_elem_size=buf.element_size(), divisor=divisor)
         except BaseException as e:  # noqa: BLE001
-            raise self._fail(e, "cross-replica all-reduce", unit) from None
+            raise self._fail(e, "cross-replica all-reduce", unit)  # noqa: B904 - the cause is set
         self._step_finite = self._step_finite and finite
 
     # -- public ---------------------------------------------------------------------------------------------
@@ -391,9 +421,7 @@ class FSDPState:
             if isinstance(sd, dict) and set(sd) == {"state", "tensors"}:
                 sd = _dcp_decode(sd["state"], sd["tensors"])
         sd = own_rank_state(sd, self.rank, self.world_size, STATE_FORMAT_VERSION, "FSDPState")
-        if sd.get("kind") != "fsdp":
-            raise ValueError("FSDPState.load_state_dict: this is a DDP FastML state (from register_hook); "
-                             "load it with FastMLState.load_state_dict, or drop it to start fresh")
+        check_state_kind(sd, "fsdp", "FSDPState")
         if sd.get("shard_size") != self.shard_size:
             raise ValueError(
                 f"FSDPState.load_state_dict: the state was saved with shards of {sd.get('shard_size')} "
@@ -431,6 +459,8 @@ class FSDPState:
             for undo in reversed(self._restore):
                 undo()
             self._closed = True
+            if _REGISTERED.get(self.model) is self:
+                del _REGISTERED[self.model]
 
     def __getstate__(self) -> dict:
         raise TypeError("FSDPState holds process groups and hooks on a live model and cannot be "
@@ -499,7 +529,7 @@ def _make_all_gather(AllGather, state: FSDPState, unit: _Unit):
             try:
                 _quantized_all_gather(state, unit, output_tensor, input_tensor, group)
             except BaseException as e:  # noqa: BLE001
-                raise state._fail(e, "parameter all-gather", unit) from None
+                raise state._fail(e, "parameter all-gather", unit)  # noqa: B904 - the cause is set
             return None
 
     return _FastMLAllGather()
@@ -542,6 +572,10 @@ def _dcp_decode(state: str, tensors: dict) -> dict:
 
 
 CHECKPOINT_KEY = "fastml"
+
+# The live FSDPState of each registered model: a second register() is refused until close(), since
+# two states would both hook the model and closing the older one would remove the newer one's hooks.
+_REGISTERED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def save_distributed(state: FSDPState, checkpoint_id) -> None:
@@ -643,21 +677,29 @@ def register(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fastml_strategy.fsdp.register: model is a {type(model).__name__}; pass the "
                         f"root module that fully_shard was applied to")
-    if all_gather_bits is not None and (not isinstance(all_gather_bits, int) or isinstance(
-            all_gather_bits, bool) or not 2 <= all_gather_bits <= 8):
-        raise ValueError(f"fastml_strategy.fsdp.register: all_gather_bits={all_gather_bits!r}; use 2-8 "
-                         f"(8 is ZeRO++'s choice; parameters lose more precision with fewer bits) or "
-                         f"None for FSDP's own all-gather")
-    whole_number("layer_stats_every", layer_stats_every, 0, owner="fastml_strategy.fsdp.register",
-                 note=" (0 turns it off)")
     world = dist.group.WORLD
     world_size = dist.get_world_size()
 
-    # Everything that can be wrong is checked locally first, then agreed across ranks (no rank hangs).
+    # Everything that can be wrong is checked locally first, then agreed across ranks (no rank hangs):
+    # a bad argument on one rank raises the same error on every rank, and so do settings that differ.
     found: dict = {}
+    # what ranks must share beside the plan (they change the collectives); inspect() adds the mesh
+    settings: dict = {"all_gather_bits": all_gather_bits, "shard_plan": shard_plan is not None}
 
     def inspect() -> None:
         from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if all_gather_bits is not None and (not isinstance(all_gather_bits, int) or isinstance(
+                all_gather_bits, bool) or not 2 <= all_gather_bits <= 8):
+            raise ValueError(f"fastml_strategy.fsdp.register: all_gather_bits={all_gather_bits!r}; use "
+                             f"2-8 (8 is ZeRO++'s choice; parameters lose more precision with fewer bits) "
+                             f"or None for FSDP's own all-gather")
+        whole_number("layer_stats_every", layer_stats_every, 0, owner="fastml_strategy.fsdp.register",
+                     note=" (0 turns it off)")
+        live = _REGISTERED.get(model)
+        if live is not None and not live._closed:
+            raise ValueError("fastml_strategy.fsdp.register: this model is registered already; keep the "
+                             "FSDPState the first register() returned, or call its close() first")
 
         if isinstance(model, FullyShardedDataParallel) or any(
                 isinstance(m, FullyShardedDataParallel) for m in model.modules()):
@@ -735,13 +777,14 @@ def register(
             sp.check_parameters(trainable, al, fr)
             found["shard_plan"] = sp
         found.update(units=units, native_hsdp=native_hsdp, shard_size=shard_size, rep=rep)
+        settings.update(shard_size=shard_size, replicate_size=rep_size)
 
     # filled by inspect() once the model is known to be an FSDP2 module
     names_all: list = []
     aliases: dict = {}
     frozen: list = []
     plan_obj = agreed_plan(plan, names_all, world, world_size, check=inspect, aliases=aliases,
-                           frozen=frozen)
+                           frozen=frozen, settings=settings, owner="fastml_strategy.fsdp.register")
     shard_plan_obj = found.get("shard_plan")
     if shard_plan_obj is not None:  # the same on every rank too
         shard_plan_obj = agreed_plan(shard_plan_obj, names_all, world, world_size, aliases=aliases,
@@ -753,6 +796,7 @@ def register(
     restore: list = []
     state = FSDPState(model, units, plan_obj, shard_plan_obj, shard_size, shard_rank, rep,
                       layer_stats_every, restore)
+    _REGISTERED[model] = state
     if all_gather_bits is not None:
         from fastml_strategy.config import Codec, CodecConfig
 

@@ -491,6 +491,7 @@ class FastMLState:
         if self._saved is not None:
             raise self._failure
         sd = own_rank_state(sd, self.rank, self.world_size, STATE_FORMAT_VERSION, "FastMLState")
+        check_state_kind(sd, None, "FastMLState")
         check_saved_state(sd, self.rank, self.world_size, self.plan, strict, "FastMLState")
         sizes = {n: p.numel() for n, p in zip(self._param_names, self._params)}
         residuals = fitting_residuals(sd.get("residuals", {}), sizes, strict, "FastMLState")
@@ -570,6 +571,24 @@ def check_saved_state(sd: dict, rank: int, world_size: int, plan: Optional[Plan]
                 f"the residuals of the layers both plans compress alike")
         warnings.warn(f"FastML: {what}; residuals are loaded for the layers both plans give one of the "
                       f"same size", stacklevel=3)
+
+
+# What each kind of saved FastML state is, and what loads it (a DDP state has no "kind").
+_STATE_KINDS = {
+    None: ("a DDP FastML state (from register_hook)", "FastMLState.load_state_dict"),
+    "fsdp": ("an FSDP FastML state (from fastml_strategy.fsdp.register)", "FSDPState.load_state_dict"),
+    "localsgd": ("a LocalSGD state", "LocalSGD.load_state_dict"),
+}
+
+
+def check_state_kind(sd: dict, expected: Optional[str], owner: str) -> None:
+    """Raise ValueError naming what ``sd`` is and what loads it, if it is not of kind ``expected``."""
+    kind = sd.get("kind")
+    if kind == expected:
+        return
+    what, loader = _STATE_KINDS.get(kind, (f"a FastML state of kind {kind!r}", None))
+    fix = f"load it with {loader}" if loader else "pass what this object's state_dict() returned"
+    raise ValueError(f"{owner}.load_state_dict: this is {what}; {fix}, or drop it to start fresh")
 
 
 def fitting_residuals(residuals: dict, sizes: dict, strict: bool, owner: str) -> dict:

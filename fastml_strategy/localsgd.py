@@ -55,8 +55,8 @@ import torch.distributed as dist
 from fastml_strategy._validate import env_whole_number, whole_number
 from fastml_strategy.collective import CompressedAllReduce, CompressionError, DecodeError
 from fastml_strategy.config import Plan
-from fastml_strategy.hook import (_default_group_timeout, agreed_plan, check_saved_state, fitting_residuals,
-                                  model_names, own_rank_state)
+from fastml_strategy.hook import (_default_group_timeout, agreed_plan, check_saved_state, check_state_kind,
+                                  fitting_residuals, model_names, own_rank_state)
 
 __all__ = ["LocalSGD", "check_arguments", "resolve_settings", "gather_to_rank_zero", "SETTINGS"]
 
@@ -214,9 +214,14 @@ class LocalSGD:
                 raise ValueError(f"LocalSGD: the parameters are on several devices ({sorted(map(str, devices))});"
                                  f" keep one model replica on one device per rank")
 
+        # every setting that moves the synchronisations or changes the outer step: a rank with another
+        # value would issue its collectives at other steps (a hang) or drift from the others silently
+        shared = {"every": every, "fragments": fragments, "delay": delay, "outer": outer,
+                  "outer_lr": outer_lr, "outer_momentum": outer_momentum, "mix": mix}
         try:
             self.plan: Plan = agreed_plan(plan, trainable, process_group, self.world_size, check=check,
-                                          aliases=aliases, frozen=frozen, local_steps=True)
+                                          aliases=aliases, frozen=frozen, local_steps=True,
+                                          settings=shared, owner="LocalSGD")
         except BaseException:
             if self._own_group:  # refused on every rank alike: leave no group behind
                 dist.destroy_process_group(process_group)
@@ -316,7 +321,10 @@ class LocalSGD:
         return delta, finite
 
     def _apply(self, frag: _Fragment, mean: torch.Tensor, finite: bool) -> None:
-        """The outer step on a fragment's shared parameters, then the local ones take them (mix)."""
+        """The outer step on a fragment's shared parameters, then the local ones take them (mix). A
+        non-finite average (some rank's pseudo-gradient held a NaN/inf) skips the outer step on every
+        rank; every rank takes the fragment's shared values, and a rank whose model is not finite
+        elsewhere too is made whole (:meth:`_restore_rank`)."""
         with torch.no_grad():
             if finite:
                 for n, off, k in zip(frag.names, frag.offsets, frag.numels):
@@ -327,6 +335,7 @@ class LocalSGD:
                     self._anchor[n].grad = None
             else:  # a rank diverged (NaN/inf): skip the outer step, every rank restarts from the shared values
                 self.nonfinite_syncs += 1
+                self._restore_rank()
             mix = self.mix if finite else 1.0
             for n, p in zip(frag.names, frag.params):
                 shared = self._anchor[n].detach().to(p.dtype)
@@ -334,6 +343,38 @@ class LocalSGD:
                     p.copy_(shared)
                 else:
                     p.mul_(1 - mix).add_(shared, alpha=mix)
+
+    def _restore_rank(self) -> None:
+        """After a non-finite synchronisation: if this rank's parameters (any fragment's) or inner
+        optimizer state are not finite, set every parameter to its shared value (the last
+        synchronisation of its fragment) and drop the inner optimizer's state of every parameter whose
+        state is not finite (it restarts as in a fresh optimizer: Adam's moments and step count).
+        Without this a NaN in one fragment spreads back into the others through the next inner step,
+        and each fragment's synchronisation only ever cleans itself (replicas would never agree
+        again). Ranks whose model is finite keep their local progress on the other fragments."""
+        params = [p for _, p in self._named]
+        bad_params = not all(bool(torch.isfinite(p).all()) for p in params)
+        opt = self.inner_optimizer
+        bad_state = []
+        if opt is not None:
+            for p in params:
+                st = opt.state.get(p)
+                if st and not all(bool(torch.isfinite(v).all()) for v in st.values()
+                                  if isinstance(v, torch.Tensor) and v.is_floating_point()):
+                    bad_state.append(p)
+        if not bad_params and not bad_state:
+            return
+        with torch.no_grad():
+            if bad_params:
+                for n, p in self._named:
+                    p.copy_(self._anchor[n].detach().to(p.dtype))
+            for p in bad_state:
+                del opt.state[p]
+        log.warning("FastML LocalSGD: rank %d held non-finite %s at inner step %d; restored %s from the "
+                    "last synchronisation%s", self.rank,
+                    " and ".join(w for w, b in (("parameters", bad_params), ("optimizer state", bad_state)) if b),
+                    self.inner_steps, "every parameter" if bad_params else "nothing",
+                    f" and reset the inner optimizer's state of {len(bad_state)} parameter(s)" if bad_state else "")
 
     def _explain(self, e: BaseException, frag: _Fragment) -> BaseException:
         if isinstance(e, CompressionError):
@@ -352,7 +393,7 @@ class LocalSGD:
             mean, finite = fut.result()
         except BaseException as e:  # noqa: BLE001
             self._failure = self._explain(e, frag)
-            raise self._failure from None
+            raise self._failure  # noqa: B904 - its cause is set (a plain raise keeps it)
         self._apply(frag, mean, finite)
         self.outer_steps += 1
 
@@ -418,9 +459,19 @@ class LocalSGD:
             "layers": eng.layer_stats(),
         }
 
-    def state_dict(self) -> dict:
+    def state_dict(self, all_ranks: bool = False) -> dict:
         """This rank's state: shared parameters, outer optimizer, residuals, counters, and the averaged
-        updates of fragments still waiting for their delay (waits for their communication first)."""
+        updates of fragments still waiting for their delay (waits for their communication first).
+        With ``all_ranks=True`` (a collective of LocalSGD's group: call on every rank) every rank's, as
+        ``{"format_version", "per_rank": [...]}``, which :meth:`load_state_dict` takes on each rank."""
+        own = self._own_state()
+        if not all_ranks:
+            return own
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, own, group=self.process_group)
+        return {"format_version": STATE_FORMAT_VERSION, "per_rank": gathered}
+
+    def _own_state(self) -> dict:
         pending = {f.index: {"at": at, "mean": mean.detach().cpu().clone(), "finite": finite}
                    for f, (at, mean, finite) in self._settle().items()}
         return {
@@ -446,9 +497,7 @@ class LocalSGD:
         """Load what :meth:`state_dict` returned on this rank (same world size, ``every``,
         ``fragments`` and, with ``strict``, plan); raises ValueError naming any mismatch first."""
         sd = own_rank_state(sd, self.rank, self.world_size, STATE_FORMAT_VERSION, "LocalSGD")
-        if sd.get("kind") != "localsgd":
-            raise ValueError("LocalSGD.load_state_dict: not a LocalSGD state; pass what LocalSGD.state_dict() "
-                             "returned")
+        check_state_kind(sd, "localsgd", "LocalSGD")
         check_saved_state(sd, self.rank, self.world_size, self.plan, strict, "LocalSGD")
         for key in ("every", "fragments"):
             if sd.get(key) != getattr(self, key):
@@ -489,7 +538,7 @@ class LocalSGD:
                 mean, finite = fut.result()
             except BaseException as e:  # noqa: BLE001
                 self._failure = self._explain(e, frag)
-                raise self._failure from None
+                raise self._failure  # noqa: B904 - its cause is set
             frag.pending = (at, _done(mean, finite))
             out[frag] = (at, mean, finite)
         return out

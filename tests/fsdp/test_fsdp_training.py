@@ -160,10 +160,25 @@ def _bad_inputs(rank, world_size):
     fsdp1 = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
     torch.nn.Module.__init__(fsdp1)
     attempt("fsdp1", lambda: ff.register(fsdp1, plan="int4"))
+    # a setting that is bad on one rank only, or valid but different: the same error on every rank
+    attempt("ag_bits_bad_on_rank1", lambda: ff.register(model, plan="int4",
+                                                        all_gather_bits=None if rank == 0 else 9))
+    attempt("ag_bits_differ", lambda: ff.register(model, plan="int4", all_gather_bits=8 if rank else None))
+    attempt("stats_every_bad_on_rank0", lambda: ff.register(model, plan="int4",
+                                                            layer_stats_every=-1 if rank == 0 else 10))
     # after all that, registration still works and trains
     state = ff.register(model, plan=plan("int4"))
     model(torch.randn(8, 13)).square().mean().backward()
     out["trained_steps"] = state.stats()["steps"]
+    # a second register without close() is refused (closing the first would remove its hooks)
+    attempt("twice", lambda: ff.register(model, plan=plan("int4")))
+    # another kind of FastML state names itself and what loads it
+    attempt("wrong_kind", lambda: state.load_state_dict(
+        {"format_version": 1, "kind": "localsgd", "rank": rank, "world_size": world_size}))
+    state.close()
+    again = ff.register(model, plan=plan("int4"))  # after close(), registering again works
+    model(torch.randn(8, 13)).square().mean().backward()
+    out["trained_again"] = again.stats()["steps"]
     return out
 
 
@@ -178,6 +193,17 @@ def test_bad_input_fails_on_every_rank_before_any_step():
         assert r["shard_plan_without_hsdp"][0] == "ValueError"
         assert r["fsdp1"][0] == "TypeError" and "FSDP1" in r["fsdp1"][1]
         assert r["trained_steps"] == 1
+        assert r["ag_bits_bad_on_rank1"][0] == "ValueError"
+        assert "all_gather_bits=9" in r["ag_bits_bad_on_rank1"][1] and "rank(s) [1]" in r["ag_bits_bad_on_rank1"][1]
+        assert r["ag_bits_differ"][0] == "ValueError"
+        assert "different all_gather_bits (rank 0: None, rank 1: 8)" in r["ag_bits_differ"][1]
+        assert "layer_stats_every" in r["stats_every_bad_on_rank0"][1]
+        assert "rank(s) [0]" in r["stats_every_bad_on_rank0"][1]
+        assert r["twice"][0] == "ValueError" and "registered already" in r["twice"][1]
+        assert "a LocalSGD state" in r["wrong_kind"][1] and "LocalSGD.load_state_dict" in r["wrong_kind"][1]
+        assert r["trained_again"] == 1
     # the same message on every rank
+    for key in ("ag_bits_bad_on_rank1", "ag_bits_differ", "stats_every_bad_on_rank0"):
+        assert res[0][key] == res[1][key]
     assert res[0]["mismatch"] == res[1]["mismatch"]
     assert res[0]["bad_only_on_rank1"] == res[1]["bad_only_on_rank1"]
