@@ -199,7 +199,7 @@ def _dies(rank, world_size):
         try:
             local.step()
         except fm.CompressionError as e:
-            return {"step": step, "msg": str(e)}
+            return {"step": step, "msg": str(e), "cause": repr(e.__cause__) if e.__cause__ else None}
     return {"step": None}
 
 
@@ -209,6 +209,7 @@ def test_rank_death_during_a_sync_raises_compression_error():
     status, value = res[0]
     assert status == "ok" and value["step"] == 5, res
     assert "LocalSGD" in value["msg"] and "restart from the last checkpoint" in value["msg"]
+    assert value["cause"] is not None  # gloo's error, kept as the __cause__
 
 
 def _bad(rank, world_size):
@@ -247,3 +248,88 @@ def test_bad_arguments_fail_on_every_rank():
         assert "rank(s) [1]" in r["plan_on_rank1"][1]
         assert r["ddp"][0] == "TypeError" and "model.module" in r["ddp"][1]
     assert res[0]["plan_on_rank1"] == res[1]["plan_on_rank1"]
+
+
+def _nan_on_rank0(rank, world_size, optimizer, fragments):
+    """Rank 0 writes a NaN into its last parameter after inner step 4 (as a bad batch or an overflow
+    would); LocalSGD must make it whole again at the next synchronisation that sees it."""
+    import fastml_strategy as fm
+
+    model = _mlp(seed=1, width=16)
+    inner = (torch.optim.SGD(model.parameters(), lr=0.1) if optimizer == "sgd"
+             else torch.optim.Adam(model.parameters(), lr=1e-2))
+    local = fm.LocalSGD(model, inner, every=4, fragments=fragments, plan="int4", outer="sgd", outer_lr=1.0,
+                        outer_momentum=0.0)
+    finite_after = []
+    for step in range(20):
+        x, y = _batch(rank, step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        inner.step()
+        inner.zero_grad()
+        local.step()
+        if rank == 0 and step + 1 == 4:
+            with torch.no_grad():
+                list(model.parameters())[-1].view(-1)[0] = float("nan")
+        finite_after.append(all(bool(torch.isfinite(p).all()) for p in model.parameters()))
+    state_ok = all(bool(torch.isfinite(v).all()) for st in inner.state.values() for v in st.values()
+                   if isinstance(v, torch.Tensor) and v.is_floating_point())
+    shared = torch.cat([a.detach().reshape(-1) for a in local._anchor.values()]).tolist()
+    s = local.stats()
+    local.close()
+    return finite_after, state_ok, shared, s["nonfinite_syncs"], s["outer_steps"]
+
+
+@pytest.mark.parametrize("optimizer,fragments", [("sgd", 2), ("adam", 1)])
+def test_one_rank_nan_is_recovered_at_the_next_sync(optimizer, fragments):
+    """The NaN reaches the synchronisation of a fragment; every rank skips that outer step, and rank
+    0 is restored whole (every fragment's parameters from their last synchronisation, the inner
+    optimizer's non-finite state dropped): from then on its model and optimizer are finite, the
+    replicas' shared parameters are identical and finite, and only that one sync was non-finite."""
+    res = run_workers(_nan_on_rank0, 2, optimizer, fragments, timeout=120)
+    finite0, state_ok0, shared0, nonfinite0, outer0 = res[0]
+    assert not all(finite0) and all(finite0[8:]), finite0  # NaN at step 4, whole again by step 8
+    assert state_ok0 and res[1][1]
+    assert shared0 == res[1][2] and all(v == v for v in shared0)
+    assert nonfinite0 == res[1][3] == 1
+    assert outer0 == res[1][4] == (10 if fragments == 2 else 5)
+
+
+def _settings_and_state(rank, world_size):
+    import fastml_strategy as fm
+
+    out = {}
+    for key, kw in {"every": dict(every=2 if rank == 0 else 3),
+                    "fragments": dict(fragments=1 if rank == 0 else 2),
+                    "outer_lr": dict(outer_lr=0.7 if rank == 0 else 0.5)}.items():
+        try:
+            fm.LocalSGD(_mlp(), None, **kw).close()
+            out[key] = None
+        except ValueError as e:
+            out[key] = str(e)
+    # every rank's state in one dict, loadable on each rank; another kind of state names itself
+    model = _mlp()
+    local = fm.LocalSGD(model, torch.optim.SGD(model.parameters(), lr=0.1), every=1, plan="int4")
+    x, y = _batch(rank, 0)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    local.step()
+    both = local.state_dict(all_ranks=True)
+    out["per_rank"] = [s["rank"] for s in both["per_rank"]]
+    local.load_state_dict(both)
+    try:
+        local.load_state_dict({"format_version": 1, "rank": rank, "world_size": world_size, "step": 0})
+    except ValueError as e:
+        out["ddp_state"] = str(e)
+    local.close()
+    return out
+
+
+def test_settings_that_differ_between_ranks_fail_on_every_rank():
+    """A valid but different every, fragments or outer setting on one rank is refused on every rank
+    alike when LocalSGD is built (it used to hang until the timeout at the first sync, or drift)."""
+    res = run_workers(_settings_and_state, 2, timeout=90)
+    for key, shown in (("every", "rank 0: 2, rank 1: 3"), ("fragments", "rank 0: 1, rank 1: 2"),
+                       ("outer_lr", "rank 0: 0.7, rank 1: 0.5")):
+        assert res[0][key] == res[1][key] and f"different {key} ({shown})" in res[0][key], res[0][key]
+    for r in res:
+        assert r["per_rank"] == [0, 1]
+        assert "a DDP FastML state" in r["ddp_state"] and "FastMLState.load_state_dict" in r["ddp_state"]
