@@ -726,6 +726,13 @@ class CompressedAllReduce:
         self.bytes_uncompressed = 0.0
         self.layer_error: dict[str, float] = {}
 
+    @staticmethod
+    def wait(work) -> None:
+        """Wait for one of :meth:`run`'s asynchronous collectives. A caller whose ranks meet in
+        several groups (HSDP) replaces it by :meth:`fastml_strategy._peers.FailureChannel.wait`,
+        which also raises as soon as a rank of another group has failed."""
+        work.wait()
+
     # -- layouts and residuals ----------------------------------------------------------------------
     def layout_for(self, names, offsets, numels, device, dtype=torch.float32,
                    double_buffer: bool = True, persistent: bool = True,
@@ -853,7 +860,7 @@ class CompressedAllReduce:
         for j in range(W):
             start = sum(lay.split_sizes[:j])
             self._write_header(lay.send[start:], local_error)
-        self._all_to_all(lay)
+        self.wait(self._all_to_all(lay, async_op=True))
         headers = [lay.recv[j * lay.my_chunk:] for j in range(W)]
         self._check_headers(headers, "encoding", local_error)
 
@@ -1155,7 +1162,7 @@ class CompressedAllReduce:
 
         def reduce(k: int) -> None:
             piece = pieces[k]
-            a2a[k].wait()
+            self.wait(a2a[k])
             checks.add_headers("encoding", [piece.recv[j * piece.my_chunk:] for j in range(W)])
             if checks.error is None:
                 try:
@@ -1167,7 +1174,7 @@ class CompressedAllReduce:
 
         def decode(k: int) -> None:
             piece = pieces[k]
-            ag[k].wait()
+            self.wait(ag[k])
             checks.add_headers("reduction", [piece.grecv[j * piece.gather_size:] for j in range(W)])
             if checks.error is None and checks.decode_error is None:
                 try:

@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from fastml_strategy import codecs
+from fastml_strategy._peers import FailureChannel
 from fastml_strategy._validate import whole_number
 from fastml_strategy.collective import CompressedAllReduce, CompressionError, ShardedTensor
 from fastml_strategy.config import Plan, resolve_plan
@@ -195,6 +196,8 @@ class FSDPState:
         self._ar = (CompressedAllReduce(plan, replicate_group, self.replicate_rank, self.replicate_size)
                     if replicate_group is not None else None)
         self._ag: Optional[_AllGatherCounter] = None  # register(all_gather_bits=...)
+        # HSDP: ranks meet in shard and replica groups, so a failure is told to all through the store
+        self._channel: Optional[FailureChannel] = None
         self._create_residuals()
         self.step = 0
         self.nonfinite_steps = 0
@@ -253,11 +256,13 @@ class FSDPState:
         """The error to raise for ``e`` (FastML's own as it is, with its cause; anything else wrapped
         in a CompressionError whose ``__cause__`` is ``e``); the state stays failed with it. Raise it
         with a plain ``raise`` (``from None`` would drop the cause)."""
+        if self._channel is not None:
+            self._channel.publish(f"{type(e).__name__}: {e}")
         if isinstance(e, (CompressionError, ValueError)):
             err = e
         else:
             err = CompressionError(
-                f"FastML: the compressed {what} of FSDP unit {unit.index} ({unit.names[0]}, ...) at step "
+                f"FastML: the {what} of FSDP unit {unit.index} ({unit.names[0]}, ...) at step "
                 f"{self.step} failed on rank {self.rank} ({type(e).__name__}: {e}). If another rank "
                 f"died or timed out, its log has the cause; restart from the last checkpoint.")
             err.__cause__ = e
@@ -276,8 +281,37 @@ class FSDPState:
                                         scale=_scale_of(op, self.shard_size, unit.group),
                                         layer_stats=self._layer_stats_now())
         except BaseException as e:  # noqa: BLE001
-            raise self._fail(e, "reduce-scatter", unit)  # noqa: B904 - the cause is set
+            raise self._fail(e, "compressed reduce-scatter", unit)  # noqa: B904 - the cause is set
         self._step_finite = self._step_finite and finite
+
+    def _plain_reduce_scatter(self, unit: _Unit, out: torch.Tensor, inp: torch.Tensor, group, op) -> None:
+        """HSDP without ``shard_plan``: FSDP's own intra-node reduce-scatter (the same call as its
+        default), waited for through the failure channel, so that a peer's failure elsewhere in the
+        mesh, or a dead shard peer, raises :class:`CompressionError` here at once."""
+        if self._failure is not None:
+            raise self._failure
+        try:
+            if inp.is_cuda or self._channel is None:
+                dist.reduce_scatter_single(output=out, input=inp, group=group, op=op)
+            else:
+                self._channel.wait(dist.reduce_scatter_single(output=out, input=inp, group=group, op=op,
+                                                              async_op=True))
+        except BaseException as e:  # noqa: BLE001
+            raise self._fail(e, "reduce-scatter (FSDP's own)", unit)  # noqa: B904 - the cause is set
+
+    def _plain_all_gather(self, unit: _Unit, out: torch.Tensor, inp: torch.Tensor, group, async_op: bool):
+        """FSDP's own parameter all-gather (the same call as its default). On CPU HSDP it is waited
+        for here, through the failure channel (FSDP's default on CPU waits anyway: its prefetches
+        are synchronous unless ``unshard_async_op``), and a failure raises :class:`CompressionError`."""
+        if self._failure is not None:
+            raise self._failure
+        try:
+            if inp.is_cuda or self._channel is None:
+                return dist.all_gather_single(out, inp, group=group, async_op=async_op)
+            self._channel.wait(dist.all_gather_single(out, inp, group=group, async_op=True))
+        except BaseException as e:  # noqa: BLE001
+            raise self._fail(e, "parameter all-gather (FSDP's own)", unit)  # noqa: B904 - the cause is set
+        return None
 
     def _all_reduce(self, unit: _Unit, reduce_output: torch.Tensor) -> None:
         g = unit.group
@@ -323,7 +357,7 @@ class FSDPState:
             finite = eng.run(lay, buf, self.step, layer_stats=self._layer_stats_now(), commit=True,
                              baseline_elem_size=buf.element_size(), divisor=divisor)
         except BaseException as e:  # noqa: BLE001
-            raise self._fail(e, "cross-replica all-reduce", unit)  # noqa: B904 - the cause is set
+            raise self._fail(e, "compressed cross-replica all-reduce", unit)  # noqa: B904 - the cause is set
         self._step_finite = self._step_finite and finite
 
     # -- public ---------------------------------------------------------------------------------------------
@@ -500,7 +534,8 @@ def _quantized_all_gather(state: FSDPState, unit: _Unit, output: torch.Tensor, i
         codecs.encode_chunk(inp[off: off + k], cfg, send[pos: pos + nb])
         pos, off = pos + nb, off + k
     recv = torch.empty(W * total, dtype=torch.uint8, device=inp.device)
-    dist.all_gather(list(recv.view(W, total).unbind(0)), send, group=group)
+    work = dist.all_gather(list(recv.view(W, total).unbind(0)), send, group=group, async_op=True)
+    state._channel.wait(work) if state._channel is not None and not inp.is_cuda else work.wait()
     out = output.view(W, n)
     tmp = None if output.dtype == torch.float32 else torch.empty(n, dtype=torch.float32, device=inp.device)
     for j in range(W):
@@ -515,21 +550,22 @@ def _quantized_all_gather(state: FSDPState, unit: _Unit, output: torch.Tensor, i
     ag.bytes_uncompressed += (W - 1) * n * inp.element_size()
 
 
-def _make_all_gather(AllGather, state: FSDPState, unit: _Unit):
+def _make_all_gather(AllGather, state: FSDPState, unit: _Unit, quantized: bool = True):
     class _FastMLAllGather(AllGather):
-        """FSDP's parameter all-gather of one unit, quantized (opt-in: register(all_gather_bits=8))."""
+        """FSDP's parameter all-gather of one unit, quantized (opt-in: register(all_gather_bits=8)),
+        or (HSDP) FSDP's own, waited for through the failure channel."""
 
         def allocate(self, size, *, dtype, device):
             return torch.empty(*size, dtype=dtype, device=device)
 
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            if not input_tensor.is_floating_point():  # parameters of mixed dtypes travel as bytes
-                return dist.all_gather_single(output_tensor, input_tensor, group=group,
-                                              async_op=async_op)
+            if not quantized or not input_tensor.is_floating_point():
+                # FSDP's own all-gather (parameters of mixed dtypes travel as bytes)
+                return state._plain_all_gather(unit, output_tensor, input_tensor, group, async_op)
             try:
                 _quantized_all_gather(state, unit, output_tensor, input_tensor, group)
             except BaseException as e:  # noqa: BLE001
-                raise state._fail(e, "parameter all-gather", unit)  # noqa: B904 - the cause is set
+                raise state._fail(e, "quantized parameter all-gather", unit)  # noqa: B904 - the cause is set
             return None
 
     return _FastMLAllGather()
@@ -628,15 +664,19 @@ def load_distributed(checkpoint_id) -> Optional[dict]:
     return _dcp_decode(state, tensors)
 
 
-def _make_comm(ReduceScatter, state: FSDPState, unit: _Unit):
+def _make_comm(ReduceScatter, state: FSDPState, unit: _Unit, compressed: bool = True):
     class _FastMLReduceScatter(ReduceScatter):
-        """FSDP's reduce-scatter of one unit, compressed (see :mod:`fastml_strategy.fsdp`)."""
+        """FSDP's reduce-scatter of one unit, compressed (see :mod:`fastml_strategy.fsdp`), or (HSDP
+        without ``shard_plan``) FSDP's own, waited for through the failure channel."""
 
         def allocate(self, size, *, dtype, device):
             return torch.empty(*size, dtype=dtype, device=device)
 
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            state._reduce_scatter(unit, output_tensor, input_tensor, group, op)
+            if compressed:
+                state._reduce_scatter(unit, output_tensor, input_tensor, group, op)
+            else:
+                state._plain_reduce_scatter(unit, output_tensor, input_tensor, group, op)
             return None
 
     return _FastMLReduceScatter()
@@ -797,6 +837,12 @@ def register(
     state = FSDPState(model, units, plan_obj, shard_plan_obj, shard_size, shard_rank, rep,
                       layer_stats_every, restore)
     _REGISTERED[model] = state
+    if rep is not None:
+        state._channel = FailureChannel(world, dist.get_rank())
+        if units[0].params[0].sharded_param.device.type == "cpu":  # (NCCL's wait does not block)
+            for eng in (state._ar, state._rs):
+                if eng is not None:
+                    eng.wait = state._channel.wait
     if all_gather_bits is not None:
         from fastml_strategy.config import Codec, CodecConfig
 
@@ -821,13 +867,13 @@ def register(
                 g.post_forward_mesh_info = one_d
             restore.append(lambda g=g, m=hsdp_info, pf=post: (setattr(g, "mesh_info", m),
                                                               setattr(g, "post_forward_mesh_info", pf)))
-        if state._rs is not None:
+        if state._rs is not None or rep is not None:
             old = g._reduce_scatter_comm
-            mod.set_custom_reduce_scatter(_make_comm(ReduceScatter, state, unit))
+            mod.set_custom_reduce_scatter(_make_comm(ReduceScatter, state, unit, state._rs is not None))
             restore.append(lambda g=g, c=old: setattr(g, "_reduce_scatter_comm", c))
-        if all_gather_bits is not None:
+        if all_gather_bits is not None or rep is not None:
             old_ag = g._all_gather_comm
-            mod.set_custom_all_gather(_make_all_gather(AllGather, state, unit))
+            mod.set_custom_all_gather(_make_all_gather(AllGather, state, unit, all_gather_bits is not None))
             restore.append(lambda g=g, c=old_ag: setattr(g, "_all_gather_comm", c))
         if rep is not None:
             old_hook = g._all_reduce_hook

@@ -132,6 +132,51 @@ def test_rank_death_raises_compression_error_on_survivors():
     assert "reduce-scatter" in value["msg"] and "restart from the last checkpoint" in value["msg"]
 
 
+def _hsdp_dies(rank, world_size, marks):
+    """Rank 3 of a 2 x 2 HSDP mesh dies inside FastML's cross-replica all-reduce; each survivor
+    notes when it raised and then stays alive (as a process that logs and waits would) until every
+    survivor has raised, so that no survivor learns of the failure from another one's exit."""
+    import time
+
+    import fastml_strategy.codecs as codecs
+    import fastml_strategy.fsdp as ff
+    from fastml_strategy import CompressionError
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = shard(OddNet(), mesh=mesh)
+    ff.register(model, plan=plan("int4"))
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(5):
+        if step == 2 and rank == 3:
+            codecs.encode_chunk = lambda *a, **k: os._exit(3)  # HSDP encodes only across replicas
+        t0 = time.monotonic()
+        try:
+            model(torch.randn(8, 13, generator=gen)).square().mean().backward()
+        except CompressionError as e:
+            took = time.monotonic() - t0
+            open(os.path.join(marks, str(rank)), "w").close()
+            deadline = time.monotonic() + 40
+            while len(os.listdir(marks)) < 3 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            return {"step": step, "msg": str(e), "took": took,
+                    "cause": repr(e.__cause__) if e.__cause__ is not None else None}
+    return {"step": None}
+
+
+def test_hsdp_rank_death_raises_compression_error_on_every_survivor_promptly(tmp_path):
+    """Every survivor, in either group of the dead rank or in neither, raises FastML's error within
+    seconds (the process-group timeout is 20 s), with the underlying error as its cause."""
+    res = run_workers(_hsdp_dies, 4, str(tmp_path), timeout=120, pg_timeout=20, allow_deaths=True)
+    assert res[3] == ("died", 3), res
+    for r in range(3):
+        status, value = res[r]
+        assert status == "ok" and value["step"] == 2, (r, res[r])
+        assert value["took"] < 10, (r, value)
+        assert value["cause"] is not None, (r, value)
+        assert "restart from the last checkpoint" in value["msg"] or "failed on rank" in value["msg"], value
+
+
 def _bad_inputs(rank, world_size):
     import fastml_strategy as fm
     import fastml_strategy.fsdp as ff
