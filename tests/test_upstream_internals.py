@@ -84,6 +84,30 @@ def test_fsdp2_internals_fastml_reads_exist():
     assert "_orig_size" in FSDPParam.__annotations__
 
 
+def _fsdp_group_flags(rank, world_size):
+    from torch.distributed.fsdp import fully_shard
+
+    from fastml_strategy._peers import default_store
+
+    m = fully_shard(torch.nn.Linear(4, 4))
+    g = m._get_fsdp_state()._fsdp_param_groups[0]
+    before = (g.all_reduce_grads, g.gradient_divide_factor)
+    m.set_requires_all_reduce(False)
+    m.set_gradient_divide_factor(3.0)
+    store = default_store()
+    store.set("fastml/probe", "x")
+    return before, (g.all_reduce_grads, g.gradient_divide_factor), store.check(["fastml/probe"])
+
+
+def test_fsdp_param_group_flags_and_the_store_fastml_reads():
+    """HSDP reads FSDPParamGroup.all_reduce_grads (set_requires_all_reduce) and
+    gradient_divide_factor (set_gradient_divide_factor) to honour them, and the failure channel
+    uses the default group's store: renamed, HSDP would silently average or all-reduce every
+    micro-batch, or wait for the timeout."""
+    before, after, found = run_workers(_fsdp_group_flags, 1, timeout=90)[0]
+    assert before == (True, None) and after == (False, 3.0) and found
+
+
 # -- Lightning ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("package", ["lightning", "pytorch_lightning"])
 def test_lightning_internals_fastml_sets_and_calls_exist(package):
