@@ -22,7 +22,10 @@ Two nodes, HSDP (shard inside each node, replicate across the two)::
 Checkpoints (``--ckpt DIR``, a folder): one ``torch.distributed.checkpoint`` with the model and optimizer
 shards and every rank's FastML state (``state.distributed_state_dict()``: its error-feedback residuals
 are its own). ``--resume DIR`` continues the same trajectory exactly; resume with the same number of
-processes and the same ``--replicate-size``.
+processes and the same ``--replicate-size``. Both lines below end with the same ``parameters sha256``::
+
+    torchrun --nproc_per_node 2 recipes/train_fsdp.py --max-steps 20 --ckpt fsdp-ck --ckpt-at 8
+    torchrun --nproc_per_node 2 recipes/train_fsdp.py --max-steps 20 --resume fsdp-ck
 """
 
 from __future__ import annotations
@@ -180,6 +183,8 @@ def main() -> None:
     if args.ckpt and args.ckpt_at is None:
         save_checkpoint(args.ckpt, model, opt, step, state)
     digest = params_sha256(model)  # a collective: every rank
+    if rank == 0:  # a resumed run that ends where an uninterrupted one did prints the same digest
+        print(f"parameters sha256 {digest[:16]} at step {step}", flush=True)
     if args.summary:
         stats = state.stats()
         os.makedirs(os.path.dirname(os.path.abspath(args.summary)), exist_ok=True)
