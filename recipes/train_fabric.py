@@ -78,7 +78,7 @@ def quiet_lightning() -> None:
                             category=FutureWarning, module=r"lightning\.(pytorch|fabric)\.utilities\._pytree")
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plan", default=None, help="recipe name or plan JSON (default: $FASTML_PLAN or int4)")
     ap.add_argument("--strategy", default="fastml", choices=["fastml", "fastml_fsdp", "fastml_localsgd"],
@@ -100,8 +100,11 @@ def main() -> None:
     ap.add_argument("--ckpt", default=None, help="save a checkpoint here at the end")
     ap.add_argument("--resume", default=None, help="resume from this checkpoint")
     ap.add_argument("--summary", default=None, help="write final figures to SUMMARY.rank<R>.json")
-    args = ap.parse_args()
+    return ap
 
+
+def main() -> None:
+    args = build_parser().parse_args()
     quiet_lightning()
     devices = int(args.devices) if args.devices.isdigit() else args.devices
     try:

@@ -303,9 +303,15 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def output_dir(args: argparse.Namespace) -> str:
+    """--out, else one folder per strategy: an FSDP run's checkpoint (a folder of shards) never becomes
+    the "last" of a DDP run, nor the other way round."""
+    return args.out if args.out is not None else os.path.join("lightning_logs", args.strategy)
+
+
 def main() -> None:
     args = build_parser().parse_args()
-    out = args.out if args.out is not None else os.path.join("lightning_logs", args.strategy)
+    out = output_dir(args)
     ckpt_dir = os.path.join(out, "checkpoints")
 
     quiet_lightning(resuming=args.resume is not None)
