@@ -106,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main() -> None:
     args = build_parser().parse_args()
     quiet_lightning()
+    if args.every is not None and args.strategy != "fastml_localsgd":
+        fail(f"--every {args.every} sets the local-steps period: add --strategy fastml_localsgd, or drop --every")
     devices = int(args.devices) if args.devices.isdigit() else args.devices
     try:
         if args.strategy == "fastml":

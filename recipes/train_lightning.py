@@ -154,10 +154,11 @@ def resume_path(resume: str | None, ckpt_dir: str, strategy: str) -> tuple[str |
     if not last:
         return None, (f"--resume last: no last*.ckpt in {ckpt_dir}; train without --resume first, or give "
                       f"--out of an earlier run")
-    wrote = {p: checkpoint_strategy(p) for p in last}
-    own = [p for p in last if wrote[p] in (strategy, None)]
+    # a file that does not say (written before the recipe recorded it) is a DDP one
+    wrote = {p: checkpoint_strategy(p) or "fastml" for p in last}
+    own = [p for p in last if wrote[p] == strategy]
     if not own:
-        others = sorted({w for w in wrote.values() if w})
+        others = sorted(set(wrote.values()))
         return None, (f"--resume last: the checkpoints in {ckpt_dir} were written by --strategy "
                       f"{', '.join(others)}, not {strategy}; resume with that --strategy, or give --out of a "
                       f"{strategy} run")
@@ -315,6 +316,8 @@ def main() -> None:
     ckpt_dir = os.path.join(out, "checkpoints")
 
     quiet_lightning(resuming=args.resume is not None)
+    if args.every is not None and args.strategy != "fastml_localsgd":
+        fail(f"--every {args.every} sets the local-steps period: add --strategy fastml_localsgd, or drop --every")
     devices = int(args.devices) if args.devices.isdigit() else args.devices
     try:
         if args.strategy == "fastml":
