@@ -25,6 +25,11 @@ FSDP2 (the model sharded; FastML compresses the reduce-scatter, or HSDP's cross-
     # CPU: Accelerate 1.15 ignores its FSDP plugin on CPU (it trains DDP instead), so shard yourself:
     torchrun --nproc_per_node 2 recipes/train_accelerate.py --cpu --fully-shard --max-steps 50
 
+Local steps (below 1 Gbit/s: no DDP wrapper, every process trains alone and every ``--every`` H steps
+the processes average their compressed pseudo-gradients; ``prepare_local_sgd`` then ``local.step()``)::
+
+    torchrun --nproc_per_node 2 recipes/train_accelerate.py --cpu --every 10 --max-steps 100
+
 ``--ckpt DIR`` saves with ``accelerator.save_state`` (model, optimizer, RNG and the FastML state of
 every rank; with ``--fully-shard`` model and optimizer go to ``DIR/model_optimizer`` through
 ``torch.distributed.checkpoint``, since Accelerate does not know the model); ``--resume DIR``
@@ -37,6 +42,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import sys
 
 import torch
@@ -102,6 +108,9 @@ def main() -> None:
     ap.add_argument("--fully-shard", action="store_true",
                     help="shard the model with FSDP2's fully_shard yourself (FSDP2 on CPU, where Accelerate "
                          "ignores its FSDP plugin); prepare() then gets the data loader only")
+    ap.add_argument("--every", type=int, default=None, metavar="H",
+                    help="local steps instead of DDP: prepare the model without the DDP wrapper and "
+                         "synchronise it every H optimizer steps (fastml_strategy.accelerate.prepare_local_sgd)")
     ap.add_argument("--mixed-precision", default="no", choices=["no", "fp16", "bf16"])
     ap.add_argument("--accumulate", type=int, default=1, help="gradient accumulation steps")
     ap.add_argument("--max-steps", type=int, default=300, help="optimizer steps to train")
@@ -122,6 +131,8 @@ def main() -> None:
                               # gradients as views into DDP's buckets: DDP copies none into its buckets
                               # and back (FastMLStrategy does this by default; Accelerate cannot)
                               kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)])
+    if args.fully_shard and args.every is not None:
+        raise SystemExit("--fully-shard and --every: local steps train a whole replica per process; drop one")
     if args.fully_shard and accelerator.distributed_type == DistributedType.FSDP:
         raise SystemExit("--fully-shard is for runs where Accelerate does not shard (CPU); with an FSDP "
                          "config (recipes/accelerate/fsdp2.yaml) prepare() shards the model itself: drop it")
@@ -134,20 +145,34 @@ def main() -> None:
         model = shard_yourself(model)  # before the optimizer: fully_shard replaces the parameters
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
         loader = accelerator.prepare(loader)
-    else:
+    elif args.every is None:
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
     # The one FastML line: registers on the DDP or FSDP2 model (None in a single process) and its state
-    # for save_state/load_state.
+    # for save_state/load_state. With --every: prepare without DDP and build LocalSGD on the model (its
+    # state registered for save_state/load_state too); local.step() after each optimizer step.
+    local = None
     try:
-        state = fastml_strategy.accelerate.setup(accelerator, model, plan=args.plan)
+        if args.every is None:
+            state = fastml_strategy.accelerate.setup(accelerator, model, plan=args.plan)
+        else:
+            model, optimizer, loader = fastml_strategy.accelerate.prepare_local_sgd(
+                accelerator, model, optimizer, loader, plan=args.plan, every=args.every)
+            state = local = accelerator.fastml_localsgd  # None in a single process
     except ValueError as e:  # a bad plan (or FASTML_PLAN): the same error on every process, before any step
-        # one line for the whole job: the main process prints it, every process exits with status 2
+        # one line for the whole job: the main process prints it, every process exits with status 2 by
+        # itself (torchrun stops the others with SIGTERM once one has exited, sooner than a normal
+        # interpreter exit takes: hence os._exit, and a SIGTERM handler for one that comes first)
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(2))
         if accelerator.is_main_process:
             print(f"{os.path.basename(__file__)}: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
         accelerator.end_training()
-        sys.exit(2)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
 
     def save(folder: str, at_step: int) -> None:
         accelerator.save_state(folder)  # every process calls it; FastML gathers every rank's state
@@ -182,6 +207,8 @@ def main() -> None:
                 optimizer.zero_grad(set_to_none=True)
             micro += 1
             if accelerator.sync_gradients:
+                if local is not None:
+                    local.step()  # an inner step; every H of them, the compressed synchronisation
                 step += 1
                 if state is not None and step % 50 == 0:
                     s = state.stats()
@@ -196,8 +223,13 @@ def main() -> None:
         xv, yv = (t.to(accelerator.device) for t in val.tensors)
         acc = (model(xv).argmax(-1) == yv).float().mean().item()
     stats = state.stats() if state is not None else {"compression_ratio": 1.0, "plan": None, "steps": 0}
-    accelerator.print(f"compression {stats['compression_ratio']:.2f}x over {step - first_step} steps, "
-                      f"validation accuracy {acc:.3f}")
+    if local is not None:
+        accelerator.print(f"local steps: {stats['outer_steps']} synchronisations every {stats['every']} of "
+                          f"{stats['inner_steps']} steps, {stats['ratio_vs_ddp']:.0f}x fewer bytes than DDP's "
+                          f"fp32 all-reduce, validation accuracy {acc:.3f}")
+    else:
+        accelerator.print(f"compression {stats['compression_ratio']:.2f}x over {step - first_step} steps, "
+                          f"validation accuracy {acc:.3f}")
     if args.ckpt and args.ckpt_at is None:
         save(args.ckpt, step)
     if args.summary:
@@ -206,7 +238,7 @@ def main() -> None:
         with open(f"{args.summary}.rank{accelerator.process_index}.json", "w") as f:
             json.dump({"rank": accelerator.process_index, "world_size": accelerator.num_processes, "step": step,
                        "val_acc": acc, "params_sha256": digest, "plan": stats["plan"],
-                       "fastml_step": stats["steps"], "compression_ratio": stats["compression_ratio"],
+                       "fastml_step": stats.get("steps", stats.get("inner_steps")), "compression_ratio": stats["compression_ratio"],
                        "fastml_kind": type(state).__name__ if state is not None else None,
                        "residual_bytes": stats.get("residual_bytes"),
                        "model_type": type(accelerator.unwrap_model(model)).__name__,

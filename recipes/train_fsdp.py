@@ -22,7 +22,10 @@ Two nodes, HSDP (shard inside each node, replicate across the two)::
 Checkpoints (``--ckpt DIR``, a folder): one ``torch.distributed.checkpoint`` with the model and optimizer
 shards and every rank's FastML state (``state.distributed_state_dict()``: its error-feedback residuals
 are its own). ``--resume DIR`` continues the same trajectory exactly; resume with the same number of
-processes and the same ``--replicate-size``.
+processes and the same ``--replicate-size``. Both lines below end with the same ``parameters sha256``::
+
+    torchrun --nproc_per_node 2 recipes/train_fsdp.py --max-steps 20 --ckpt fsdp-ck --ckpt-at 8
+    torchrun --nproc_per_node 2 recipes/train_fsdp.py --max-steps 20 --resume fsdp-ck
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import sys
 
 import torch
@@ -73,12 +77,19 @@ def fail(message: str) -> None:
 
     FastML agrees on the plan across ranks before the first step, so every rank raises the same error;
     printing it once (not a traceback per rank) is the whole report.
+
+    torchrun stops the remaining ranks (SIGTERM) as soon as one has exited, sooner than a normal
+    interpreter exit takes: so each rank leaves with os._exit(2) once its output is flushed, and a
+    SIGTERM that comes first ends it with status 2 too.
     """
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(2))
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"{os.path.basename(__file__)}: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
-    sys.exit(2)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(2)  # nothing to save or close: no step has run, or the resume failed before one
 
 
 def save_checkpoint(folder: str, model: nn.Module, opt, step: int, state) -> None:
@@ -172,6 +183,8 @@ def main() -> None:
     if args.ckpt and args.ckpt_at is None:
         save_checkpoint(args.ckpt, model, opt, step, state)
     digest = params_sha256(model)  # a collective: every rank
+    if rank == 0:  # a resumed run that ends where an uninterrupted one did prints the same digest
+        print(f"parameters sha256 {digest[:16]} at step {step}", flush=True)
     if args.summary:
         stats = state.stats()
         os.makedirs(os.path.dirname(os.path.abspath(args.summary)), exist_ok=True)

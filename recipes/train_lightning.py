@@ -1,6 +1,7 @@
 """Lightning + FastML: train an MLP on scikit-learn's digits with ``Trainer(strategy="fastml")``.
 
-``import fastml_strategy`` registers the strategy name; the plan comes from ``--plan`` or the
+``import fastml_strategy.lightning`` registers the strategy names (``import fastml_strategy`` does it
+only when Lightning was imported before it); the plan comes from ``--plan`` or the
 environment variable ``FASTML_PLAN`` (a recipe name such as ``int4``/``int2``/``topk1``, or a plan
 JSON written by ``fastml-autotune``), default ``int4``.
 
@@ -23,6 +24,11 @@ HSDP's cross-replica all-reduce; checkpoints are folders of per-rank shards, Fas
     torchrun --nnodes 2 --nproc_per_node 8 ... recipes/train_lightning.py --strategy fastml_fsdp \\
         --num-nodes 2 --devices 8 --hybrid      # shard inside a node, replicate across nodes
 
+Local steps (``strategy="fastml_localsgd"``: no DDP wrapper, every rank trains alone and every
+``--every`` H steps the ranks average their compressed pseudo-gradients; for links below 1 Gbit/s)::
+
+    python recipes/train_lightning.py --strategy fastml_localsgd --every 10 --accelerator cpu --devices 2 --max-steps 100
+
 How long: ``--max-steps N`` optimizer steps (the epochs then run as long as needed), else
 ``--max-epochs`` (default 5 when no ``--max-steps`` is given).
 
@@ -30,7 +36,8 @@ Compression figures go to the logger (``fastml/compression_ratio``, ``fastml/byt
 ``fastml/rel_error/<layer>``, and with FSDP ``fastml/residual_bytes``; see ``lightning_logs/``).
 
 Resuming: checkpoints (``OUT/checkpoints``: one at each epoch end, ``last`` when the run stops, and
-every ``--ckpt-every N`` steps if asked) carry every rank's FastML state and, because the training
+every ``--ckpt-every N`` steps if asked; ``OUT`` defaults to ``lightning_logs/STRATEGY``, so each
+strategy's checkpoints stay apart) carry every rank's FastML state and, because the training
 batches come from a resumable loader (``ResumableLoader``: the shuffle order depends on the epoch
 only, and its position within the epoch is saved), ``--resume last --max-steps 100`` after a 50-step
 run continues at step 51 with the batch an uninterrupted run would have used, and reaches the same
@@ -38,6 +45,10 @@ parameters bit for bit (resume with the same number of processes and the same ``
 
     python recipes/train_lightning.py --accelerator cpu --devices 2 --max-steps 50
     python recipes/train_lightning.py --accelerator cpu --devices 2 --max-steps 100 --resume last
+
+``--resume last`` takes the newest ``last*.ckpt`` in ``OUT/checkpoints`` that the same ``--strategy``
+wrote (Lightning logs "Restored all states from the checkpoint at PATH"); a checkpoint of another
+strategy, or none at all, stops the run with one line that says what to pass instead.
 """
 
 from __future__ import annotations
@@ -47,6 +58,8 @@ import hashlib
 import json
 import logging
 import os
+import re
+import signal
 import sys
 import warnings
 
@@ -54,11 +67,15 @@ import torch
 from torch import nn
 
 import lightning.pytorch as L
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 # Importing fastml_strategy.lightning registers strategy="fastml", "fastml_fsdp" and "fastml_localsgd".
-from fastml_strategy.lightning import FastMLFSDPStrategy, FastMLStrategy
+from fastml_strategy.lightning import FastMLFSDPStrategy, FastMLLocalSGDStrategy, FastMLStrategy
+
+STRATEGIES = ("fastml", "fastml_fsdp", "fastml_localsgd")
+# The key under which a checkpoint of this recipe records the --strategy that wrote it.
+STRATEGY_KEY = "recipe_strategy"
 
 
 def quiet_lightning(resuming: bool) -> None:
@@ -88,11 +105,74 @@ def quiet_lightning(resuming: bool) -> None:
 def fail(message: str) -> None:
     """One line for the whole job: rank 0 prints the error, every rank exits with status 2 (a bad plan
     raises the same error on every rank, before any step)."""
+    # torchrun stops the other ranks (SIGTERM) as soon as one has exited: a rank that is already failing
+    # then still ends with status 2, not -15
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(2))
     # torchrun and SLURM-style launchers set RANK; Lightning's own launcher fails before starting others
     first = os.environ.get("RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
     if first and os.environ.get("LOCAL_RANK", "0") == "0":
         print(f"{os.path.basename(__file__)}: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+def checkpoint_strategy(path: str) -> str | None:
+    """The --strategy that wrote a checkpoint of this recipe (None: not known, e.g. a checkpoint
+    written before the recipe recorded it). FSDP checkpoints are folders of shards."""
+    if os.path.isdir(path):
+        return "fastml_fsdp"
+    try:  # a small file (the digits MLP); mmap: only what is read is loaded
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # not a checkpoint torch can read: Lightning's own error will say so
+        return None
+    if STRATEGY_KEY in ckpt:
+        return str(ckpt[STRATEGY_KEY])
+    fml = ckpt.get("fastml_strategy")
+    if isinstance(fml, dict) and "per_rank" in fml and all("localsgd" in p for p in fml["per_rank"]):
+        return "fastml_localsgd"
+    return None
+
+
+def resume_path(resume: str | None, ckpt_dir: str, strategy: str) -> tuple[str | None, str | None]:
+    """(checkpoint to resume from, None) or (None, the one-line reason not to start).
+
+    ``last``: the newest ``last*.ckpt`` in ``ckpt_dir`` written by ``strategy`` (Lightning's own
+    ``ckpt_path="last"`` takes the newest of any strategy, and loading an FSDP folder into a DDP run
+    fails deep inside ``torch.load``). A path: used if it exists and was written by ``strategy``.
+    """
+    if resume is None:
+        return None, None
+    if resume != "last":
+        if not os.path.exists(resume):
+            return None, f"--resume {resume}: no such checkpoint; pass a checkpoint path or 'last'"
+        wrote = checkpoint_strategy(resume)
+        if wrote is not None and wrote != strategy:
+            return None, (f"--resume {resume} was written by --strategy {wrote}, not {strategy}; resume it "
+                          f"with --strategy {wrote}")
+        return resume, None
+    names = os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []
+    last = [os.path.join(ckpt_dir, n) for n in names if re.fullmatch(r"last(-v\d+)?\.ckpt", n)]
+    if not last:
+        return None, (f"--resume last: no last*.ckpt in {ckpt_dir}; train without --resume first, or give "
+                      f"--out of an earlier run")
+    # a file that does not say (written before the recipe recorded it) is a DDP one
+    wrote = {p: checkpoint_strategy(p) or "fastml" for p in last}
+    own = [p for p in last if wrote[p] == strategy]
+    if not own:
+        others = sorted(set(wrote.values()))
+        return None, (f"--resume last: the checkpoints in {ckpt_dir} were written by --strategy "
+                      f"{', '.join(others)}, not {strategy}; resume with that --strategy, or give --out of a "
+                      f"{strategy} run")
+    return max(own, key=os.path.getmtime), None
+
+
+class RecordStrategy(Callback):
+    """Writes the recipe's --strategy into every checkpoint, so that a resume can check it."""
+
+    def __init__(self, strategy: str) -> None:
+        self.strategy = strategy
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        checkpoint[STRATEGY_KEY] = self.strategy
 
 
 class ResumableLoader:
@@ -190,13 +270,17 @@ class DigitsMLP(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plan", default=None, help="recipe name or plan JSON (default: $FASTML_PLAN or int4)")
-    ap.add_argument("--strategy", default="fastml", choices=["fastml", "fastml_fsdp"],
-                    help="fastml: DDP; fastml_fsdp: FSDP2 (each Linear its own unit)")
+    ap.add_argument("--strategy", default="fastml", choices=STRATEGIES,
+                    help="fastml: DDP; fastml_fsdp: FSDP2 (each Linear its own unit); fastml_localsgd: local "
+                         "steps, a compressed synchronisation every --every steps")
     ap.add_argument("--replicate-size", type=int, default=None, help="fastml_fsdp: HSDP with this many replicas")
     ap.add_argument("--hybrid", action="store_true", help="fastml_fsdp: HSDP, one replica per node")
+    ap.add_argument("--every", type=int, default=None, metavar="H",
+                    help="fastml_localsgd: synchronise every H optimizer steps (default: "
+                         "$FASTML_LOCALSGD_EVERY, else the plan's, else 50)")
     ap.add_argument("--accelerator", default="auto")
     ap.add_argument("--devices", default="auto", help="processes per node (Lightning launches them)")
     ap.add_argument("--num-nodes", type=int, default=1)
@@ -209,48 +293,75 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=32, help="per process")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--lr", type=float, default=0.05)
-    ap.add_argument("--out", default="lightning_logs", help="logs and checkpoints go here")
+    ap.add_argument("--out", default=None,
+                    help="logs and checkpoints go here (default: lightning_logs/STRATEGY, one folder per strategy)")
     ap.add_argument("--resume", default=None,
-                    help="checkpoint path, or 'last' (the latest in OUT/checkpoints): continues exactly")
+                    help="checkpoint path, or 'last' (the newest last*.ckpt of this --strategy in OUT/checkpoints): "
+                         "continues exactly")
     ap.add_argument("--ckpt-every", type=int, default=None, metavar="N",
                     help="also checkpoint every N optimizer steps (mid-epoch too; each resumes exactly)")
     ap.add_argument("--summary", default=None, help="write final figures to SUMMARY.rank<R>.json")
-    args = ap.parse_args()
+    return ap
+
+
+def output_dir(args: argparse.Namespace) -> str:
+    """--out, else one folder per strategy: an FSDP run's checkpoint (a folder of shards) never becomes
+    the "last" of a DDP run, nor the other way round."""
+    return args.out if args.out is not None else os.path.join("lightning_logs", args.strategy)
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    out = output_dir(args)
+    ckpt_dir = os.path.join(out, "checkpoints")
 
     quiet_lightning(resuming=args.resume is not None)
+    if args.every is not None and args.strategy != "fastml_localsgd":
+        fail(f"--every {args.every} sets the local-steps period: add --strategy fastml_localsgd, or drop --every")
     devices = int(args.devices) if args.devices.isdigit() else args.devices
     try:
         if args.strategy == "fastml":
             strategy = FastMLStrategy(plan=args.plan)  # or strategy="fastml" (plan from FASTML_PLAN)
-        else:  # or strategy="fastml_fsdp" (default wrap rule, plan from FASTML_PLAN)
+        elif args.strategy == "fastml_fsdp":  # or strategy="fastml_fsdp" (default wrap rule, plan from FASTML_PLAN)
             strategy = FastMLFSDPStrategy(plan=args.plan, auto_wrap_policy={nn.Linear},
                                           replicate_size=args.replicate_size, hybrid=args.hybrid)
-    except ValueError as e:  # a bad plan: before any process group or step
+        else:  # or strategy="fastml_localsgd" (H from FASTML_LOCALSGD_EVERY, plan from FASTML_PLAN)
+            strategy = FastMLLocalSGDStrategy(plan=args.plan, every=args.every)
+    except ValueError as e:  # a bad plan or setting: before any process group or step
         fail(str(e))
+    ckpt_path, refused = resume_path(args.resume, ckpt_dir, args.strategy)
+    if refused:
+        fail(refused)
     L.seed_everything(0)
     max_epochs = args.max_epochs if args.max_epochs is not None else (5 if args.max_steps < 0 else -1)
-    checkpoints = [ModelCheckpoint(dirpath=os.path.join(args.out, "checkpoints"), save_last=True)]
+    checkpoints = [ModelCheckpoint(dirpath=ckpt_dir, save_last=True)]
     if args.ckpt_every:
-        checkpoints.append(ModelCheckpoint(dirpath=os.path.join(args.out, "checkpoints"), save_top_k=-1,
-                                           every_n_train_steps=args.ckpt_every))
+        checkpoints.append(ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, every_n_train_steps=args.ckpt_every))
     trainer = L.Trainer(
         strategy=strategy,
         accelerator=args.accelerator, devices=devices, num_nodes=args.num_nodes, precision=args.precision,
         max_steps=args.max_steps, max_epochs=max_epochs, accumulate_grad_batches=args.accumulate,
         use_distributed_sampler=False,  # DigitsData shards the data itself, resumably
-        logger=CSVLogger(args.out, name="digits"), log_every_n_steps=10, callbacks=checkpoints,
+        logger=CSVLogger(out, name="digits"), log_every_n_steps=10,
+        callbacks=[*checkpoints, RecordStrategy(args.strategy)],
     )
     model, data = DigitsMLP(args.hidden, args.lr), DigitsData(args.batch_size)
-    trainer.fit(model, data, ckpt_path=args.resume)
+    trainer.fit(model, data, ckpt_path=ckpt_path)
 
     stats = trainer.strategy.compression_stats()
+    steps = stats["inner_steps"] if args.strategy == "fastml_localsgd" else stats["steps"]
     model.eval()
     with torch.no_grad():  # every rank (an FSDP model gathers its shards): the whole validation set
         xv, yv = data.val.tensors
         val_acc = (model(xv.to(model.device)).argmax(-1).cpu() == yv).float().mean().item()
     if trainer.is_global_zero:
-        print(f"compression {stats['compression_ratio']:.2f}x over {stats['steps']} steps (step "
-              f"{trainer.global_step}), validation accuracy {val_acc:.3f}", flush=True)
+        if args.strategy == "fastml_localsgd":
+            print(f"local steps: {stats['outer_steps']} synchronisations every {stats['every']} of "
+                  f"{steps} steps, {stats['ratio_vs_ddp']:.0f}x fewer bytes than DDP's fp32 all-reduce "
+                  f"(step {trainer.global_step}), validation accuracy {val_acc:.3f}", flush=True)
+        else:
+            print(f"compression {stats['compression_ratio']:.2f}x over {steps} steps (step "
+                  f"{trainer.global_step}), validation accuracy {val_acc:.3f}", flush=True)
     if args.summary:
         from torch.distributed.tensor import DTensor
 
@@ -262,7 +373,7 @@ def main() -> None:
         with open(f"{args.summary}.rank{trainer.global_rank}.json", "w") as f:
             json.dump({"rank": trainer.global_rank, "world_size": trainer.world_size, "step": trainer.global_step,
                        "val_acc": val_acc, "params_sha256": h.hexdigest(), "plan": stats["plan"],
-                       "fastml_step": stats["steps"], "compression_ratio": stats["compression_ratio"]}, f)
+                       "fastml_step": steps, "compression_ratio": stats["compression_ratio"]}, f)
 
 
 if __name__ == "__main__":

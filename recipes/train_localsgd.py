@@ -40,6 +40,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import sys
 import tempfile
 
@@ -71,12 +72,19 @@ def fail(message: str) -> None:
 
     LocalSGD checks its arguments and agrees on the plan across ranks in its constructor, so every
     rank raises the same error; printing it once (not a traceback per rank) is the whole report.
+
+    torchrun stops the remaining ranks (SIGTERM) as soon as one has exited, sooner than a normal
+    interpreter exit takes: so each rank leaves with os._exit(2) once its output is flushed, and a
+    SIGTERM that comes first ends it with status 2 too.
     """
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(2))
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"{os.path.basename(__file__)}: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
-    sys.exit(2)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(2)  # nothing to save or close: no step has run, or the resume failed before one
 
 
 def _cpu(obj):

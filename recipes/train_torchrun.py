@@ -25,6 +25,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import sys
 import tempfile
 
@@ -68,13 +69,19 @@ def fail(message: str) -> None:
     """One line for the whole job: rank 0 prints the error, every rank exits with status 2.
 
     FastML agrees on the plan across ranks before the first step, so every rank raises the same error;
-    printing it once (not a traceback per rank) is the whole report.
+    printing it once (not a traceback per rank) is the whole report. torchrun stops the remaining ranks
+    (SIGTERM) as soon as one rank has exited, and a normal interpreter exit (torch's teardown) takes
+    long enough for that to happen: so each rank leaves with os._exit(2) once its output is flushed,
+    and a SIGTERM that arrives first ends it with status 2 too.
     """
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(2))
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"{os.path.basename(__file__)}: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
-    sys.exit(2)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(2)  # nothing to save or close: this runs before the first step
 
 
 def save_checkpoint(path: str, model: DDP, opt, step: int, state) -> None:

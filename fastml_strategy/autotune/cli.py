@@ -26,6 +26,21 @@ if TYPE_CHECKING:
     from fastml_strategy.autotune._run import AutotuneResult, Settings
 
 PROG = "fastml-autotune"
+# A workload target that ships with FastML (the digits MLP of the recipes): the --help example.
+EXAMPLE_TARGET = "recipes/autotune_workload.py:workload"
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` only where it adds something: not for on/off flags (``--quiet``,
+    ``--no-local-steps``: the flag's presence is the setting), not for None (the help says what
+    happens), and not where the help already names its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (action.default is None or isinstance(action.default, bool) or action.nargs == 0
+                or "default" in text.lower()):
+            return text
+        return super()._get_help_string(action)
 
 
 def _steps_arg(text: str) -> float:
@@ -44,10 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Choose per-layer gradient compression for a model by predicted time to accuracy "
                     "and cost on each hardware option. Writes plan.json, report.html, report.md and "
                     "CSV tables to --out.",
-        epilog="Example: fastml-autotune examples/mnist.py:workload --link 1gbit --world-size 8 "
-               "--trials 300 --out tune-out. Run it under torchrun to measure the link and the real "
-               "step times; a stopped run resumes from --storage.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=f"Example (from a clone of the repository; {EXAMPLE_TARGET.split(':')[0]} is a target to "
+               f"copy): fastml-autotune {EXAMPLE_TARGET} --link 1gbit --world-size 8 --target-steps 20000 "
+               f"--out tune-out. Run it under torchrun to measure the link and the real step times; a "
+               f"stopped run resumes from --storage.",
+        formatter_class=_HelpFormatter,
     )
     p.add_argument("target", metavar="TARGET",
                    help="your training code: path/to/file.py:factory or package.module:factory; the "
@@ -122,10 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--no-local-steps", dest="local_steps", action="store_false", default=None,
                     help="search per-step compression only (no local-steps calibration runs)")
     ls.add_argument("--local-every", default=None, metavar="H,H",
-                    help="sync periods H to calibrate and search, e.g. 10,50 (default); each costs one "
-                         "calibration run of max(--calibration-steps, 4 x the largest H) steps")
+                    help="sync periods H to calibrate and search, e.g. 10,50,100 (default: 10,50); each "
+                         "costs one calibration run of max(--calibration-steps, 4 x the largest H) steps")
     ls.add_argument("--local-fragments", default=None, metavar="F,F",
-                    help="fragment counts F searched (Streaming DiLoCo), e.g. 1,2,4,8 (default)")
+                    help="fragment counts F searched (Streaming DiLoCo), e.g. 1,2 (default: 1,2,4,8, at "
+                         "most one per trainable parameter)")
     h = p.add_argument_group(
         "sharded training",
         "--sharding fsdp|hsdp tunes the plan for fastml_strategy.fsdp.register: the cost model then "

@@ -3,12 +3,16 @@ and docs/ names a recipe, launcher config and options that exist."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import re
 import shlex
+from pathlib import Path
 
 import pytest
+import torch
 
-from _launch import JOBS, ROOT, rank_files, run, torchrun
+from _launch import JOBS, RECIPES, ROOT, rank_files, run, torchrun
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
@@ -85,3 +89,95 @@ def test_readme_names_the_cpu_of_every_machine_dependent_figure():
     for m in re.finditer(r"2-core AMD EPYC[^.;)]*", text):
         window = text[m.start():m.start() + 120]
         assert re.search(r"family \d+", window) and "AVX" in window, window
+
+
+def _recipe(name: str):
+    """A recipe imported as a module (its main() does not run)."""
+    spec = importlib.util.spec_from_file_location(f"_recipe_{name}", RECIPES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _recipe_lines(script: str) -> list[list[str]]:
+    """The arguments of every documented command of recipes/<script>, README first, in order."""
+    out = []
+    for doc in DOCS:
+        for cmd in _commands(doc.read_text()):
+            words = shlex.split(cmd.replace("...", ""))
+            if f"recipes/{script}" in words:
+                out.append(words[words.index(f"recipes/{script}") + 1:])
+    return out
+
+
+def _leave_checkpoint(ckpt_dir: Path, strategy: str) -> None:
+    """What a run of the Lightning recipe leaves as its "last": a file (DDP, local steps) that records
+    the strategy, or a folder of shards (FSDP); a new name when another strategy's "last" is there."""
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    path, v = ckpt_dir / "last.ckpt", 0
+    while path.exists() and not (path.is_dir() == (strategy == "fastml_fsdp")):
+        v += 1
+        path = ckpt_dir / f"last-v{v}.ckpt"
+    if strategy == "fastml_fsdp":
+        path.mkdir(exist_ok=True)
+    else:
+        torch.save({"recipe_strategy": strategy, "state_dict": {}}, path)
+
+
+def test_readme_lightning_lines_in_order_resume_their_own_strategy(tmp_path, monkeypatch):
+    """README's (then the docs') Lightning commands, in the order written, as recipes/train_lightning.py
+    resolves them, in process: every line parses (strategy choices included), each --strategy keeps its
+    checkpoints in its own folder, and each `--resume last` gets a checkpoint of its own strategy (before,
+    an FSDP folder became a DDP run's "last": IsADirectoryError). Checkpoints stand in for the runs."""
+    tl = _recipe("train_lightning")
+    monkeypatch.chdir(tmp_path)
+    lines = _recipe_lines("train_lightning.py")
+    strategies = set()
+    resumed = 0
+    for words in lines:
+        args = tl.build_parser().parse_args(words)
+        ckpt_dir = Path(tl.output_dir(args)) / "checkpoints"
+        path, refused = tl.resume_path(args.resume, str(ckpt_dir), args.strategy)
+        assert refused is None, (words, refused)
+        if args.resume:
+            assert tl.checkpoint_strategy(path) == args.strategy, (words, path)
+            resumed += 1
+        _leave_checkpoint(ckpt_dir, args.strategy)
+        strategies.add(args.strategy)
+    assert {"fastml", "fastml_fsdp", "fastml_localsgd"} <= strategies and resumed >= 2, lines
+    tf = _recipe("train_fabric")
+    fabric_lines = _recipe_lines("train_fabric.py")
+    assert {tf.build_parser().parse_args(w).strategy for w in fabric_lines} >= {"fastml", "fastml_localsgd"}
+
+
+def test_recipe_resume_last_takes_its_own_strategys_newest_checkpoint_or_refuses(tmp_path):
+    tl = _recipe("train_lightning")
+    d = tmp_path / "checkpoints"
+    d.mkdir()
+    torch.save({"recipe_strategy": "fastml", "state_dict": {}}, d / "last.ckpt")
+    (d / "last-v1.ckpt").mkdir()  # FSDP's folder, newer: Lightning's own "last" would take it
+    os.utime(d / "last.ckpt", (1, 1))
+    assert tl.resume_path("last", str(d), "fastml") == (str(d / "last.ckpt"), None)
+    assert tl.resume_path("last", str(d), "fastml_fsdp") == (str(d / "last-v1.ckpt"), None)
+    path, why = tl.resume_path("last", str(d), "fastml_localsgd")
+    assert path is None and "written by --strategy fastml, fastml_fsdp, not fastml_localsgd" in why, why
+    # a local-steps checkpoint written before the recipe recorded its strategy: known by its per-rank state
+    torch.save({"fastml_strategy": {"per_rank": [{"localsgd": {}}, {"localsgd": {}}]}}, d / "last-v2.ckpt")
+    assert tl.resume_path("last", str(d), "fastml_localsgd") == (str(d / "last-v2.ckpt"), None)
+    path, why = tl.resume_path(str(d / "last-v1.ckpt"), str(d), "fastml")
+    assert path is None and why.endswith("resume it with --strategy fastml_fsdp"), why
+    path, why = tl.resume_path("last", str(tmp_path / "nothing"), "fastml")
+    assert path is None and "no last*.ckpt in" in why and "without --resume" in why, why
+    assert tl.resume_path(None, str(d), "fastml") == (None, None)
+
+
+@pytest.mark.timeout(120)
+def test_bad_plan_under_torchrun_every_rank_exits_2_by_itself(tmp_path):
+    """README: after a bad plan every rank exits with status 2 by itself, before torchrun stops it (it
+    used to list rank 0 as -15, SIGTERM); the shell sees torchrun's own 1; one line from the recipe."""
+    res = run(torchrun(2) + [str(RECIPES / "train_torchrun.py"), "--plan", "int5", "--max-steps", "1"],
+              timeout=100, cwd=tmp_path)
+    assert res.returncode == 1, res.tail()
+    assert sorted(re.findall(r"^\s*exitcode\s+: (-?\d+)", res.output, re.M)) == ["2", "2"], res.tail()
+    errors = [ln for ln in res.output.splitlines() if ln.startswith("train_torchrun.py: error:")]
+    assert len(errors) == 1 and "'int5'" in errors[0], res.tail()
