@@ -11,10 +11,19 @@ The profile says what each plan's error is; this module measures what that error
    error does not capture every codec family equally (top-k with error feedback and quantization
    of the same per-step error train differently), so the plan that will be used is always trained
    once, and the fit and the feasible limit include it.
-3. Steps ratio. Both loss curves are smoothed (exponential moving average) and made monotone (running
-   minimum). At levels the reference reaches at 40%, 60% and 80% of the run, the candidate's crossing
-   step is divided by the reference's; the ratio is their geometric mean. A level the candidate never
-   reaches counts as ``run length / reference step`` and marks the point *censored* (a lower bound).
+3. Stretch (:func:`stretch`, issue 28). Both loss curves are smoothed (exponential moving average)
+   and made monotone (running minimum). At 15 levels, the reference's smoothed loss at 20% to 90% of
+   the run, the candidate's crossing step (interpolated, lag-corrected) is divided by the
+   reference's. Each level's log-ratio has the standard error ``sigma / |d ref / d log t|``: the
+   noise of a smoothed loss difference over the reference's slope there, so where the reference has
+   flattened (a vertical offset within noise is a large horizontal one) a level weighs little, and
+   past a factor e of uncertainty not at all. ``sigma`` comes from the two references and the
+   repeats (:func:`stretch_noise`). A level the candidate never reaches is a lower bound and enters
+   as a one-sided constraint. The estimate is the weighted least-squares log-ratio under those
+   constraints, with a ~95% interval; a run that reached no level is *censored*: its ratio is the
+   interval's lower end, a bound, and the fit of ``g`` takes it as one. The usual way (three levels,
+   their geometric mean, an unreached level counted as ``run length / reference step``) read the
+   flattened part of a 60-step run as 1.33x for a plan indistinguishable from the reference.
 4. Accuracy loss: reference metric minus candidate metric (eval function), or without one the relative
    increase of the final smoothed training loss.
 5. Pruning: every few steps a trial reports its current lag (its step count over the step at which
@@ -22,8 +31,12 @@ The profile says what each plan's error is; this module measures what that error
    ``prune_ratio`` times behind after the first quarter. A pruned trial counts as failing the
    accuracy limit. This is a single-objective study, so pruning works (Optuna 5 multi-objective
    studies cannot prune).
-6. :func:`~fastml_strategy.autotune.costmodel.fit_convergence` fits ``g(e) = 1 + k e^gamma`` and the
-   largest feasible error.
+6. :func:`~fastml_strategy.autotune.costmodel.fit_convergence` fits ``g(e) = 1 + k e^gamma`` (each run
+   weighted by its stretch's standard error, censored runs as one-sided bounds) and the largest
+   feasible error.
+7. :func:`time_to_same_loss`: the driver's last check before writing the plan, the tuned plan and a
+   uniform plan trained side by side, and which reaches the tuned plan's losses sooner in wall time
+   (measured stretch x predicted step time).
 
 This is a single-rank simulation: each rank's gradient is compressed once, as the first half of the
 scatter-reduce-allgather does; the re-compression of the sum is not simulated (its error is of the same
@@ -41,8 +54,9 @@ with H inner steps between synchronisations take to reach the same loss?
    scatter-reduce-allgather, as above), averaged, and LocalSGD's outer optimizer (Nesterov, lr 0.7,
    momentum 0.9) steps the shared parameters, which every replica then takes. The last step
    synchronises too, so the metric is the shared model's. The loss of a step is the replicas' mean.
-3. Stretch ``s(H)`` = :func:`steps_ratio` of the two loss curves (smoothed, at the reference's 40/60/80%
-   levels, the same rule as the plans), at least 1; accuracy loss as for the plans.
+3. Stretch ``s(H)`` = :func:`steps_ratio` of the two loss curves (the plans' :func:`stretch`, with
+   the two curves' step-to-step scatter as the noise: one reference only), at least 1; accuracy loss
+   as for the plans.
 
 Each run lasts ``max(--calibration-steps, 4 x the largest H)`` steps (the largest H syncs at least 4
 times) of W forward/backward passes: with the defaults (W = 2, H in 10 and 50) three runs of 200
@@ -66,7 +80,8 @@ from fastml_strategy.autotune.costmodel import (CANDIDATES, LOCAL_CALIBRATION_OP
 from fastml_strategy.autotune.profile import SimulatedCompression
 from fastml_strategy.autotune.workload import Workload
 
-__all__ = ["train_curve", "smooth", "steps_ratio", "lag_ratio", "calibration_candidates",
+__all__ = ["train_curve", "smooth", "steps_ratio", "stretch", "Stretch", "Noise", "stretch_noise",
+           "step_noise", "time_to_same_loss", "lag_ratio", "calibration_candidates",
            "run_calibration", "build_run", "runs_paired", "final_loss", "reference_sigma",
            "repeat_candidates", "local_curve", "local_calibration_steps", "run_local_calibration"]
 
@@ -630,6 +645,26 @@ def stretch_noise(refs: Mapping[int, Mapping[str, Any]], repeats: Sequence[Seque
     return max(known, key=lambda x: x.sigma)
 
 
+def time_to_same_loss(tuned: Sequence[float], other: Sequence[float], noise: "Noise | float | None",
+                      tuned_step_s: float, other_step_s: float) -> dict[str, Any]:
+    """Whether ``other`` reaches the losses of ``tuned`` sooner in wall time: both trained side by
+    side (same seed: the same weights and, when paired, the same batches), ``other``'s
+    :func:`stretch` against ``tuned`` (steps ``other`` needs for ``tuned``'s losses over the steps
+    ``tuned`` needs) times the ratio of their step times. Returns the stretch's point fields,
+    ``time_ratio`` (< 1: ``other`` is sooner) with its interval ``time_lo``/``time_hi``, ``sooner``
+    (the estimate says so and ``other`` reached the levels, not just a bound) and ``words``."""
+    st = stretch(tuned, other, noise)
+    f = other_step_s / tuned_step_s if tuned_step_s > 0 else math.inf
+    out = dict(st.to_point(), time_ratio=st.ratio * f, time_lo=st.lo * f, time_hi=st.hi * f,
+               step_ratio=f, sooner=bool(not st.censored and st.levels > 0 and st.ratio * f < 1.0))
+    out["words"] = (f"it needed {st.interval_words()} the tuned plan's steps to reach the tuned plan's "
+                    f"losses ({st.words().split(': ')[-1].replace('reference', 'tuned plan')}), at "
+                    f"{f:.3g}x its step time: {out['time_ratio']:.3g}x the time"
+                    + ("" if st.censored or not math.isfinite(out["time_hi"]) else
+                       f" (95% interval {out['time_lo']:.3g}-{out['time_hi']:.3g})"))
+    return out
+
+
 def lag_ratio(ref_smoothed: np.ndarray, cand: Sequence[float]) -> float:
     """How many times behind the reference the candidate is now (1 = on par; inf = above the
     reference's starting loss)."""
@@ -721,7 +756,8 @@ def run_calibration(
     noise = stretch_noise(refs, _repeat_curves(points, refs), paired=paired)
     for p in points:  # every stretch again, with the noise of the references and the repeats
         if p.get("losses") and int(p["seed"]) in refs:
-            p.update(stretch(refs[int(p["seed"])]["losses"], p["losses"], noise).to_point())
+            p.update(stretch(refs[int(p["seed"])]["losses"], p["losses"], noise).to_point(),
+                     stretch_sigma=noise.sigma, stretch_noise=noise.source)
     ref["references"] = refs
     ref["paired"] = bool(paired)
     ref["sigma"] = reference_sigma(list(refs.values()))

@@ -1294,11 +1294,14 @@ def fit_convergence(points: Sequence[Mapping[str, Any]], max_accuracy_loss: floa
         return float(np.dot(w * res, res))
 
     best = (math.inf, 0.0, 1.0)
-    for gamma in np.linspace(0.5, 3.0, 26):
-        for k in np.concatenate([[0.0], np.logspace(-4, 6, 241)]):
-            v = loss(float(k), float(gamma))
-            if v < best[0] - 1e-12:
-                best = (v, float(k), float(gamma))
+    ks = np.concatenate([[0.0], np.logspace(-4, 6, 241)])
+    for gamma in np.linspace(0.5, 3.0, 26):  # every k of the grid at once
+        res = np.log1p(ks[:, None] * es[None, :] ** gamma) - rs[None, :]
+        res = np.where(cens[None, :] & (res > 0), 0.0, res)
+        v = (w * res * res).sum(1)
+        i = int(np.argmin(v))
+        if v[i] < best[0] - 1e-12:
+            best = (float(v[i]), float(ks[i]), float(gamma))
     # zoom in around the grid optimum (k on a log scale)
     if best[1] > 0:
         dk, dg = 10 ** (10 / 240), 0.1

@@ -116,3 +116,39 @@ def test_a_run_measured_within_wide_noise_pulls_the_fit_little():
     base = fit_convergence(_pts(pts), 1.0).g(0.16)
     assert sure.g(0.16) - base > 0.1 and noisy.g(0.16) - base < (sure.g(0.16) - base) / 10
     assert none.g(0.16) == pytest.approx(base, rel=1e-6)
+
+
+def test_the_check_picks_the_uniform_plan_that_reaches_the_same_loss_sooner():
+    from fastml_strategy.autotune.calibrate import time_to_same_loss
+
+    refs, noise = refs_noise(60, 0.02, 0)
+    tuned = curve(60, noise=0.02, seed=10)
+    same = curve(60, noise=0.02, seed=11)  # trains alike, each step 0.6x the tuned plan's
+    got = time_to_same_loss(tuned, same, noise, tuned_step_s=1.0, other_step_s=0.6)
+    assert got["sooner"] and got["time_ratio"] == pytest.approx(0.6, rel=0.1) and got["time_hi"] < 1.0
+    slow = curve(60, speed=1 / 1.5, noise=0.02, seed=11)  # 1.5x the steps at 0.8x the step: 1.2x
+    got = time_to_same_loss(tuned, slow, noise, tuned_step_s=1.0, other_step_s=0.8)
+    assert not got["sooner"] and got["time_ratio"] == pytest.approx(1.2, rel=0.1)
+    never = curve(60, speed=0.1, noise=0.02, seed=11)  # a bound only: never "sooner", however fast
+    assert not time_to_same_loss(tuned, never, noise, tuned_step_s=1.0, other_step_s=0.01)["sooner"]
+
+
+def test_the_alternatives_are_the_fastest_and_the_best_feasible_uniform_plans():
+    from fastml_strategy.autotune._run import _uniform_alternatives
+
+    groups = {"a": ["a"], "b": ["b"]}
+
+    def row(choice, step_s, objective, feasible=True, kind="fastml"):
+        return {"option": "x", "kind": kind, "every": 1, "choice": choice, "step_s": step_s,
+                "objective": objective, "feasible": feasible}
+
+    rows = [row({"a": "int8", "b": "int8"}, 1.6, 10.0), row({"a": "int4", "b": "int4"}, 1.0, 12.0),
+            row({"a": "int2", "b": "int2"}, 0.5, 9.0, feasible=False),  # over the error limit
+            row({"a": "int8", "b": "int4"}, 1.2, 8.0),  # the tuned plan: mixed
+            row({"a": "none", "b": "none"}, 3.0, 30.0)]
+    alts = _uniform_alternatives(rows, "x", rows[3], groups)
+    assert [a["choice"]["a"] for a, _ in alts] == ["int4", "int8"]
+    assert "fastest" in alts[0][1] and "cost model" in alts[1][1]
+    # the tuned plan is uniform int8, the best by the model: the fastest, int4, is left
+    alts = _uniform_alternatives(rows, "x", rows[0], groups)
+    assert len(alts) == 1 and alts[0][0]["choice"]["a"] == "int4"
