@@ -345,7 +345,7 @@ def inner(args: argparse.Namespace) -> None:
     plans: list[tuple[str, str | None, float | None]] = [
         ("tuned", None if meta.get("hook") is False else str(tune / "plan.json"), cap)]
     plans += [(r, r, None) for r in (args.recipes.split(",") if args.recipes else task.recipes)]
-    plans += [("ddp-fp32", None, None)]
+    plans += [] if args.skip_ddp else [("ddp-fp32", None, None)]
     load_before = os.getloadavg()[0]
     print(f"training {len(plans)} plans side by side to {task.metric} {args.target}...", flush=True)
     results = train_to_target(task.name, plans, args.target, args.max_steps, args.eval_every,
@@ -479,6 +479,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="few trials and steps: a functional check")
     p.add_argument("--resume", action="store_true", help="keep a previous tuning run's storage")
     p.add_argument("--no-netns", action="store_true", help="plain loopback, no rate limit")
+    p.add_argument("--skip-ddp", action="store_true",
+                   help="do not train plain fp32 DDP (the slowest plan on a slow link)")
     p.add_argument("--seed", type=int, default=0,
                    help="the tuner's --seed and the training's (initial weights, data streams)")
     p.add_argument("--netns-prefix", default="fastml-at",

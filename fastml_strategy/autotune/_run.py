@@ -1085,7 +1085,8 @@ def _check(s: Settings, profile: Profile, groups: Mapping[str, list[str]], optio
                               "paired": cal.ref.get("paired"), "tuned": dict(tuned["choice"]),
                               "tuned_step_s": tuned["step_s"], "alternatives": [], "replaced": None}
     if not alts:
-        record["verdict"] = "no feasible uniform plan other than the tuned plan itself to compare with"
+        record["verdict"] = ("nothing to compare: the tuned plan is itself the fastest and the best "
+                             "uniform plan within the accuracy limit, or no other uniform plan is within it")
         return record
     todo = [a for a in [tuned] + [r for r, _ in alts]
             if not any(p["choice"] == a["choice"] and int(p.get("seed", s.seed)) == s.seed and p.get("losses")

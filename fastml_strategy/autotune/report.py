@@ -1032,6 +1032,8 @@ def _check_text(result: "AutotuneResult") -> str | None:
     c = result.check
     if c is None:
         return None
+    if not c.get("alternatives"):
+        return f"Check before writing plan.json ({_plan_words(c['tuned'])} on {c['option']}): {c.get('verdict', '')}."
     pair = ("from the same weights on the same batches" if c.get("paired") else
             "from the same weights (batches not replayed: the comparison includes the data order)")
     head = (f"Check before writing plan.json: the tuned plan ({_plan_words(c['tuned'])}) and the obvious "

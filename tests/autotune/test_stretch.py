@@ -72,17 +72,19 @@ def test_a_run_that_reaches_no_level_is_a_lower_bound():
     assert "lower bound" in st.words()
 
 
-def test_the_repeats_set_the_noise_of_paired_runs():
-    refs, unpaired = refs_noise(60, 0.05, 0)
-    # paired: a plan's run and its reference share the noise; the repeats differ only by a little
+def test_the_noise_is_the_larger_of_the_references_and_the_repeats():
+    refs, band = refs_noise(60, 0.05, 0)
+    # paired repeats that differ by little: the references' band still sets the noise
     base = [np.asarray(refs[s]["losses"]) for s in (0, 1)]
     rng = np.random.default_rng(4)
-    reps = [[(list(b + 0.005 * rng.standard_normal(60)), list(b)) for b in base]]
-    paired = stretch_noise(refs, reps, paired=True)
-    assert paired.sigma < unpaired.sigma / 3 and "repeat" in paired.source
-    # not paired: the larger of the two
-    assert stretch_noise(refs, reps, paired=False).sigma == pytest.approx(unpaired.sigma)
-    assert isinstance(paired, Noise) and paired.dof > 0
+    quiet = [[(list(b + 0.005 * rng.standard_normal(60)), list(b)) for b in base]]
+    assert stretch_noise(refs, quiet, paired=True).sigma == pytest.approx(band.sigma)
+    # repeats that differ by more than the references: they do
+    loud = [[(list(b + 0.3 * rng.standard_normal(60)), list(b)) for b in base]]
+    got = stretch_noise(refs, loud, paired=True)
+    assert got.sigma > 1.5 * band.sigma and "repeat" in got.source
+    assert isinstance(got, Noise) and got.dof > 0
+    assert math.isnan(stretch_noise({0: refs[0]}).sigma)  # one reference, no repeat: unknown
 
 
 def _pts(rows):
