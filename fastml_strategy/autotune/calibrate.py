@@ -427,6 +427,18 @@ class Stretch:
                    "faster than the reference beyond noise")
         return f"{self.interval_words()} of the reference's steps, {where}: {verdict}"
 
+    def verdict(self) -> str:
+        """What the interval says, without the figures: 'within noise of the reference (its interval
+        contains 1); 15 levels, 15 reached'."""
+        if self.levels == 0:
+            return "unknown: the reference never descended beyond noise"
+        if self.censored:
+            return f"a lower bound: none of the {self.levels} levels reached"
+        v = ("within noise of the reference (its interval contains 1)" if self.contains(1.0) else
+             "slower than the reference beyond noise" if self.lo > 1.0 else
+             "faster than the reference beyond noise")
+        return f"{v}; {self.levels} levels, {self.reached} reached"
+
     def to_point(self) -> dict[str, Any]:
         """The fields a calibration point stores (``ratio``, its interval and standard error, ...)."""
         return {"ratio": self.ratio, "ratio_lo": self.lo, "ratio_hi": self.hi, "ratio_se": self.se,

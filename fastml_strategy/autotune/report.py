@@ -1002,7 +1002,9 @@ def _stretch_text(result: "AutotuneResult") -> str:
             f"contains 1 is within noise of the reference. A level a run never reached is a lower bound "
             f"on its stretch; a run that reached none (and a pruned run) enters the fit of g(e) only as "
             f"a bound (the fit may pass above it, never is pulled above it), and each run pulls the fit "
-            f"by 1 / (its standard error^2 + {FIT_SE_FLOOR:g}^2). Fit: g(e) = 1 + {conv.k:.3g} e^{conv.gamma:.2g}.")
+            f"by 1 / (its standard error^2 + {FIT_SE_FLOOR:g}^2). Fit: g(e) = 1 + {conv.k:.3g} e^{conv.gamma:.2g}. "
+            f"In the table, 'levels' counts the levels a run was measured at (where the reference "
+            f"still descends) and 'reached' those it got to before its run ended.")
 
 
 def _stretch_table(result: "AutotuneResult") -> pd.DataFrame:
@@ -1016,7 +1018,7 @@ def _stretch_table(result: "AutotuneResult") -> pd.DataFrame:
         elif st is None:
             said = f"{p['ratio']:.3g}x (stored without an interval by an older version)"
         else:
-            said = st.words()
+            said = st.verdict()
         acc = p["accuracy_loss"]
         rows.append({"run": _plan_words(p["choice"]), "seed": int(p.get("seed", 0)),
                      "error": f"{p['error']:.3g}",
