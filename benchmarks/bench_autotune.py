@@ -8,6 +8,11 @@ Two workloads (``--workload``):
   to a validation loss of 1.65 (fp32 DDP reaches it in about 110 steps; the loss floor is ln 4 =
   1.39). The tuner runs with its default calibration and ``--no-local-steps`` (this benchmark compares
   per-step plans); the tuned plan's ``meta.ddp.bucket_cap_mb`` is passed to DDP, as its report says.
+- ``gpt2`` (issue 28): a second transformer of another width, depth, language and optimizer
+  (``gpt_workload.make2``: 6 blocks of d=192, 2.7M parameters in 78 tensors, a 128-token language
+  with unequally likely successors, context 48, batch 12 x 48 tokens per rank, NAdam 2e-3), on an
+  emulated **50 Mbit/s** link, trained to a validation loss of 1.30 (fp32 reaches it in about 55
+  steps; the loss floor is 0.90).
 - ``digits``: the digits MLP (scikit-learn's bundled digits, 1.1M parameters), Adam 1e-3, batch 32
   per rank, on an emulated 1 Gbit/s link, trained to 97% test accuracy.
 
@@ -26,7 +31,12 @@ What it measures
    rate) per step, with compute timed in the same processes (``compute_ms``: forward, backward and
    optimizer step of one rank on a model of its own, no communication). Both ranks share the one
    emulated link, so the bound counts both ranks' bytes. Written as CSV to
-   ``benchmarks/results/bench_autotune_<workload>_cpu.csv``.
+   ``benchmarks/results/bench_autotune_<workload>_cpu.csv`` (other seeds and rates than the
+   workload's defaults: ``bench_autotune_<workload>_<rate>_seed<N>_cpu.csv``).
+4. ``--seed N`` (default 0) is the tuner's ``--seed`` and the training's: the model's initial
+   weights and every rank's data stream change with it (the validation batches do not).
+   ``--summary`` prints, from every such CSV under ``benchmarks/results/``, per workload, rate and
+   seed the tuned plan's measured time to the target against the best uniform recipe's.
 
 The emulated link: a commodity cluster link on one machine
 ----------------------------------------------------------
@@ -39,13 +49,17 @@ it with a token bucket filter and runs every rank inside it, so both ranks share
     ip netns exec fastml-at-PID python benchmarks/bench_autotune.py --inner ...
     ip netns del fastml-at-PID          # always, also on failure
 
+(``--netns-prefix P`` names it ``P-PID``, so that several people on one machine do not collide.)
+
 ``--no-netns`` skips all that (plain loopback, no rate limit: a quick functional run, not a
 measurement of a slow link).
 
 Usage::
 
     sudo python benchmarks/bench_autotune.py                    # GPT, 100 Mbit/s: ~30 min on 2 cores
+    sudo python benchmarks/bench_autotune.py --workload gpt2 --seed 1  # the second transformer
     sudo python benchmarks/bench_autotune.py --workload digits  # digits MLP, 1 Gbit/s: ~10 min
+    python benchmarks/bench_autotune.py --summary               # tuned vs best uniform, every run
     python benchmarks/bench_autotune.py --no-netns --quick      # functional smoke run
 """
 
@@ -94,6 +108,9 @@ TASKS = {
     "gpt": Task("gpt", f"{Path(__file__).resolve().parent / 'gpt_workload.py'}:make", "validation loss",
                 False, 1.65, "100mbit", ("fp16", "int8", "int4", "int2", "topk1"),
                 ("--no-local-steps", "--budget", "12"), 400, 0, 5),
+    "gpt2": Task("gpt2", f"{Path(__file__).resolve().parent / 'gpt_workload.py'}:make2", "validation loss",
+                 False, 1.30, "50mbit", ("fp16", "int8", "int4", "int2", "topk1"),
+                 ("--no-local-steps", "--budget", "12"), 300, 0, 5),
     "digits": Task("digits", f"{Path(__file__).resolve()}:digits_workload", "test accuracy", True, 0.97,
                    "1gbit", ("none", "fp16", "int8", "int4", "int2", "topk1"),
                    ("--trials", "200", "--calibration-trials", "6", "--calibration-steps", "120",
@@ -121,19 +138,31 @@ def digits_workload():
     )
 
 
-def _training_parts(task: str, rank: int, world: int):
-    """(new model, this rank's batch stream factory, loss(model, batch), evaluate(model), optimizer)."""
+def _training_parts(task: str, rank: int, world: int, seed: int = 0):
+    """(new model, this rank's batch stream factory, loss(model, batch), evaluate(model), optimizer);
+    ``seed`` changes the initial weights and the data streams (seed 0: the tuner's own)."""
     if task == "gpt":
         import gpt_workload as g
 
         val = [next(g.batch_stream(99, 32)) for _ in range(2)]  # held out: another seed than training
 
         def model():
-            torch.manual_seed(0)
+            torch.manual_seed(seed)
             return g.GPT()
 
-        return (model, lambda: g.batch_stream(7 + 1000 * rank), g.loss_fn,
+        return (model, lambda: g.batch_stream(7 + 1000 * rank + 100 * seed), g.loss_fn,
                 lambda m: g.validation_loss(m, val), lambda p: torch.optim.AdamW(p, lr=1e-3))
+    if task == "gpt2":
+        import gpt_workload as g
+
+        val2 = [next(g.batch_stream2(99, 32)) for _ in range(2)]
+
+        def model2():
+            torch.manual_seed(seed)
+            return g.GPT(layers=g.LAYERS2, d=g.D2, heads=g.HEADS2, vocab=g.VOCAB2, positions=2 * g.SEQ2)
+
+        return (model2, lambda: g.batch_stream2(11 + 1000 * rank + 100 * seed), g.loss_fn2,
+                lambda m: g.validation_loss2(m, val2), g.gpt2_optimizer)
     from fastml_strategy._digits import accuracy, batches, digits_mlp, load_digits_split
 
     x, y, xt, yt = load_digits_split(seed=0)
@@ -149,7 +178,7 @@ def _training_parts(task: str, rank: int, world: int):
 # A plan's clock is the sum of its own steps up to the target; evaluation (every chunk) is not timed.
 # Plans keep training past the target until --timing-steps steps are timed, for a steadier median.
 def _train_worker(rank: int, world: int, port: int, task_name: str, plans, target: float, max_steps: int,
-                  eval_every: int, timing_steps: int, q) -> None:
+                  eval_every: int, timing_steps: int, q, seed: int = 0) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -161,7 +190,7 @@ def _train_worker(rank: int, world: int, port: int, task_name: str, plans, targe
     reached = (lambda v: v >= target) if task.higher_is_better else (lambda v: v <= target)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
-        new_model, stream, loss_fn, evaluate, optimizer = _training_parts(task_name, rank, world)
+        new_model, stream, loss_fn, evaluate, optimizer = _training_parts(task_name, rank, world, seed)
         runs = {}
         for label, plan_arg, cap_mb in plans:
             model = DDP(new_model(), **({"bucket_cap_mb": cap_mb} if cap_mb else {}))
@@ -230,7 +259,7 @@ def _compute_times(new_model, stream, loss_fn, optimizer, steps: int) -> float:
 
 
 def train_to_target(task: str, plans, target: float, max_steps: int, eval_every: int,
-                    timing_steps: int = 100, world: int = 2, timeout: float = 3600) -> dict:
+                    timing_steps: int = 100, world: int = 2, timeout: float = 3600, seed: int = 0) -> dict:
     """{label: result} for ``plans`` = [(label, recipe name | plan.json path | None for plain DDP,
     bucket_cap_mb | None)]."""
     import torch.multiprocessing as mp
@@ -239,7 +268,7 @@ def train_to_target(task: str, plans, target: float, max_steps: int, eval_every:
     q = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_train_worker, args=(r, world, port, task, plans, target, max_steps,
-                                                     eval_every, timing_steps, q))
+                                                     eval_every, timing_steps, q, seed))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -280,7 +309,8 @@ def _tune(args: argparse.Namespace, task: Task, tune: Path) -> float:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
            "-m", "fastml_strategy.autotune.cli", task.factory, "--out", str(tune), "--quiet",
-           *task.tuner_args, *(args.tuner_args or [])] + (["--overwrite"] if args.resume else [])
+           *task.tuner_args, "--seed", str(args.seed), *(args.tuner_args or [])] + (
+               ["--overwrite"] if args.resume else [])
     print("$", " ".join(cmd), flush=True)
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, env=env, cwd=REPO, timeout=3600)
@@ -300,7 +330,7 @@ def inner(args: argparse.Namespace) -> None:
     # One thread per rank everywhere (ranks and torchrun children alike): 2 ranks on 2 cores.
     os.environ["OMP_NUM_THREADS"] = "1"
     task = TASKS[args.workload]
-    out = Path(args.out or REPO / "benchmarks" / "out" / f"autotune_{task.name}")
+    out = Path(args.out or REPO / "benchmarks" / "out" / f"autotune_{task.name}_{_run_tag(args, task)}")
     tune = out / "tune"
     if tune.exists() and not args.resume:
         shutil.rmtree(tune)
@@ -315,11 +345,11 @@ def inner(args: argparse.Namespace) -> None:
     plans: list[tuple[str, str | None, float | None]] = [
         ("tuned", None if meta.get("hook") is False else str(tune / "plan.json"), cap)]
     plans += [(r, r, None) for r in (args.recipes.split(",") if args.recipes else task.recipes)]
-    plans += [("ddp-fp32", None, None)]
+    plans += [] if args.skip_ddp else [("ddp-fp32", None, None)]
     load_before = os.getloadavg()[0]
     print(f"training {len(plans)} plans side by side to {task.metric} {args.target}...", flush=True)
     results = train_to_target(task.name, plans, args.target, args.max_steps, args.eval_every,
-                              args.timing_steps)
+                              args.timing_steps, seed=args.seed)
     load = f"{load_before:.1f}-{os.getloadavg()[0]:.1f}"
     link_bytes_s = _rate_bits(args.rate) / 8 if not args.no_netns else float("inf")
     rows = []
@@ -332,6 +362,7 @@ def inner(args: argparse.Namespace) -> None:
         wire_ms = 1e3 * 2 * r["wire_bytes_per_step"] / link_bytes_s  # both ranks share the link
         bound = max(r["compute_ms"], wire_ms)
         rows.append({
+            "workload": task.name, "seed": args.seed, "target": args.target,
             "plan": label, "bucket_cap_mb": cap_mb or "", "ms_per_step": round(r["ms_per_step"], 1),
             "predicted_ms": round(1e3 * pred_s, 1),
             "prediction_error_pct": round(100 * (1e3 * pred_s - r["ms_per_step"]) / r["ms_per_step"], 1),
@@ -345,11 +376,15 @@ def inner(args: argparse.Namespace) -> None:
             # timings are noisy
             "load_avg": load, "link": "none" if args.no_netns else args.rate,
         })
+    rows[0]["plan_summary"] = _plan_summary(tune / "plan.json")
+    rows[0]["check"] = (meta.get("checked_against_uniform") or {}).get("verdict", "")
     from tabulate import tabulate
 
     import _bench
 
-    csv_path = Path(args.csv or _bench.default_csv(f"bench_autotune_{task.name}_cpu.csv", documented=not args.no_netns))
+    default_name = (f"bench_autotune_{task.name}_cpu.csv" if args.rate == task.rate and args.seed == 0
+                    else f"bench_autotune_{task.name}_{_run_tag(args, task)}_cpu.csv")
+    csv_path = Path(args.csv or _bench.default_csv(default_name, documented=not args.no_netns))
     csv_path.parent.mkdir(parents=True, exist_ok=True)
     _bench.write_csv(csv_path, rows)
     best = min((r for r in rows if r["seconds_to_target"] != "" and r["plan"] != "tuned"),
@@ -371,6 +406,42 @@ def inner(args: argparse.Namespace) -> None:
         print(f"\ntuned plan: {tuned['seconds_to_target']} s to the target; best other plan {best['plan']}: "
               f"{best['seconds_to_target']} s ({best['seconds_to_target'] / tuned['seconds_to_target']:.2f}x)")
     print(f"\nwrote {csv_path} and {tune}/report.html")
+
+
+def _run_tag(args: argparse.Namespace, task: Task) -> str:
+    """``50mbit_seed1``: the link and seed of a run, in file names."""
+    return f"{'nolimit' if args.no_netns else args.rate}_seed{args.seed}"
+
+
+def summary(results: Path = REPO / "benchmarks" / "results") -> list[dict]:
+    """Per workload, link and seed (every bench_autotune CSV under ``results`` with those columns):
+    the tuned plan's measured seconds to the target against the best uniform recipe's."""
+    rows = []
+    for path in sorted(results.glob("bench_autotune_*_cpu.csv")):
+        with open(path) as f:
+            got = list(csv.DictReader(f))
+        if not got or "workload" not in got[0]:
+            continue  # written before the workload and seed columns
+        tuned = next((r for r in got if r["plan"] == "tuned"), None)
+        uni = [r for r in got if r["plan"] not in ("tuned", "ddp-fp32")]
+        reached = [r for r in uni if r["seconds_to_target"]]
+        best = min(reached, key=lambda r: float(r["seconds_to_target"]), default=None)
+        t_s = float(tuned["seconds_to_target"]) if tuned and tuned["seconds_to_target"] else None
+        b_s = float(best["seconds_to_target"]) if best else None
+        rows.append({
+            "workload": got[0]["workload"], "link": got[0]["link"], "seed": got[0]["seed"],
+            "target": got[0]["target"], "tuned_plan": tuned.get("plan_summary", "") if tuned else "",
+            "tuned_s": t_s, "tuned_steps": tuned["steps_to_target"] if tuned else "",
+            "tuned_ms_per_step": tuned["ms_per_step"] if tuned else "",
+            "best_uniform": best["plan"] if best else "none reached",
+            "best_uniform_s": b_s, "best_uniform_steps": best["steps_to_target"] if best else "",
+            "best_uniform_ms_per_step": best["ms_per_step"] if best else "",
+            "tuned_over_best_uniform": round(t_s / b_s, 3) if t_s and b_s else "",
+            "tuned_no_later": (t_s is not None and (b_s is None or t_s <= b_s)),
+            "uniform_not_reached": ",".join(r["plan"] for r in uni if not r["seconds_to_target"]),
+            "csv": path.name,
+        })
+    return rows
 
 
 def _plan_summary(path: Path) -> str:
@@ -408,8 +479,22 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="few trials and steps: a functional check")
     p.add_argument("--resume", action="store_true", help="keep a previous tuning run's storage")
     p.add_argument("--no-netns", action="store_true", help="plain loopback, no rate limit")
+    p.add_argument("--skip-ddp", action="store_true",
+                   help="do not train plain fp32 DDP (the slowest plan on a slow link)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the tuner's --seed and the training's (initial weights, data streams)")
+    p.add_argument("--netns-prefix", default="fastml-at",
+                   help="the emulated link's network namespace is PREFIX-PID (default fastml-at)")
+    p.add_argument("--summary", action="store_true",
+                   help="print tuned vs best uniform recipe from every CSV under benchmarks/results/")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.summary:
+        from tabulate import tabulate
+
+        rows = summary()
+        print(tabulate(rows, headers="keys", tablefmt="github"))
+        return
     task = TASKS[args.workload]
     for k in ("rate", "target", "max_steps", "eval_every", "timing_steps"):
         if getattr(args, k) is None:
@@ -428,7 +513,7 @@ def main() -> None:
     if os.geteuid() != 0:
         sys.exit("bench_autotune: the emulated link needs root (ip netns, tc); run with sudo, or pass "
                  "--no-netns for an unthrottled functional run")
-    ns = f"fastml-at-{os.getpid()}"
+    ns = f"{args.netns_prefix}-{os.getpid()}"
     run = lambda *c: subprocess.run(list(c), check=True)  # noqa: E731
     run("ip", "netns", "add", ns)
     try:

@@ -10,6 +10,11 @@ ln 4), drawn from a ``torch.Generator`` the factory owns (one seed per rank), as
 would: the batches replay only because the tuner rebuilds the workload from this factory for every
 calibration run. Batch 8 x 64 tokens, AdamW lr 1e-3; the eval function is none (accuracy loss =
 relative final loss). ``bench_autotune.py --workload gpt`` trains it to a validation loss.
+
+``make2`` is a second transformer for the same comparisons (issue 28): 6 blocks of d=192, a
+128-token language with unequally likely successors, context 48, batch 12, NAdam 2e-3 (see
+``VOCAB2`` ...);
+``bench_autotune.py --workload gpt2``.
 """
 
 from __future__ import annotations
@@ -102,6 +107,67 @@ def loss_fn(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Ten
 def validation_loss(m: nn.Module, batches: list) -> float:
     """Mean loss over held-out ``batches`` (the same on every rank, so replicas agree on it)."""
     return sum(float(loss_fn(m, b)) for b in batches) / len(batches)
+
+
+# -- the second workload (issue 28): another width, depth, language and optimizer ----------------------
+# 6 blocks of d=192 (6 heads); a 128-token language whose successors are not equally likely (each
+# token is followed by one of 3 fixed successors with probabilities 0.6, 0.3, 0.1: loss floor 0.90
+# nats, against the first workload's 256 tokens, 4 equal successors, ln 4); context 48, batch 12;
+# NAdam 2e-3 (Nesterov momentum, no decoupled weight decay) against AdamW 1e-3: 2.7M parameters in
+# 78 tensors.
+VOCAB2, D2, HEADS2, LAYERS2, SEQ2, BATCH2 = 128, 192, 6, 6, 48, 12
+SUCCESSOR_P2 = (0.6, 0.3, 0.1)
+
+
+def _successors2() -> torch.Tensor:
+    """The second language: ``succ[a]`` holds the 3 tokens that may follow ``a``, likeliest first."""
+    return torch.randint(VOCAB2, (VOCAB2, len(SUCCESSOR_P2)), generator=torch.Generator().manual_seed(4321))
+
+
+def batch_stream2(seed: int, batch: int = BATCH2):
+    """An endless stream of (input, next-token) batches of the second language, from a generator
+    seeded with ``seed`` (the stream replays exactly for the same seed)."""
+    succ = _successors2()
+    probs = torch.tensor(SUCCESSOR_P2)
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        toks = torch.empty(batch, SEQ2 + 1, dtype=torch.long)
+        toks[:, 0] = torch.randint(VOCAB2, (batch,), generator=gen)
+        pick = torch.multinomial(probs, batch * SEQ2, replacement=True, generator=gen).view(batch, SEQ2)
+        for i in range(SEQ2):
+            toks[:, i + 1] = succ[toks[:, i], pick[:, i]]
+        yield toks[:, :-1], toks[:, 1:]
+
+
+def loss_fn2(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(m(x).reshape(-1, VOCAB2), y.reshape(-1))
+
+
+@torch.no_grad()
+def validation_loss2(m: nn.Module, batches: list) -> float:
+    """Mean loss of the second workload over held-out ``batches``."""
+    return sum(float(loss_fn2(m, b)) for b in batches) / len(batches)
+
+
+def gpt2_model() -> GPT:
+    """The second workload's model (seeded: every rank and run builds the same weights)."""
+    torch.manual_seed(0)
+    return GPT(layers=LAYERS2, d=D2, heads=HEADS2, vocab=VOCAB2, positions=2 * SEQ2)
+
+
+def gpt2_optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.NAdam(params, lr=2e-3)
+
+
+def make2() -> Workload:
+    """The second workload as a ``fastml-autotune`` target (``benchmarks/gpt_workload.py:make2``)."""
+    import torch.distributed as dist
+
+    model = gpt2_model()
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return Workload(model=model, batches=lambda: batch_stream2(11 + 1000 * rank), loss_fn=loss_fn2,
+                    optimizer=gpt2_optimizer, name="gpt2-2.8m")
 
 
 def make() -> Workload:

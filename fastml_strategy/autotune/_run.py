@@ -140,6 +140,8 @@ class AutotuneResult:
     phase_s: dict[str, float] = field(default_factory=dict)
     # What --budget left out (empty: nothing)
     budget_notes: list[str] = field(default_factory=list)
+    # The tuned plan against the obvious uniform alternatives, trained side by side (None: not checked)
+    check: dict[str, Any] | None = None
 
     @property
     def plan_uses_hook(self) -> bool:
@@ -633,6 +635,12 @@ def _option_plan(profile: Profile, groups: Mapping[str, list[str]], result: "Aut
             f"DistributedDataParallel(model, bucket_cap_mb={mb}); Lightning/Fabric: "
             f"FastMLStrategy(..., bucket_cap_mb={mb}) (DDPStrategy passes it to DDP); Accelerate: "
             f"Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb={mb})])")}
+    chk = result.check
+    if chk is not None and chk.get("option") == option:
+        meta["checked_against_uniform"] = {
+            "verdict": chk.get("verdict"), "replaced": chk.get("replaced"),
+            "time_ratio": {e["plan"]: e["time_ratio"] if math.isfinite(e["time_ratio"]) else None
+                           for e in chk.get("alternatives", [])}}
     rule = result.accuracy_rule
     if rule is not None:
         f = (lambda v: None if isinstance(v, float) and not math.isfinite(v) else v)
@@ -912,7 +920,7 @@ def _result(s: Settings, profile: Profile, groups: Mapping[str, list[str]], opti
                           groups=dict(groups), sharding=sh, whatif=whatif, target_steps=found.target_steps,
                           target_steps_source=s.target_steps_source, link_warning=link_warning,
                           local_best=found.local_best, local_calibration=found.local_cal,
-                          accuracy_rule=found.rule, budget_notes=found.notes)
+                          accuracy_rule=found.rule, budget_notes=found.notes, check=found.check)
 
 
 def _write_report(s: Settings, profile: Profile, groups: Mapping[str, list[str]], result: AutotuneResult,
@@ -963,6 +971,7 @@ class _Searched:
     local_cal: LocalCalibration | None
     rule: AccuracyRule
     notes: list[str]  # what --budget left out
+    check: dict[str, Any] | None = None  # the tuned plan against uniform plans, side by side (_check)
 
 
 def _calibrate_and_search(s: Settings, profile: Profile, groups: Mapping[str, list[str]],
@@ -994,10 +1003,130 @@ def _calibrate_and_search(s: Settings, profile: Profile, groups: Mapping[str, li
         bar.phase(f"verifying the chosen plans (round {rnd} of up to {s.verify_rounds})",
                   1 + len(cal.plans) + len(new), "run")
         cal = _calibrate_again(s, profile, groups, cal, cal.plans + new, cal_name, bar, deadline)
+    chosen = _chosen_option(options, found)
+    check = _check(s, profile, groups, options, chosen, found, cal, conv, cal_name, bar, deadline, notes)
     return _Searched(points=cal.points, conv=conv, target_steps=float(s.target_steps), rows=found.rows,
                      best=found.best, baseline=found.baseline, front=_pareto(found.rows, options),
-                     chosen=_chosen_option(options, found), local_best=found.local_best,
-                     local_cal=local_cal, rule=cal.rule, notes=notes)
+                     chosen=chosen, local_best=found.local_best, local_cal=local_cal, rule=cal.rule,
+                     notes=notes, check=check)
+
+
+def _uniform_alternatives(rows: list[dict[str, Any]], option: str, tuned: Mapping[str, Any],
+                          groups: Mapping[str, list[str]]) -> list[tuple[dict[str, Any], str]]:
+    """The obvious alternatives to the tuned plan on ``option``: the feasible uniform per-step plan
+    (every group on one codec) of the lowest predicted step time and the one of the lowest predicted
+    objective, each with why it was picked; the tuned plan itself is not its own alternative."""
+    uni: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        vals = set(r["choice"].values())
+        if (r["option"] != option or r.get("kind") != "fastml" or int(r.get("every", 1)) != 1
+                or len(vals) != 1 or len(r["choice"]) != len(groups) or not r["feasible"]
+                or vals == {"none"} or not math.isfinite(r["objective"])):
+            continue
+        o = next(iter(vals))
+        if o not in uni or r["objective"] < uni[o]["objective"]:
+            uni[o] = r
+    out: list[tuple[dict[str, Any], str]] = []
+    if not uni:
+        return out
+    fast = min(uni.values(), key=lambda r: (r["step_s"], r["objective"]))
+    best = min(uni.values(), key=lambda r: (r["objective"], r["step_s"]))
+    for r, why in ((fast, "the fastest uniform plan within the accuracy limit (predicted step time)"),
+                   (best, "the best uniform plan by the cost model")):
+        if r["choice"] != tuned["choice"] and all(r["choice"] != q["choice"] for q, _ in out):
+            out.append((r, why))
+        elif r["choice"] != tuned["choice"]:  # the same plan for both reasons
+            out = [(q, w if q["choice"] != r["choice"] else f"{w}, and {why.replace('the ', '', 1)}")
+                   for q, w in out]
+    return out
+
+
+def _check_curve(s: Settings, profile: Profile, groups: Mapping[str, list[str]], gchoice: Mapping[str, str],
+                 cal: _Calibrated, cal_name: str) -> tuple[list[float], float | None]:
+    """The loss curve of ``gchoice`` at the run's seed: a calibration run's, else trained now and kept
+    in the calibration study (a resumed run reads it back)."""
+    import optuna
+
+    from fastml_strategy.autotune import calibrate, search
+
+    for p in cal.points:
+        if p["choice"] == dict(gchoice) and int(p.get("seed", s.seed)) == s.seed and p.get("losses") \
+                and not p.get("pruned"):
+            return list(p["losses"]), p.get("metric")
+    study = optuna.create_study(storage=s.storage, study_name=cal_name, direction="minimize",
+                                load_if_exists=True)
+    key = f"check-{_hash([dict(gchoice), s.seed, s.calibration_steps])}"
+    got = study.user_attrs.get(key)
+    if got is None:
+        losses, metric = calibrate.train_curve(s.workload, search.expand(groups, gchoice),
+                                               s.calibration_steps, s.seed)
+        got = {"losses": [v if math.isfinite(v) else None for v in losses], "metric": metric}
+        study.set_user_attr(key, got)
+    return [math.inf if v is None else float(v) for v in got["losses"]], got["metric"]
+
+
+def _check(s: Settings, profile: Profile, groups: Mapping[str, list[str]], options: list[HardwareOption],
+           chosen: str, found: _OptionSearch, cal: _Calibrated, conv: Convergence, cal_name: str,
+           bar: _Progress, deadline: float | None, notes: list[str]) -> dict[str, Any] | None:
+    """Before the plan is written: the tuned plan of plan.json's option and its obvious alternatives
+    (:func:`_uniform_alternatives`) trained side by side from the same weights at the run's seed
+    (calibration-length runs; those calibration already ran are reused). An alternative that reaches
+    the tuned plan's losses sooner (measured steps x predicted step time,
+    :func:`~fastml_strategy.autotune.calibrate.time_to_same_loss`) and stayed within the accuracy
+    limit in its run replaces the tuned plan in ``found.best``; the record says what was compared and
+    why the choice stands (None: nothing to check, e.g. plain DDP or local steps won)."""
+    from fastml_strategy.autotune import calibrate, search
+
+    tuned = found.best[chosen]
+    if not tuned.get("use_hook", True) or uses_local_steps(_winner(tuned, found.local_best.get(chosen))):
+        return None
+    alts = _uniform_alternatives(found.rows, chosen, tuned, groups)
+    record: dict[str, Any] = {"option": chosen, "steps": s.calibration_steps, "seed": s.seed,
+                              "paired": cal.ref.get("paired"), "tuned": dict(tuned["choice"]),
+                              "tuned_step_s": tuned["step_s"], "alternatives": [], "replaced": None}
+    if not alts:
+        record["verdict"] = ("nothing to compare: the tuned plan is itself the fastest and the best "
+                             "uniform plan within the accuracy limit, or no other uniform plan is within it")
+        return record
+    todo = [a for a in [tuned] + [r for r, _ in alts]
+            if not any(p["choice"] == a["choice"] and int(p.get("seed", s.seed)) == s.seed and p.get("losses")
+                       for p in cal.points)]
+    if not _fits(deadline, cal.run_s * len(todo)):
+        notes.append(f"--budget: the check against uniform plans ({len(todo)} runs) was not run")
+        record["verdict"] = "not run (--budget)"
+        return record
+    bar.phase("checking the tuned plan against uniform plans", max(1, len(todo)), "run")
+    t_losses, _ = _check_curve(s, profile, groups, tuned["choice"], cal, cal_name)
+    bar.update(1)
+    ref = cal.ref.get("references", {}).get(s.seed) or cal.ref
+    best_alt: tuple[float, dict[str, Any]] | None = None
+    for row, why in alts:
+        losses, metric = _check_curve(s, profile, groups, row["choice"], cal, cal_name)
+        bar.update(1)
+        cmp = calibrate.time_to_same_loss(t_losses, losses, cal.ref.get("noise"), tuned["step_s"], row["step_s"])
+        acc = calibrate._accuracy_loss(ref, losses, metric)
+        within = bool(acc <= s.max_accuracy_loss + 1e-12)
+        entry = {"plan": f"uniform {next(iter(row['choice'].values()))}", "why": why,
+                 "choice": dict(row["choice"]), "step_s": row["step_s"], "accuracy_loss": acc,
+                 "within_limit": within, **{k: v for k, v in cmp.items()}}
+        record["alternatives"].append(entry)
+        if cmp["sooner"] and within and (best_alt is None or cmp["time_ratio"] < best_alt[0]):
+            best_alt = (cmp["time_ratio"], row)
+    if best_alt is None:
+        why_not = [f"{e['plan']}: " + ("over the accuracy limit in its run" if e["sooner"] and not e["within_limit"]
+                                       else "not sooner") for e in record["alternatives"]]
+        record["verdict"] = "the tuned plan stands (" + "; ".join(why_not) + ")"
+        return record
+    row = best_alt[1]
+    new = dict(row, use_hook=True, checked_over=dict(tuned["choice"]))
+    if not s.sharding.sharded:
+        new = _best_bucket(profile, groups, options[[o.name for o in options].index(chosen)], conv,
+                           float(s.target_steps), new, search)
+    found.best[chosen] = new
+    record["replaced"] = f"uniform {next(iter(row['choice'].values()))}"
+    record["verdict"] = (f"{record['replaced']} reached the tuned plan's losses in {best_alt[0]:.3g}x its "
+                         f"time, within the accuracy limit: plan.json holds {record['replaced']} instead")
+    return record
 
 
 def _calibration_deadline(s: Settings, profile: Profile) -> float | None:

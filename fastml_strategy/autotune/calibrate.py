@@ -11,10 +11,19 @@ The profile says what each plan's error is; this module measures what that error
    error does not capture every codec family equally (top-k with error feedback and quantization
    of the same per-step error train differently), so the plan that will be used is always trained
    once, and the fit and the feasible limit include it.
-3. Steps ratio. Both loss curves are smoothed (exponential moving average) and made monotone (running
-   minimum). At levels the reference reaches at 40%, 60% and 80% of the run, the candidate's crossing
-   step is divided by the reference's; the ratio is their geometric mean. A level the candidate never
-   reaches counts as ``run length / reference step`` and marks the point *censored* (a lower bound).
+3. Stretch (:func:`stretch`, issue 28). Both loss curves are smoothed (exponential moving average)
+   and made monotone (running minimum). At 15 levels, the reference's smoothed loss at 20% to 90% of
+   the run, the candidate's crossing step (interpolated, lag-corrected) is divided by the
+   reference's. Each level's log-ratio has the standard error ``sigma / |d ref / d log t|``: the
+   noise of a smoothed loss difference over the reference's slope there, so where the reference has
+   flattened (a vertical offset within noise is a large horizontal one) a level weighs little, and
+   past a factor e of uncertainty not at all. ``sigma`` comes from the two references and the
+   repeats (:func:`stretch_noise`). A level the candidate never reaches is a lower bound and enters
+   as a one-sided constraint. The estimate is the weighted least-squares log-ratio under those
+   constraints, with a ~95% interval; a run that reached no level is *censored*: its ratio is the
+   interval's lower end, a bound, and the fit of ``g`` takes it as one. The usual way (three levels,
+   their geometric mean, an unreached level counted as ``run length / reference step``) read the
+   flattened part of a 60-step run as 1.33x for a plan indistinguishable from the reference.
 4. Accuracy loss: reference metric minus candidate metric (eval function), or without one the relative
    increase of the final smoothed training loss.
 5. Pruning: every few steps a trial reports its current lag (its step count over the step at which
@@ -22,8 +31,12 @@ The profile says what each plan's error is; this module measures what that error
    ``prune_ratio`` times behind after the first quarter. A pruned trial counts as failing the
    accuracy limit. This is a single-objective study, so pruning works (Optuna 5 multi-objective
    studies cannot prune).
-6. :func:`~fastml_strategy.autotune.costmodel.fit_convergence` fits ``g(e) = 1 + k e^gamma`` and the
-   largest feasible error.
+6. :func:`~fastml_strategy.autotune.costmodel.fit_convergence` fits ``g(e) = 1 + k e^gamma`` (each run
+   weighted by its stretch's standard error, censored runs as one-sided bounds) and the largest
+   feasible error.
+7. :func:`time_to_same_loss`: the driver's last check before writing the plan, the tuned plan and a
+   uniform plan trained side by side, and which reaches the tuned plan's losses sooner in wall time
+   (measured stretch x predicted step time).
 
 This is a single-rank simulation: each rank's gradient is compressed once, as the first half of the
 scatter-reduce-allgather does; the re-compression of the sum is not simulated (its error is of the same
@@ -41,8 +54,9 @@ with H inner steps between synchronisations take to reach the same loss?
    scatter-reduce-allgather, as above), averaged, and LocalSGD's outer optimizer (Nesterov, lr 0.7,
    momentum 0.9) steps the shared parameters, which every replica then takes. The last step
    synchronises too, so the metric is the shared model's. The loss of a step is the replicas' mean.
-3. Stretch ``s(H)`` = :func:`steps_ratio` of the two loss curves (smoothed, at the reference's 40/60/80%
-   levels, the same rule as the plans), at least 1; accuracy loss as for the plans.
+3. Stretch ``s(H)`` = :func:`steps_ratio` of the two loss curves (the plans' :func:`stretch`, with
+   the two curves' step-to-step scatter as the noise: one reference only), at least 1; accuracy loss
+   as for the plans.
 
 Each run lasts ``max(--calibration-steps, 4 x the largest H)`` steps (the largest H syncs at least 4
 times) of W forward/backward passes: with the defaults (W = 2, H in 10 and 50) three runs of 200
@@ -55,7 +69,8 @@ import contextlib
 import copy
 import math
 import random
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -65,7 +80,8 @@ from fastml_strategy.autotune.costmodel import (CANDIDATES, LOCAL_CALIBRATION_OP
 from fastml_strategy.autotune.profile import SimulatedCompression
 from fastml_strategy.autotune.workload import Workload
 
-__all__ = ["train_curve", "smooth", "steps_ratio", "lag_ratio", "calibration_candidates",
+__all__ = ["train_curve", "smooth", "steps_ratio", "stretch", "Stretch", "Noise", "stretch_noise",
+           "step_noise", "time_to_same_loss", "lag_ratio", "calibration_candidates",
            "run_calibration", "build_run", "runs_paired", "final_loss", "reference_sigma",
            "repeat_candidates", "local_curve", "local_calibration_steps", "run_local_calibration"]
 
@@ -345,30 +361,322 @@ def _span(n: int) -> int:
     return max(5, n // 10)
 
 
-def steps_ratio(ref: Sequence[float], cand: Sequence[float],
-                fractions: Sequence[float] = (0.4, 0.6, 0.8)) -> tuple[float, bool]:
-    """(steps the candidate needs / steps the reference needs, censored?) at the reference's levels.
+# The stretch (steps_ratio) is measured at the reference's smoothed loss at these fractions of the run,
+# at every level where the reference still descends (a level's horizontal uncertainty is the noise
+# over the reference's slope there, so flattened levels weigh little or are left out).
+LEVEL_FRACTIONS = tuple(float(f) for f in np.round(np.linspace(0.2, 0.9, 15), 3))
+# Two-sided 95% normal quantile of the stretch intervals; widened to Student's t for the degrees of
+# freedom the noise was estimated with (:func:`t_quantile`). Checked on synthetic curves (white noise,
+# 60-200 steps, one pair of references, 100 draws each): with t, 92-97% of the intervals of an equal
+# curve held 1 and 84-98% of those of a 1.5x slower one held 1.5 (the running minimum biases a
+# flatter curve ~1% fast); with the normal quantile 87-90% and 79-97%.
+INTERVAL_Z = 1.96
+# A level whose log-ratio is uncertain by more than this (a factor e) says nothing: left out.
+MAX_LEVEL_SE = 1.0
+# Floor of a level's standard error (log units): noise-free synthetic curves stay well conditioned.
+MIN_LEVEL_SE = 1e-3
+# The grid the interval is read from: log-ratios from 1/8 to 32.
+_LOG_GRID = np.linspace(math.log(1 / 8), math.log(32.0), 4001)
 
-    The moving average lags a trend by ``(span - 1) / 2`` steps; crossing steps are corrected by that
-    lag (the same for both curves), or a candidate half as fast would look only 1.6x slower.
+
+@dataclass(frozen=True)
+class Stretch:
+    """How many times the reference's steps a run needs to reach the reference's losses, with its
+    uncertainty (:func:`stretch`).
+
+    ``ratio`` is the estimate and ``lo``/``hi`` its ~95% interval (``hi`` infinite when the run
+    reached none of the levels: then ``ratio`` is a lower bound, ``censored``). ``se`` is the standard
+    error of ``log(ratio)``; ``levels`` the levels measured (where the reference still descends) and
+    ``reached`` how many of them the run reached; ``sigma`` the noise of a smoothed loss difference
+    that the interval rests on."""
+
+    ratio: float
+    lo: float
+    hi: float
+    se: float
+    censored: bool
+    levels: int
+    reached: int
+    sigma: float
+
+    def contains(self, x: float = 1.0) -> bool:
+        """Whether ``x`` lies in the interval (``1``: the run is within noise of the reference)."""
+        return self.lo <= x <= self.hi
+
+    def interval_words(self) -> str:
+        """'1.02x (0.95-1.10)' or 'at least 1.8x'."""
+        if self.levels == 0:
+            return "unknown (the reference never descended beyond noise)"
+        if self.censored:
+            return f"at least {self.ratio:.3g}x"
+        hi = "inf" if not math.isfinite(self.hi) else f"{self.hi:.3g}"
+        return f"{self.ratio:.3g}x ({self.lo:.3g}-{hi})"
+
+    def words(self) -> str:
+        """One sentence a user can check against the curves."""
+        if self.levels == 0:
+            return ("stretch unknown: the reference's smoothed loss never fell by more than the noise "
+                    f"({self.sigma:.3g}) over a smoothing window; lengthen --calibration-steps")
+        where = (f"at {self.levels} loss levels where the reference still descends ({self.reached} "
+                 f"reached by this run)")
+        if self.censored:
+            return (f"reached none of the reference's levels {where.split(' (')[0][3:]}: it needs at "
+                    f"least {self.ratio:.3g}x the steps (a lower bound, the 95% lower end)")
+        verdict = ("within noise of the reference (the interval contains 1)" if self.contains(1.0) else
+                   "slower than the reference beyond noise" if self.lo > 1.0 else
+                   "faster than the reference beyond noise")
+        return f"{self.interval_words()} of the reference's steps, {where}: {verdict}"
+
+    def verdict(self) -> str:
+        """What the interval says, without the figures: 'within noise of the reference (its interval
+        contains 1); 15 levels, 15 reached'."""
+        if self.levels == 0:
+            return "unknown: the reference never descended beyond noise"
+        if self.censored:
+            return f"a lower bound: none of the {self.levels} levels reached"
+        v = ("within noise of the reference (its interval contains 1)" if self.contains(1.0) else
+             "slower than the reference beyond noise" if self.lo > 1.0 else
+             "faster than the reference beyond noise")
+        return f"{v}; {self.levels} levels, {self.reached} reached"
+
+    def to_point(self) -> dict[str, Any]:
+        """The fields a calibration point stores (``ratio``, its interval and standard error, ...)."""
+        return {"ratio": self.ratio, "ratio_lo": self.lo, "ratio_hi": self.hi, "ratio_se": self.se,
+                "censored": self.censored, "levels": self.levels, "levels_reached": self.reached}
+
+
+def _crossing(x: np.ndarray, level: float) -> float | None:
+    """The (1-based, linearly interpolated) step at which the monotone curve ``x`` first reaches
+    ``level``; None if it never does."""
+    hit = np.nonzero(x <= level)[0]
+    if not hit.size:
+        return None
+    i = int(hit[0])
+    if i == 0:
+        return 1.0
+    drop = x[i - 1] - x[i]
+    return float(i + ((x[i - 1] - level) / drop if drop > 0 else 1.0))
+
+
+def step_noise(*curves: Sequence[float]) -> float:
+    """Noise of the difference of the smoothed ``curves`` (two of them: a candidate and its
+    reference), from their step-to-step scatter alone: each curve's per-step noise (median absolute
+    deviation of consecutive differences) shrunk by the moving average. It misses slow, seed-wide
+    differences (another data order): a floor, used when no second reference or repeat measured more."""
+    var = 0.0
+    for c in curves:
+        x = np.asarray(c, dtype=float)
+        x = x[np.isfinite(x)]
+        if len(x) < 3:
+            continue
+        d = np.diff(x)
+        s = 1.4826 * float(np.median(np.abs(d - np.median(d)))) / math.sqrt(2.0)
+        alpha = 2.0 / (_span(len(x)) + 1)
+        var += s * s * alpha / (2.0 - alpha)
+    return math.sqrt(var)
+
+
+def window_rms(diff: np.ndarray) -> float:
+    """Root mean square of a smoothed difference over the part of the run the levels are taken in
+    (from the first level's fraction of it on)."""
+    n = len(diff)
+    d = diff[int(LEVEL_FRACTIONS[0] * n):]
+    d = d[np.isfinite(d)]
+    return float(np.sqrt(np.mean(d * d))) if d.size else math.nan
+
+
+def smoothed_difference(a: Sequence[float], b: Sequence[float]) -> np.ndarray:
+    """``smooth(a) - smooth(b)`` over their common length (the span of ``b``'s length)."""
+    n = min(len(a), len(b))
+    span = _span(len(b))
+    return smooth(list(a)[:n], span) - smooth(list(b)[:n], span)
+
+
+class Noise(NamedTuple):
+    """The noise of a smoothed loss difference between two runs that differ only by chance
+    (:func:`stretch_noise`), the degrees of freedom it was estimated with, and where it came from."""
+
+    sigma: float
+    dof: float
+    source: str
+
+
+def t_quantile(dof: float, z: float = INTERVAL_Z) -> float:
+    """Student's t quantile matching the normal ``z`` (Cornish-Fisher, two terms: 2.26 for 8 degrees
+    of freedom against the exact 2.31; ``z`` itself for infinitely many)."""
+    if not math.isfinite(dof) or dof <= 0:
+        return z if not dof <= 0 else 4.0 * z
+    return z + (z ** 3 + z) / (4 * dof) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * dof ** 2)
+
+
+def stretch(ref: Sequence[float], cand: Sequence[float], sigma: "Noise | float | None" = None,
+            fractions: Sequence[float] = LEVEL_FRACTIONS) -> Stretch:
+    """The steps ``cand`` needs to reach ``ref``'s losses over the steps ``ref`` needs, with a ~95%
+    interval that noise cannot inflate (module docstring, step 3).
+
+    ``sigma``: the noise of a smoothed loss difference between two runs that differ only by chance
+    (a :class:`Noise` from :func:`stretch_noise`, or a number: known exactly; None: :func:`step_noise`
+    of these two curves, a floor).
+
+    1. Both curves are smoothed (:func:`smooth`); crossing steps are interpolated between steps and
+       corrected by the moving average's lag (the same for both curves).
+    2. At each level (the reference's loss at ``fractions`` of its run) the log-ratio of the crossing
+       steps gets a standard error ``sigma / |d ref / d log t|``: a vertical noise of ``sigma``
+       moves the crossing by ``sigma`` over the reference's slope. Where the reference has flattened
+       this is large: a level uncertain by more than :data:`MAX_LEVEL_SE` is left out, the others
+       are weighted by ``1 / se^2``.
+    3. A level the candidate never reaches is a lower bound (its log-ratio is at least that of the
+       run's end), entering as a one-sided constraint: it pulls the estimate up to its bound, never
+       above.
+    4. The estimate minimises ``Q(mu) = sum w (x - mu)^2 + sum_bounds w max(0, b - mu)^2`` over the
+       log-ratio ``mu``; the interval is where ``Q`` is within ``t^2`` of its minimum (``t``: the
+       95% quantile for the noise's degrees of freedom, :func:`t_quantile`), with
+       ``Q`` scaled by the number of independent levels over the number used (levels closer than a
+       smoothing window share their noise). With no level reached the ratio is the interval's lower
+       end (a bound) and ``hi`` is infinite.
     """
     span = _span(len(ref))
     lag = (span - 1) / 2
     r = smooth(ref, span)
     c = smooth(cand, span)
     n = len(r)
-    ratios = []
-    censored = False
+    if isinstance(sigma, Noise):
+        sigma, dof = sigma.sigma, sigma.dof
+    else:
+        dof = math.inf
+    if sigma is None or not math.isfinite(sigma):
+        sigma, dof = step_noise(ref, cand), max(1.0, n / span)
+    sigma = max(float(sigma), 0.0)
+    z = t_quantile(dof)
+    h = max(1, span // 2)
+    xs, xw, bs, bw, ts = [], [], [], [], []
     for f in fractions:
-        level = r[max(0, int(f * n) - 1)]
-        ref_step = max(1.0, int(np.argmax(r <= level)) + 1 - lag)
-        hit = np.nonzero(c <= level)[0]
-        if hit.size:
-            ratios.append(max(1.0, int(hit[0]) + 1 - lag) / ref_step)
+        level = r[max(0, int(round(f * n)) - 1)]
+        t_ref = _crossing(r, level)
+        if t_ref is None or t_ref - lag < 1.0:
+            continue
+        i = min(n - 1, max(0, int(math.ceil(t_ref)) - 1))
+        a_, b_ = max(0, i - h), min(n - 1, i + h)
+        slope = (r[a_] - r[b_]) / max(1, b_ - a_)
+        t0 = t_ref - lag
+        se = sigma / (slope * t0) if slope > 0 else math.inf
+        if not se <= MAX_LEVEL_SE:
+            continue
+        w = 1.0 / max(se, MIN_LEVEL_SE) ** 2
+        ts.append(t0)
+        t_c = _crossing(c, level)
+        if t_c is not None:
+            xs.append(math.log(max(1.0, t_c - lag) / t0))
+            xw.append(w)
         else:
-            ratios.append(max(1.0, len(c) - lag) / ref_step)
-            censored = True
-    return float(np.exp(np.mean(np.log(ratios)))), censored
+            bs.append(math.log(max(1.0, len(c) - lag) / t0))
+            bw.append(w)
+    used = len(ts)
+    if not used:
+        return Stretch(1.0, 0.0, math.inf, math.inf, False, 0, 0, sigma)
+    x, wx, b, wb = (np.asarray(v, dtype=float) for v in (xs, xw, bs, bw))
+    scale = min(1.0, ((max(ts) - min(ts)) / span + 1.0) / used)
+    g = _LOG_GRID
+    q = scale * (((g[:, None] - x[None, :]) ** 2 * wx).sum(1)
+                 + (np.maximum(0.0, b[None, :] - g[:, None]) ** 2 * wb).sum(1))
+    inside = np.nonzero(q <= q.min() + z ** 2)[0]
+    lo, hi = float(g[inside[0]]), float(g[inside[-1]]) if inside[-1] < len(g) - 1 else math.inf
+    if not xs:  # no level reached: only a bound, its 95% lower end
+        return Stretch(math.exp(lo), math.exp(lo), math.inf, math.inf, True, used, 0, sigma)
+    mu = _hinge_minimum(x, wx, b, wb)
+    lo = min(lo, mu)
+    se = (hi - lo) / (2 * z) if math.isfinite(hi) else (mu - lo) / z
+    return Stretch(math.exp(mu), math.exp(lo), math.exp(hi) if math.isfinite(hi) else math.inf,
+                   float(se), False, used, len(xs), sigma)
+
+
+def _hinge_minimum(x: np.ndarray, wx: np.ndarray, b: np.ndarray, wb: np.ndarray) -> float:
+    """The exact minimiser of ``sum wx (x - mu)^2 + sum wb max(0, b - mu)^2`` (``x`` not empty): the
+    weighted mean of the values and of the bounds above it (active set, raised until stable)."""
+    active = np.zeros(len(b), dtype=bool)
+    for _ in range(len(b) + 1):
+        mu = float((np.dot(wx, x) + np.dot(wb[active], b[active])) / (wx.sum() + wb[active].sum()))
+        now = b > mu
+        if (now == active).all():
+            return mu
+        active = active | now
+    return mu
+
+
+def steps_ratio(ref: Sequence[float], cand: Sequence[float],
+                fractions: Sequence[float] = LEVEL_FRACTIONS, sigma: float | None = None) -> tuple[float, bool]:
+    """(steps the candidate needs / steps the reference needs, censored?): :func:`stretch`'s estimate
+    and whether it is only a lower bound (the candidate reached none of the reference's levels)."""
+    st = stretch(ref, cand, sigma, fractions)
+    return st.ratio, st.censored
+
+
+def stretch_noise(refs: Mapping[int, Mapping[str, Any]], repeats: Sequence[Sequence[tuple[Any, Any]]] = (),
+                  paired: bool | None = None) -> Noise:
+    """Noise of a smoothed loss difference between a run and its reference when only chance
+    separates them, with its degrees of freedom and where it came from.
+
+    - The references (one per seed): two runs that differ only by their seed. Their smoothed
+      difference's RMS over the measured window is the noise of an unpaired comparison.
+    - The repeats (``repeats``: per plan run with several seeds, its ``(losses, reference losses)``
+      pairs): the plan's difference from its reference changes between seeds only by chance; the RMS
+      of the change over ``sqrt(2)`` is the noise of one (paired) comparison.
+
+    Each difference counts (window length / smoothing span) degrees of freedom (its independent
+    stretches). The larger of the two is used, paired runs too (``paired`` only words the source):
+    what the cost model needs is the stretch in the user's own training, another seed and data
+    order, so a plan whose curve lies within the references' band must get a stretch consistent
+    with 1 even where paired runs could resolve a smaller, seed-specific difference (on the tests'
+    tiny MLP, paired repeats alone gave fp16 "1.01x, beyond noise"). Neither: sigma nan (each
+    :func:`stretch` then uses :func:`step_noise`, a floor)."""
+    def dof(d: np.ndarray) -> float:
+        return max(1.0, (1 - LEVEL_FRACTIONS[0]) * len(d) / _span(len(d)))
+
+    curves = [v["losses"] for _, v in sorted(refs.items()) if v.get("losses")]
+    ref_sq: list[tuple[float, float]] = []
+    for a, b in zip(curves, curves[1:]):
+        d = smoothed_difference(a, b)
+        ref_sq.append((window_rms(d) ** 2, dof(d)))
+    rep_sq: list[tuple[float, float]] = []
+    for runs in repeats:
+        diffs = [smoothed_difference(c, r) for c, r in runs]
+        for d0, d1 in zip(diffs, diffs[1:]):
+            m = min(len(d0), len(d1))
+            rep_sq.append((window_rms(d0[:m] - d1[:m]) ** 2 / 2.0, dof(d0[:m])))
+
+    def pooled(v: list[tuple[float, float]], words: str) -> Noise:
+        v = [(s, k) for s, k in v if math.isfinite(s)]
+        if not v:
+            return Noise(math.nan, 0.0, words)
+        return Noise(math.sqrt(sum(s * k for s, k in v) / sum(k for _, k in v)), sum(k for _, k in v), words)
+
+    n_ref = pooled(ref_sq, f"the band of {len(curves)} reference runs of different seeds")
+    n_rep = pooled(rep_sq, f"{len(rep_sq)} repeat(s) of a plan with another seed"
+                   + (", paired" if paired else ""))
+    known = [x for x in (n_ref, n_rep) if math.isfinite(x.sigma)]
+    if not known:
+        return Noise(math.nan, 0.0, "each run's step-to-step scatter (no second reference or repeat)")
+    return max(known, key=lambda x: x.sigma)
+
+
+def time_to_same_loss(tuned: Sequence[float], other: Sequence[float], noise: "Noise | float | None",
+                      tuned_step_s: float, other_step_s: float) -> dict[str, Any]:
+    """Whether ``other`` reaches the losses of ``tuned`` sooner in wall time: both trained side by
+    side (same seed: the same weights and, when paired, the same batches), ``other``'s
+    :func:`stretch` against ``tuned`` (steps ``other`` needs for ``tuned``'s losses over the steps
+    ``tuned`` needs) times the ratio of their step times. Returns the stretch's point fields,
+    ``time_ratio`` (< 1: ``other`` is sooner) with its interval ``time_lo``/``time_hi``, ``sooner``
+    (the estimate says so and ``other`` reached the levels, not just a bound) and ``words``."""
+    st = stretch(tuned, other, noise)
+    f = other_step_s / tuned_step_s if tuned_step_s > 0 else math.inf
+    out = dict(st.to_point(), time_ratio=st.ratio * f, time_lo=st.lo * f, time_hi=st.hi * f,
+               step_ratio=f, sooner=bool(not st.censored and st.levels > 0 and st.ratio * f < 1.0))
+    out["words"] = (f"it needed {st.interval_words()} the tuned plan's steps to reach the tuned plan's "
+                    f"losses ({st.words().split(': ')[-1].replace('reference', 'tuned plan')}), at "
+                    f"{f:.3g}x its step time: {out['time_ratio']:.3g}x the time"
+                    + ("" if st.censored or not math.isfinite(out["time_hi"]) else
+                       f" (95% interval {out['time_lo']:.3g}-{out['time_hi']:.3g})"))
+    return out
 
 
 def lag_ratio(ref_smoothed: np.ndarray, cand: Sequence[float]) -> float:
@@ -428,8 +736,9 @@ def run_calibration(
     ``seed + 1``, ...): their spread is the noise of one run. Every trial is compared with the
     reference of its own seed (paired when the workload replays its batches, :func:`runs_paired`).
     The returned reference dict adds ``references`` (seed -> run), ``paired`` and ``sigma``
-    (:func:`reference_sigma`). ``deadline`` (a ``time.time()``): trials not started by then are
-    skipped (the search uses what was measured)."""
+    (:func:`reference_sigma`) and ``noise`` (:func:`stretch_noise`: the noise every run's stretch
+    interval rests on, from the references and the repeats). ``deadline`` (a ``time.time()``): trials
+    not started by then are skipped (the search uses what was measured)."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -445,6 +754,7 @@ def run_calibration(
     if paired is None:
         paired = runs_paired(wl, seed)
         study.set_user_attr("paired", paired)
+    noise0 = stretch_noise(refs, paired=paired)  # the trials' own values: the references' noise
     if progress is not None:
         progress.update(1)
     ref = dict(refs[seed])
@@ -454,13 +764,30 @@ def run_calibration(
         for params in todo:
             study.enqueue_trial(params, skip_if_exists=True)
         # (enqueued trials the deadline left unrun stay waiting: a resumed run takes them first)
-        study.optimize(_calibration_objective(wl, profile, groups, keys, refs, seed, steps),
+        study.optimize(_calibration_objective(wl, profile, groups, keys, refs, seed, steps, noise0),
                        n_trials=len(todo), callbacks=[_tick_until(deadline, progress)])
     points = _calibration_points(study, keys, seed)
+    noise = stretch_noise(refs, _repeat_curves(points, refs), paired=paired)
+    for p in points:  # every stretch again, with the noise of the references and the repeats
+        if p.get("losses") and int(p["seed"]) in refs:
+            p.update(stretch(refs[int(p["seed"])]["losses"], p["losses"], noise).to_point(),
+                     stretch_sigma=noise.sigma, stretch_noise=noise.source)
     ref["references"] = refs
     ref["paired"] = bool(paired)
     ref["sigma"] = reference_sigma(list(refs.values()))
+    ref["noise"] = noise
     return ref, points
+
+
+def _repeat_curves(points: Sequence[Mapping[str, Any]],
+                   refs: Mapping[int, Mapping[str, Any]]) -> list[list[tuple[Any, Any]]]:
+    """Per plan run with several seeds: its ``(losses, its seed's reference losses)`` pairs."""
+    by: dict[str, list[tuple[Any, Any]]] = {}
+    for p in points:
+        s_ = int(p.get("seed", -1))
+        if p.get("losses") and not p.get("pruned") and s_ in refs:
+            by.setdefault(json_key(p["choice"]), []).append((p["losses"], refs[s_]["losses"]))
+    return [v for v in by.values() if len(v) > 1]
 
 
 def _reference_runs(wl: Workload, study: Any, seeds: Sequence[int], seed: int, steps: int,
@@ -512,9 +839,11 @@ def _trials_to_run(study: Any, items: list[tuple[dict[str, str], int]], keys: Ma
 
 def _calibration_objective(wl: Workload, profile: Profile, groups: Mapping[str, list[str]],
                            keys: Mapping[str, str], refs: Mapping[int, Mapping[str, Any]], seed: int,
-                           steps: int) -> Callable[[Any], float]:
-    """The study's objective: train the trial's plan with its seed and return the steps ratio against
-    that seed's reference, reporting the lag as it trains so that hopeless plans are pruned."""
+                           steps: int, noise: Noise | None = None) -> Callable[[Any], float]:
+    """The study's objective: train the trial's plan with its seed and return the stretch against
+    that seed's reference (:func:`stretch` with the references' ``noise``; :func:`run_calibration`
+    measures it again once the repeats are in), reporting the lag as it trains so that hopeless
+    plans are pruned. The loss curve is kept on the trial."""
     import optuna
 
     top = seed + 10_000  # one distribution for every trial of the study
@@ -536,11 +865,12 @@ def _calibration_objective(wl: Workload, profile: Profile, groups: Mapping[str, 
                 raise optuna.TrialPruned()
 
         losses, metric = train_curve(wl, choice, steps, s_, report=report, report_every=max(1, steps // 10))
-        ratio, censored = steps_ratio(r["losses"], losses)
-        trial.set_user_attr("censored", censored)
+        st = stretch(r["losses"], losses, noise)
+        trial.set_user_attr("censored", st.censored)
+        trial.set_user_attr("losses", [float(v) if math.isfinite(v) else None for v in losses])
         trial.set_user_attr("metric", metric)
         trial.set_user_attr("accuracy_loss", _accuracy_loss(r, losses, metric))
-        return ratio
+        return st.ratio
 
     return objective
 
@@ -562,8 +892,9 @@ def _tick_until(deadline: float | None, progress: Any) -> Callable[[Any, Any], N
 
 
 def _calibration_points(study: Any, keys: Mapping[str, str], seed: int) -> list[dict[str, Any]]:
-    """One point per finished trial: its error, steps ratio, accuracy loss, choice and seed (a pruned
-    trial: its last lag as a lower bound, failing the accuracy limit)."""
+    """One point per finished trial: its error, stretch (``ratio``), accuracy loss, choice, seed and
+    loss curve (``losses``; None for trials stored before curves were kept: their stretch has no
+    interval); a pruned trial: its last lag as a lower bound, failing the accuracy limit."""
     import optuna
 
     points = []
@@ -571,14 +902,19 @@ def _calibration_points(study: Any, keys: Mapping[str, str], seed: int) -> list[
         choice = {g: t.params[keys[g]] for g in keys if keys[g] in t.params}
         s_ = int(t.params.get("seed", seed))
         if t.state is optuna.trial.TrialState.COMPLETE:
+            losses = t.user_attrs.get("losses")
             points.append({"trial": t.number, "error": t.user_attrs["error"], "ratio": t.value,
+                           "ratio_lo": math.nan, "ratio_hi": math.nan, "ratio_se": math.nan,
                            "censored": t.user_attrs["censored"], "pruned": False,
                            "accuracy_loss": t.user_attrs["accuracy_loss"],
-                           "metric": t.user_attrs.get("metric"), "choice": choice, "seed": s_})
+                           "metric": t.user_attrs.get("metric"), "choice": choice, "seed": s_,
+                           "losses": None if losses is None else
+                           [math.inf if v is None else float(v) for v in losses]})
         elif t.state is optuna.trial.TrialState.PRUNED:
             last = t.intermediate_values[max(t.intermediate_values)] if t.intermediate_values else math.inf
             points.append({"trial": t.number, "error": t.user_attrs.get("error", math.inf),
-                           "ratio": float(last), "censored": True, "pruned": True,
+                           "ratio": float(last), "ratio_lo": float(last), "ratio_hi": math.inf,
+                           "ratio_se": math.nan, "censored": True, "pruned": True,
                            "accuracy_loss": math.inf, "metric": None, "choice": choice, "seed": s_})
     return points
 

@@ -1256,14 +1256,23 @@ def _error_limits(errs: list[float], fit: list[float], band: list[float],
     return e_max, e_sure, conf
 
 
+# The g(e) form cannot match every run closer than this (log units), however precisely the run was
+# measured: the floor of a run's standard error in the fit's weights (issue 28).
+FIT_SE_FLOOR = 0.05
+
+
 def fit_convergence(points: Sequence[Mapping[str, Any]], max_accuracy_loss: float,
                     rule: AccuracyRule | None = None) -> Convergence:
     """Fit ``g(e) = 1 + k e^gamma`` to calibration points and find the feasible error limit.
 
     ``points`` hold ``error``, ``ratio`` (steps the plan needed / steps uncompressed needed),
     ``accuracy_loss`` and ``censored`` (the trial stopped before reaching the level: ``ratio`` is a
-    lower bound). The fit minimises squared log-ratio residuals over a grid of ``gamma`` in [0.5, 3]
-    with ``k >= 0``; a censored point only counts when the model predicts less than its bound.
+    lower bound), and may hold ``ratio_se`` (standard error of ``log(ratio)``, from
+    ``calibrate.stretch``). The fit minimises weighted squared log-ratio residuals, weight
+    ``1 / (ratio_se^2 + FIT_SE_FLOOR^2)`` (a run measured within wide noise pulls little; none at
+    all with an infinite ``ratio_se``), over a grid of ``gamma`` in [0.5, 3] with ``k >= 0``. A
+    censored point is a one-sided constraint: it counts only while the model predicts less than
+    its bound, so it can pull the fit up to the bound and never above it.
     ``e_max`` comes from the accuracy rule (``rule``, or :func:`accuracy_rule` of the points): the
     largest error a monotone fit over every run places within ``max_accuracy_loss``.
     """
@@ -1275,17 +1284,24 @@ def fit_convergence(points: Sequence[Mapping[str, Any]], max_accuracy_loss: floa
     es = np.array([p["error"] for p in fit_pts])
     rs = np.log(np.array([max(p["ratio"], 1e-6) for p in fit_pts]))
     cens = np.array([bool(p.get("censored")) for p in fit_pts])
+    se = np.array([float(p.get("ratio_se") if p.get("ratio_se") is not None else math.nan) for p in fit_pts])
+    se = np.where(np.isnan(se), 0.0, se)  # not measured (pruned runs, older studies): the floor alone
+    w = np.where(np.isinf(se), 0.0, 1.0 / (np.where(np.isinf(se), 0.0, se) ** 2 + FIT_SE_FLOOR ** 2))
+
     def loss(k: float, gamma: float) -> float:
         res = np.log1p(k * es ** gamma) - rs
         res = np.where(cens & (res > 0), 0.0, res)  # above a lower bound: consistent
-        return float(np.dot(res, res))
+        return float(np.dot(w * res, res))
 
     best = (math.inf, 0.0, 1.0)
-    for gamma in np.linspace(0.5, 3.0, 26):
-        for k in np.concatenate([[0.0], np.logspace(-4, 6, 241)]):
-            v = loss(float(k), float(gamma))
-            if v < best[0] - 1e-12:
-                best = (v, float(k), float(gamma))
+    ks = np.concatenate([[0.0], np.logspace(-4, 6, 241)])
+    for gamma in np.linspace(0.5, 3.0, 26):  # every k of the grid at once
+        res = np.log1p(ks[:, None] * es[None, :] ** gamma) - rs[None, :]
+        res = np.where(cens[None, :] & (res > 0), 0.0, res)
+        v = (w * res * res).sum(1)
+        i = int(np.argmin(v))
+        if v[i] < best[0] - 1e-12:
+            best = (float(v[i]), float(ks[i]), float(gamma))
     # zoom in around the grid optimum (k on a log scale)
     if best[1] > 0:
         dk, dg = 10 ** (10 / 240), 0.1

@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 from fastml_strategy._io import atomic_open, atomic_write_text
-from fastml_strategy.autotune.costmodel import CANDIDATES
+from fastml_strategy.autotune.costmodel import CANDIDATES, FIT_SE_FLOOR
 from fastml_strategy.config import Codec, CodecConfig
 
 if TYPE_CHECKING:
@@ -173,6 +173,12 @@ def headline(result: "AutotuneResult") -> list[str]:
     rent = _rent_words(result)
     if rent:
         lines.append(rent)
+    c = result.check
+    if c is not None and c.get("alternatives"):
+        alts = " and ".join(e["plan"] for e in c["alternatives"])
+        lines.append(f"Checked against {alts}, trained side by side with the tuned plan: "
+                     + (f"**{c['replaced']} reached the same loss sooner, so plan.json holds it.**"
+                        if c.get("replaced") else "the tuned plan stands (see the check below)."))
     lines.append(f"Times and costs are for {_steps_words(result)}, plus the extra steps each plan's "
                  f"compression error costs.")
     if result.link_warning:
@@ -274,7 +280,9 @@ def _sparsity(cfg: CodecConfig, numel: int) -> float:
 def tables(result: "AutotuneResult") -> dict[str, pd.DataFrame]:
     """Every table of the report by name, in plain numbers (seconds, hours, USD): the CSV files."""
     out = {"layers": _layer_rows(result), "trials": _choice_as_json(result.trials),
-           "calibration": _choice_as_json(result.calibration), "step_times": pd.DataFrame(result.step_times),
+           "calibration": _choice_as_json([{k: v for k, v in r.items() if k != "losses"}
+                                           for r in result.calibration]),
+           "step_times": pd.DataFrame(result.step_times),
            "scaling": pd.DataFrame(result.scaling),
            "options": pd.DataFrame([_option_row(result, o) for o in result.options])}
     if result.local_calibration is not None:
@@ -651,11 +659,20 @@ def _calibration_figure(result: "AutotuneResult", cal: pd.DataFrame) -> str:
     _accuracy_panel(fig.add_subplot(212), result, cal)
     conv = result.convergence
     if len(cal):
-        ok = cal[~cal["pruned"]]
-        ax.scatter(ok["error"], ok["ratio"], label="calibration runs")
-        pr = cal[cal["pruned"] & cal["error"].apply(math.isfinite)]
+        bound = cal["censored"].astype(bool) | cal["pruned"].astype(bool)
+        ok = cal[~bound]
+        if "ratio_lo" in ok and len(ok):
+            lo = (ok["ratio"] - ok["ratio_lo"]).where(ok["ratio_lo"].apply(math.isfinite), 0.0).clip(lower=0)
+            hi = (ok["ratio_hi"] - ok["ratio"]).where(ok["ratio_hi"].apply(math.isfinite), 0.0).clip(lower=0)
+            ax.errorbar(ok["error"], ok["ratio"], yerr=[lo, hi], fmt="o", ms=4, capsize=3, lw=1,
+                        label="calibration runs, stretch with its ~95% interval")
+        else:
+            ax.scatter(ok["error"], ok["ratio"], label="calibration runs")
+        pr = cal[bound & cal["error"].apply(math.isfinite)]
         if len(pr):
-            ax.scatter(pr["error"], pr["ratio"], marker="^", color="#c0392b", label="pruned (lower bound)")
+            ax.scatter(pr["error"], pr["ratio"], marker="^", color="#c0392b",
+                       label="lower bounds (no level reached, or pruned)")
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
         finite = cal["error"][cal["error"].apply(math.isfinite)]
         hi = max(float(finite.max()) if len(finite) else 0.0, conv.e_max, 1e-3) * 1.1
         es = [hi * i / 100 for i in range(101)]
@@ -663,7 +680,7 @@ def _calibration_figure(result: "AutotuneResult", cal: pd.DataFrame) -> str:
                 label=f"fit: g(e) = 1 + {conv.k:.3g} e^{conv.gamma:.2g}")
         ax.axvline(conv.e_max, color="#c0392b", ls=":", label=f"error limit e_max = {conv.e_max:.3g}")
     ax.set_xlabel("plan gradient error e")
-    ax.set_ylabel("steps needed / uncompressed")
+    ax.set_ylabel("stretch: steps needed / reference's")
     ax.set_title("Convergence calibration", fontsize=9)
     _legend_right(ax)
     return _png(fig)
@@ -943,6 +960,99 @@ def _whatif_pivot(t: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _plan_words(choice: Mapping[str, str]) -> str:
+    """A group choice in words: 'uniform int4' or 'mixed int8 x3, fp16 x2'."""
+    from collections import Counter
+
+    c = Counter(choice.values())
+    if len(c) == 1:
+        return f"uniform {next(iter(c))}"
+    return "mixed " + ", ".join(f"{o} x{k}" for o, k in c.most_common())
+
+
+def _point_stretch(p: Mapping[str, Any]) -> Any:
+    """A calibration point's stretch as a ``calibrate.Stretch`` (None: stored without its interval)."""
+    from fastml_strategy.autotune.calibrate import Stretch
+
+    if p.get("pruned"):
+        return None
+    lo = p.get("ratio_lo")
+    if lo is None or (isinstance(lo, float) and math.isnan(lo)):
+        return None
+    return Stretch(float(p["ratio"]), float(lo), float(p["ratio_hi"]), float(p.get("ratio_se", math.nan)),
+                   bool(p.get("censored")), int(p.get("levels", 0)), int(p.get("levels_reached", 0)),
+                   float(p.get("stretch_sigma", math.nan)))
+
+
+def _stretch_text(result: "AutotuneResult") -> str:
+    """How each calibration run's stretch was measured, in words a user can check on the curves."""
+    pts = result.calibration
+    src = next((p.get("stretch_noise") for p in pts if p.get("stretch_noise")), None)
+    sig = next((p.get("stretch_sigma") for p in pts if p.get("stretch_sigma") is not None), math.nan)
+    conv = result.convergence
+    from fastml_strategy.autotune.calibrate import LEVEL_FRACTIONS
+
+    return (f"Stretch: the steps a run needs to reach the reference's smoothed training loss over the steps "
+            f"the reference needs, read at the reference's losses at {LEVEL_FRACTIONS[0]:.0%}-"
+            f"{LEVEL_FRACTIONS[-1]:.0%} of the run ({len(LEVEL_FRACTIONS)} levels) wherever the reference "
+            f"still descends. A vertical difference of the noise moves a crossing by the noise over "
+            f"the reference's slope there, so levels where the reference has flattened weigh little "
+            f"(or are left out) and noise cannot make a plan look slow. The noise of a smoothed loss "
+            f"difference is {sig:.3g} ({src or 'unknown'}); intervals are ~95%. A run whose interval "
+            f"contains 1 is within noise of the reference. A level a run never reached is a lower bound "
+            f"on its stretch; a run that reached none (and a pruned run) enters the fit of g(e) only as "
+            f"a bound (the fit may pass above it, never is pulled above it), and each run pulls the fit "
+            f"by 1 / (its standard error^2 + {FIT_SE_FLOOR:g}^2). Fit: g(e) = 1 + {conv.k:.3g} e^{conv.gamma:.2g}. "
+            f"In the table, 'levels' counts the levels a run was measured at (where the reference "
+            f"still descends) and 'reached' those it got to before its run ended.")
+
+
+def _stretch_table(result: "AutotuneResult") -> pd.DataFrame:
+    """One row per calibration run: plan, seed, error, accuracy loss, stretch with its interval, and
+    what that says."""
+    rows = []
+    for p in sorted(result.calibration, key=lambda p: (p["error"], p.get("seed", 0))):
+        st = _point_stretch(p)
+        if p.get("pruned"):
+            said = f"pruned (more than {p['ratio']:.3g}x behind): a lower bound, failing the accuracy limit"
+        elif st is None:
+            said = f"{p['ratio']:.3g}x (stored without an interval by an older version)"
+        else:
+            said = st.verdict()
+        acc = p["accuracy_loss"]
+        rows.append({"run": _plan_words(p["choice"]), "seed": int(p.get("seed", 0)),
+                     "error": f"{p['error']:.3g}",
+                     "accuracy loss": f"{acc:+.3g}" if math.isfinite(acc) else "n/a",
+                     "stretch (95% interval)": st.interval_words() if st is not None else f"{p['ratio']:.3g}x",
+                     "g(e) of the fit": f"{result.convergence.g(p['error']):.3g}" if math.isfinite(p["error"]) else "n/a",
+                     "what it says": said})
+    return pd.DataFrame(rows)
+
+
+def _check_text(result: "AutotuneResult") -> str | None:
+    """The check of plan.json's plan against the obvious uniform alternatives, in words."""
+    c = result.check
+    if c is None:
+        return None
+    if not c.get("alternatives"):
+        return f"Check before writing plan.json ({_plan_words(c['tuned'])} on {c['option']}): {c.get('verdict', '')}."
+    pair = ("from the same weights on the same batches" if c.get("paired") else
+            "from the same weights (batches not replayed: the comparison includes the data order)")
+    head = (f"Check before writing plan.json: the tuned plan ({_plan_words(c['tuned'])}) and the obvious "
+            f"uniform alternatives on {c['option']} trained side by side for {c['steps']} steps, {pair}, "
+            f"seed {c['seed']}; time to the tuned plan's losses = measured steps x predicted step time.")
+    parts = [head]
+    for e in c.get("alternatives", []):
+        parts.append(f"{e['plan']} ({e['why']}; predicted {_ms(e['step_s'])} per step against "
+                     f"{_ms(c['tuned_step_s'])}): {e['words']}; accuracy loss {e['accuracy_loss']:+.3g}"
+                     f" ({'within' if e['within_limit'] else 'over'} the limit).")
+    parts.append(f"Verdict: {c.get('verdict', '')}.")
+    if c.get("replaced"):
+        parts.append("The predicted figures above are the cost model's for that plan; plans/*.json of "
+                     "the other options were not checked.")
+    return " ".join(parts)
+
+
 def markdown(result: "AutotuneResult", s: "Settings", t: Mapping[str, pd.DataFrame]) -> str:
     out = ["# fastml-autotune report", ""]
     out += [f"- {line}" for line in headline(result)]
@@ -967,6 +1077,12 @@ def markdown(result: "AutotuneResult", s: "Settings", t: Mapping[str, pd.DataFra
         out += ["", "## Predictions for larger clusters", "",
                 f"The 'local' rows of scaling.csv extrapolate a link that is not a network: "
                 f"{result.link_warning}"]
+    check = _check_text(result)
+    if check:
+        out += ["", "## Check against uniform plans (measured)", "", check]
+    if result.calibration:
+        out += ["", "## Convergence calibration: each run's stretch", "", _stretch_text(result), "",
+                _stretch_table(result).to_markdown(index=False)]
     files = [n for n in OUTPUT_FILES if n.endswith(".csv")]
     files += list(SHARDED_FILES) if result.sharding.sharded else []
     files += list(LOCAL_FILES) if "local_steps" in t else []
@@ -1078,9 +1194,13 @@ def html_report(result: "AutotuneResult", s: "Settings", t: Mapping[str, pd.Data
         "<h2>Predicted step time for larger clusters</h2>",
         f"<p class=warn>{html.escape(result.link_warning)}</p>" if result.link_warning else "",
         img("scaling", "scaling"),
-        "<h2>Convergence calibration</h2>", img("calibration", "calibration"),
-        _html_table(t["calibration"].drop(columns=["choice"], errors="ignore")),
-        "<p>calibration.csv adds each run's per-group codec choice.</p>",
+        *([f"<h2>Check against uniform plans (measured)</h2><p>{html.escape(_check_text(result) or '')}</p>"]
+          if result.check is not None else []),
+        "<h2>Convergence calibration</h2>", f"<p>{html.escape(_stretch_text(result))}</p>",
+        img("calibration", "calibration"),
+        _html_table(_stretch_table(result)) if result.calibration else "",
+        "<p>calibration.csv has every figure of each run (the stretch's interval: ratio_lo, ratio_hi; "
+        "its standard error in log units: ratio_se) and its per-group codec choice.</p>",
         "</body></html>",
     ]
     return "\n".join(parts)

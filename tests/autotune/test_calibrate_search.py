@@ -29,8 +29,10 @@ def test_steps_ratio_of_a_slower_curve():
 
 def test_steps_ratio_is_censored_when_a_level_is_never_reached():
     ref = curve(100)
-    r, censored = steps_ratio(ref, curve(100, speed=0.2))
-    assert censored and r >= 100 / 80  # a lower bound
+    r, censored = steps_ratio(ref, curve(100, speed=0.2))  # reaches the first level only: a value
+    assert not censored and r == pytest.approx(5.0, rel=0.05)
+    r, censored = steps_ratio(ref, curve(100, speed=0.1))  # reaches none: a lower bound
+    assert censored and 100 / 80 <= r <= 10.0
 
 
 def test_smooth_is_monotone_and_tolerates_nan():
