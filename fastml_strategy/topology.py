@@ -195,20 +195,21 @@ def agreed_topology(group: Any, rank: int, world: int, explicit: Optional[int] =
     return topo
 
 
-def node_groups(topo: Topology, timeout: Any = None) -> tuple[Any, Any]:
+def node_groups(topo: Topology, timeout: Any = None, cross: bool = True) -> tuple[Any, Any]:
     """``(intra, cross)``: the process group of this rank's machine (its R ranks) and that of its
-    counterparts on every machine (the N ranks of its local rank). A collective on the default group:
-    every rank creates every group, in the same order (torch.distributed requires it). Call it twice
-    for a second, independent pair (collectives on different groups never wait on each other)."""
+    counterparts on every machine (the N ranks of its local rank; None with ``cross=False``). A
+    collective on the default group: every rank creates every group, in the same order
+    (torch.distributed requires it). Call it again for further, independent groups (collectives on
+    different groups never wait on each other)."""
     import torch.distributed as dist
 
-    intra = cross = None
+    intra = mine = None
     for node in range(topo.nodes):
         g = dist.new_group(topo.node_members(node), timeout=timeout)
         if node == topo.node_rank:
             intra = g
-    for local in range(topo.ranks_per_node):
+    for local in range(topo.ranks_per_node if cross else 0):
         g = dist.new_group(topo.local_peers(local), timeout=timeout)
         if local == topo.local_rank:
-            cross = g
-    return intra, cross
+            mine = g
+    return intra, mine
