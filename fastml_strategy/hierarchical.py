@@ -174,6 +174,9 @@ class HierarchicalAllReduce:
         full = {n: numel for lay in self.hier_layouts.values() for n, numel in zip(lay.names, lay.full_numels)}
         for name, row in rows.items():
             row["numel"] = full.get(name, row["numel"])
+        for name in full.keys() - rows.keys():  # a layer too small to give this rank a part
+            rows[name] = {"codec": self.plan.for_parameter(name, full[name]).describe(), "numel": full[name],
+                          "bytes": 0, "rel_error": float("nan")}
         return rows
 
     # -- one bucket ----------------------------------------------------------------------------------
