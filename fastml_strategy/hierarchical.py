@@ -30,7 +30,8 @@ bytes of row ``l`` (collective.py's rule), and step 4 hands exactly those to the
 
 Ordering (gloo matches collectives by order of issue, DESIGN.md): all collectives of a bucket run on
 the hook's communication thread. Step 2 and 3 are issued in bucket order. Step 4 is the bucket's
-*tail*, which the thread may run before or after the next bucket's step 2 depending on timing; it
+*tail*, which the thread runs once the next bucket's first cross-machine message is on the wire (or at once
+when no bucket is queued), so before or after the next bucket's step 2 depending on timing; it
 therefore runs on a group of its own, where only tails issue collectives, always in bucket order.
 
 End of step (:meth:`HierarchicalAllReduce.finish`): each cross-machine group resolves its own checks
@@ -104,7 +105,8 @@ class HierLayout:
         self.stage = torch.zeros(R, self.P, dtype=self.dtype, device=device)  # rows to send (step 2)
         self.recv = torch.zeros(R, self.P, dtype=self.dtype, device=device)  # the R copies of my row
         self.row = torch.zeros(self.P, dtype=self.dtype, device=device)  # my reduced row
-        self.gathered = torch.zeros(R, self.P, dtype=self.dtype, device=device)  # every row (step 4)
+        # every row (step 4): recv's memory, free again once step 2's copies are summed into ``row``
+        self.gathered = self.recv
 
     def residual_views(self) -> dict[str, torch.Tensor]:
         return self.shard.residual_views() if self.shard is not None else {}
@@ -199,17 +201,16 @@ class HierarchicalAllReduce:
               checks: StepChecks, baseline_elem_size: int = 4, before=None):
         """Steps 1-3 of the bucket; returns its tail (the cross-machine decode, then step 4), which
         :class:`fastml_strategy.hook._CommRunner` may hold until the next bucket is on the wire.
-        ``before`` (the previous bucket's tail) runs once this bucket's intra-machine all_to_all is
-        issued."""
+        ``before`` (the previous bucket's tail) runs once this bucket's first cross-machine message
+        is on the wire, so that the slow link does not idle while the previous bucket is decoded
+        and all-gathered (measured: 819 ms against 505 ms of wire at 20 Mbit/s, R = 4, when it ran
+        before this bucket's cross-machine stage; benchmarks/RESULTS.md)."""
         R, W = self.topo.ranks_per_node, self.world_size
         stage, recv, row = lay.stage, lay.recv, lay.row
         for j, roff, boff, m in lay.copies:
             stage[j, roff: roff + m].copy_(buf[boff: boff + m])
-        work = dist.all_to_all_single(recv.view(-1), stage.view(-1), group=self.intra, async_op=True)
+        dist.all_to_all_single(recv.view(-1), stage.view(-1), group=self.intra)
         self.bytes_sent_intra += (R - 1) * lay.P * stage.element_size()
-        if before is not None:
-            before()
-        work.wait()
         row.copy_(recv[0])
         for j in range(1, R):  # in rank order: the same sum on every machine's local rank l
             row.add_(recv[j])
@@ -218,7 +219,9 @@ class HierarchicalAllReduce:
         cross_tail = None
         if lay.shard is not None:
             cross_tail = self.cross.start(lay.shard, row[:n_row], step, layer_stats, checks,
-                                          baseline_elem_size)
+                                          baseline_elem_size, before=before)
+        elif before is not None:
+            before()
         self.bytes_uncompressed += 2.0 * (W - 1) / W * baseline_elem_size * lay.total_numel
 
         @torch.no_grad()
