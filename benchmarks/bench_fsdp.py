@@ -409,12 +409,16 @@ def _tbf(ns: str, dev: str, rate: str) -> None:
 class Topology:
     """Where the ranks of one (scenario, link) run, and how to start them there."""
 
-    def __init__(self, scenario: str, link: str | None, root: bool) -> None:
+    def __init__(self, scenario: str, link: str | None, root: bool, shape: tuple[int, int] | None = None,
+                 prefix: str = "fmb", script: str | None = None) -> None:
+        # shape: (nodes, ranks per node), else the scenario's; prefix: of the namespaces' names;
+        # script: what torchrun runs (benchmarks/bench_topology.py reuses this class)
         self.scenario, self.link = scenario, link
-        self.nodes, self.per_node = NPROC[scenario]
+        self.nodes, self.per_node = shape or NPROC[scenario]
+        self.script = os.path.abspath(script or __file__)
         # (netns prefix, environment, torchrun arguments) of each node's launcher
         self.launches: list[tuple[list[str] | None, dict, list[str]]] = []
-        tag = f"fmb{os.getpid() % 100000}{scenario[0]}{'s' if link else 'n'}"
+        tag = f"{prefix}{os.getpid() % 100000}{scenario[0]}{'s' if link else 'n'}"
         if not root:
             assert link is None
             port = _free_port()
@@ -461,7 +465,7 @@ class Topology:
             for prefix, env_extra, targs in self.launches:
                 env = dict(os.environ, OMP_NUM_THREADS="1", **env_extra)
                 cmd = (prefix or []) + [sys.executable, "-m", "torch.distributed.run", *targs,
-                                        os.path.abspath(__file__), *worker_args, "--_out", out]
+                                        self.script, *worker_args, "--_out", out]
                 p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
                 _CHILDREN.append(p)

@@ -713,6 +713,9 @@ class CompressedAllReduce:
         self.group = group
         self.rank = rank
         self.world_size = world_size
+        # the rank error headers name: ``rank`` itself, or (the hierarchical path, whose group is one
+        # local rank's machines) the rank in the whole world, so every rank's error names the same one
+        self.report_rank = rank
         self.piece_numel = piece_numel  # elements per pipeline piece of a bucket (PIECE_NUMEL)
         # Triton segment tables for the quantized layers of fp32 buckets: one kernel launch per stage
         # and piece instead of one per chunk and layer. None: on CUDA when the Triton backend is used;
@@ -814,7 +817,7 @@ class CompressedAllReduce:
             h[:4].view(torch.int32).fill_(_STATUS_OK)
             return
         h[:4].view(torch.int32).fill_(_STATUS_ERROR)
-        h[4:8].view(torch.int32).fill_(self.rank)
+        h[4:8].view(torch.int32).fill_(self.report_rank)
         text = f"{type(error).__name__}: {error}".encode("utf-8", "replace")[: HEADER - 8]
         h[8:].zero_()
         h[8: 8 + len(text)].copy_(torch.frombuffer(bytearray(text), dtype=torch.uint8))

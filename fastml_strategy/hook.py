@@ -57,6 +57,7 @@ import torch.distributed as dist
 from fastml_strategy._validate import whole_number
 from fastml_strategy.collective import CompressedAllReduce, CompressionError, StepChecks
 from fastml_strategy.config import Plan, resolve_plan
+from fastml_strategy.topology import Topology, agreed_topology, node_groups
 
 __all__ = ["FastMLState", "register_hook", "suggest_bucket_cap_mb", "ReplicaDriftError", "CompressionError"]
 
@@ -274,7 +275,8 @@ class FastMLState:
     """
 
     def __init__(self, plan: Plan, process_group, rank: int, world_size: int, names: dict,
-                 params: list, check_replicas_every: int = 0, layer_stats_every: int = 10) -> None:
+                 params: list, check_replicas_every: int = 0, layer_stats_every: int = 10,
+                 topology: Optional[Topology] = None, node_groups: Optional[tuple] = None) -> None:
         # -- tuned by the user --------------------------------------------------------------------
         self.plan = plan  # per-layer codecs; equal on every rank (checked at registration)
         self.check_replicas_every = check_replicas_every  # 0: never; N: checksum params every N steps
@@ -287,14 +289,27 @@ class FastMLState:
         self._names = names  # id(param) -> name (as in model.module.named_parameters())
         self._params = params  # every parameter (the replica check covers frozen ones too)
         self._param_names = [names.get(id(p), "") for p in params]
-        self._engine = CompressedAllReduce(plan, process_group, rank, world_size)
+        # Which ranks share a machine (None: unknown, flat). With N > 1 machines of R > 1 ranks and
+        # ``node_groups`` (intra, intra_gather, cross) the buckets take the hierarchical all-reduce.
+        self.topology = topology
+        self._node_groups = node_groups or ()
+        self._own_node_groups = False  # register_hook made them: close() destroys them
+        if node_groups:
+            from fastml_strategy.hierarchical import HierarchicalAllReduce
+
+            self._engine = HierarchicalAllReduce(plan, process_group, rank, world_size, topology,
+                                                 *node_groups)
+        else:
+            self._engine = CompressedAllReduce(plan, process_group, rank, world_size)
         self._commit = StepCommit(self._engine)
         self._runner: Optional[_CommRunner] = _CommRunner(rank, self._process, self._explain)
         # A plan that compresses no parameter (every layer `none`) is DDP's own all-reduce: the hook
         # issues it itself, as torch's allreduce_hook does (no thread hand-off, no step checks), and
         # the communication thread stays idle. Every parameter counts, frozen ones too: one unfrozen
         # later must not bring a compressed bucket to this path.
-        self._direct = all(not plan.for_parameter(names.get(id(p), ""), p.numel()).lossy for p in params)
+        # The hierarchical path takes every plan, `none` too: it keeps the machines' link for 1/R of it.
+        self._direct = not node_groups and all(
+            not plan.for_parameter(names.get(id(p), ""), p.numel()).lossy for p in params)
         self._pending: list = []  # (bucket index, future) of this step's direct all-reduces
         self._saved: Optional[dict] = None  # an unpickled (detached) state: its state_dict()
         # -- statistics -----------------------------------------------------------------------------
@@ -303,6 +318,34 @@ class FastMLState:
         # (logged once, at the end of step 1, after DDP's bucket rebuild).
         self._step_buckets = 0
         self._step_numel = 0
+
+    @property
+    def hierarchical(self) -> bool:
+        """Whether buckets take the hierarchical all-reduce (:mod:`fastml_strategy.hierarchical`)."""
+        if self._engine is None:  # detached (unpickled): as saved
+            return getattr(self, "_detached_R", 1) > 1
+        return bool(self._node_groups)
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks per machine this state runs with (1: flat, every rank its own machine)."""
+        if self._engine is None:
+            return getattr(self, "_detached_R", 1)
+        return self.topology.ranks_per_node if self.topology is not None and self.hierarchical else 1
+
+    def _split_bytes(self, sent: int, counters: Optional[dict] = None) -> tuple:
+        """(bytes sent to other machines, bytes sent inside this machine); None where the flat path
+        cannot tell (several machines of several ranks, flat on request: gloo picks the peers)."""
+        if counters is not None and "bytes_sent_inter" in counters:
+            return counters["bytes_sent_inter"], counters["bytes_sent_intra"]
+        if self._engine is not None and self.hierarchical:
+            return self._engine.bytes_sent_inter, self._engine.bytes_sent_intra
+        topo = self.topology
+        if topo is None or topo.ranks_per_node == 1:
+            return sent, 0
+        if topo.nodes == 1:
+            return 0, sent
+        return None, None
 
     @property
     def nonfinite_steps(self) -> int:
@@ -437,18 +480,28 @@ class FastMLState:
     # -- public -----------------------------------------------------------------------------------------
     def stats(self) -> dict:
         """Cumulative figures of this rank: bytes on the wire against a ring all-reduce of fp32 (a
-        detached state: the saved counters, no per-layer rows)."""
+        detached state: the saved counters, no per-layer rows). ``bytes_sent_inter`` counts what this
+        rank sent to other machines, ``bytes_sent_intra`` what it sent inside its own (their sum is
+        ``bytes_sent``); the per-layer table keeps one row per layer (on the hierarchical path its
+        ``bytes`` are what this rank sends across machines for its part of the layer)."""
         if self._saved is not None:
             counters = self._saved["counters"]
             sent, unc, layers = counters["bytes_sent"], int(round(counters["bytes_uncompressed"])), {}
         else:
             sent, unc = self._engine.bytes_sent, int(round(self._engine.bytes_uncompressed))
             layers = self._engine.layer_stats()
+            counters = None
+        inter, intra = self._split_bytes(sent, counters)
         return {
             "steps": self.step,
             "world_size": self.world_size,
             "plan": self.plan.name,
+            "ranks_per_node": self.ranks_per_node,
+            "hierarchical": self.hierarchical,
             "bytes_sent": int(sent),
+            # to other machines / inside this one (None: flat with several ranks per machine)
+            "bytes_sent_inter": None if inter is None else int(inter),
+            "bytes_sent_intra": None if intra is None else int(intra),
             "bytes_uncompressed": unc,
             "compression_ratio": (unc / sent) if sent > 0 else 1.0,
             "nonfinite_steps": self.nonfinite_steps,
@@ -468,8 +521,11 @@ class FastMLState:
             "step": self.step,
             "rank": self.rank,
             "world_size": self.world_size,
+            "ranks_per_node": self.ranks_per_node,  # residuals are parts of parameters when > 1
             "counters": {"bytes_sent": self._engine.bytes_sent,
-                         "bytes_uncompressed": self._engine.bytes_uncompressed},
+                         "bytes_uncompressed": self._engine.bytes_uncompressed,
+                         **({"bytes_sent_inter": self._engine.bytes_sent_inter,
+                             "bytes_sent_intra": self._engine.bytes_sent_intra} if self.hierarchical else {})},
             "residuals": {k: v.detach().cpu().clone() for k, v in self._engine.residuals().items()},
         }
         if not all_ranks:
@@ -494,10 +550,32 @@ class FastMLState:
         check_state_kind(sd, None, "FastMLState")
         check_saved_state(sd, self.rank, self.world_size, self.plan, strict, "FastMLState")
         sizes = {n: p.numel() for n, p in zip(self._param_names, self._params)}
-        residuals = fitting_residuals(sd.get("residuals", {}), sizes, strict, "FastMLState")
+        saved_R, R = int(sd.get("ranks_per_node", 1)), self.ranks_per_node
+        saved_residuals = sd.get("residuals", {})
+        if saved_R != R:
+            # A residual is the part of a parameter this rank reduced across machines: other ranks per
+            # machine cut other parts (and add other machines' errors), so it cannot be re-sharded.
+            what = (f"the state was saved with {saved_R} rank(s) per machine "
+                    f"({'hierarchical' if saved_R > 1 else 'flat'} all-reduce), this run has {R}")
+            if strict and any(t.numel() for t in saved_residuals.values()):
+                raise ValueError(
+                    f"FastMLState.load_state_dict: {what}; error-feedback residuals are per part of "
+                    f"each parameter and do not carry over. Resume with ranks_per_node={saved_R} "
+                    f"(register_hook(..., ranks_per_node={saved_R}) or FASTML_RANKS_PER_NODE={saved_R}), "
+                    f"or load_state_dict(..., strict=False) to start the residuals from zero")
+            warnings.warn(f"FastML: {what}; the residuals start from zero", stacklevel=2)
+            saved_residuals = {}
+        if self.hierarchical:
+            sizes = self._engine.part_sizes(sizes)
+        residuals = fitting_residuals(saved_residuals, sizes, strict, "FastMLState")
         self.step = int(sd["step"])
         counters = sd.get("counters", {})
-        self._engine.bytes_sent = int(counters.get("bytes_sent", 0))
+        if self.hierarchical:
+            self._engine.bytes_sent_intra = int(counters.get("bytes_sent_intra", 0))
+            inter = int(counters.get("bytes_sent_inter", counters.get("bytes_sent", 0)))
+            self._engine.cross.bytes_sent, self._engine.world.bytes_sent = inter, 0
+        else:
+            self._engine.bytes_sent = int(counters.get("bytes_sent", 0))
         self._engine.bytes_uncompressed = float(counters.get("bytes_uncompressed", 0.0))
         self._engine.load_residuals(residuals)
 
@@ -506,6 +584,13 @@ class FastMLState:
         passed); the hook then fails any further bucket. Call on every rank."""
         if self._runner is not None:
             self._runner.close()
+        if self._own_node_groups:
+            for g in self._node_groups:
+                try:
+                    dist.destroy_process_group(g)
+                except Exception as e:  # noqa: BLE001 - already gone with the default group
+                    log.debug("FastML: destroying a machine group: %s", e)
+            self._own_node_groups = False
         if self._own_group and self.process_group is not None:
             try:
                 dist.destroy_process_group(self.process_group)
@@ -523,6 +608,8 @@ class FastMLState:
             "layer_stats_every": self.layer_stats_every,
             "rank": self.rank,
             "world_size": self.world_size,
+            "topology": self.topology,
+            "ranks_per_node": self.ranks_per_node,
             "nonfinite_steps": self.nonfinite_steps,
             "param_names": self._param_names,
             "state_dict": self.state_dict(),
@@ -534,6 +621,9 @@ class FastMLState:
         self.layer_stats_every = d["layer_stats_every"]
         self.process_group, self._own_group = None, False
         self.rank, self.world_size = d["rank"], d["world_size"]
+        self.topology = d.get("topology")
+        self._node_groups, self._own_node_groups = (), False
+        self._detached_R = d.get("ranks_per_node", 1)
         self._names, self._params, self._param_names = {}, [], d["param_names"]
         self._engine, self._runner = None, None
         self._commit = StepCommit(None)
@@ -693,14 +783,15 @@ def _fastml_hook(state, bucket):
     return job.future
 
 
-def _default_group_timeout():
-    """The timeout the user gave ``init_process_group``, or None (torch's default) when it cannot be
-    read; then a logged warning says so, since a dead peer would stall the others for torch's default
-    of 30 minutes. Reads torch internals (``distributed_c10d._get_default_group()``,
-    ``ProcessGroup._get_backend(device).options._timeout``);
+def _default_group_timeout(pg=None):
+    """The timeout the user gave ``init_process_group`` (or group ``pg``), or None (torch's default)
+    when it cannot be read; then a logged warning says so, since a dead peer would stall the others
+    for torch's default of 30 minutes. Reads torch internals
+    (``distributed_c10d._get_default_group()``, ``ProcessGroup._get_backend(device).options._timeout``);
     tests/test_upstream_internals.py fails if torch renames them."""
     try:
-        pg = dist.distributed_c10d._get_default_group()
+        if pg is None:
+            pg = dist.distributed_c10d._get_default_group()
     except Exception as e:  # noqa: BLE001
         log.warning("FastML: cannot read the default process group (%s: %s; torch internals changed?): "
                     "FastML's own group uses torch's default timeout (30 minutes), so a dead rank is "
@@ -843,6 +934,34 @@ def _check_same_settings(reports: list, owner: str) -> None:
                              f"for the others until the timeout")
 
 
+def _agreed_machines(group, rank: int, world_size: int, ranks_per_node: Optional[int]) -> tuple:
+    """``(topology, groups)``: the agreed :class:`~fastml_strategy.topology.Topology` (None when the
+    group is not the whole world and nothing was asked), and for N > 1 machines of R > 1 ranks the
+    groups of the hierarchical path (intra, intra_gather, cross), with ``group``'s timeout; else
+    ``()``. Collective on every rank."""
+    if world_size != dist.get_world_size():
+        if ranks_per_node not in (None, 1):
+            raise ValueError(
+                f"register_hook: ranks_per_node={ranks_per_node} needs the all-reduce over every rank, "
+                f"but process_group holds {world_size} of {dist.get_world_size()}; drop ranks_per_node "
+                f"(the flat all-reduce) or all-reduce over all ranks")
+        return None, ()
+    topo = agreed_topology(group, rank, world_size, ranks_per_node)
+    if not topo.hierarchical:
+        if topo.ranks_per_node > 1 and rank == 0:
+            log.info("FastML: one machine of %d ranks (%s): the flat all-reduce", topo.ranks_per_node,
+                     topo.source)
+        return topo, ()
+    timeout = _default_group_timeout(group)
+    intra, cross = node_groups(topo, timeout=timeout)
+    intra_gather, _ = node_groups(topo, timeout=timeout, cross=False)  # tails issue their all_gather here
+    if rank == 0:
+        log.info("FastML: %d machines x %d ranks (%s): hierarchical all-reduce (reduce-scatter inside a "
+                 "machine, compressed across machines, all-gather inside)", topo.nodes,
+                 topo.ranks_per_node, topo.source)
+    return topo, (intra, intra_gather, cross)
+
+
 def register_hook(
     model: torch.nn.parallel.DistributedDataParallel,
     plan: Any = None,
@@ -850,6 +969,7 @@ def register_hook(
     process_group: Any = None,
     check_replicas_every: int = 0,
     layer_stats_every: int = 10,
+    ranks_per_node: Optional[int] = None,
 ) -> FastMLState:
     """Register FastML's compressed all-reduce on a DDP model and return its state.
 
@@ -863,6 +983,13 @@ def register_hook(
     every process must call ``register_hook``). ``check_replicas_every``: compare a checksum of the
     parameters across ranks every N steps (0: never). ``layer_stats_every``: measure per-layer
     compression error every N steps (0: never).
+
+    ``ranks_per_node``: how many ranks share a machine. None detects it (``FASTML_RANKS_PER_NODE``,
+    then torchrun's ``LOCAL_WORLD_SIZE``, Open MPI's, Slurm's: :mod:`fastml_strategy.topology`); with
+    more than one machine of more than one rank, buckets take the hierarchical all-reduce
+    (:mod:`fastml_strategy.hierarchical`: reduce-scatter inside the machine, compressed all-reduce of
+    each 1/R shard across machines, all-gather inside). 1 keeps the flat all-reduce. Every rank raises
+    the same ValueError, before any step, if ranks disagree or R does not divide the world size.
 
     Communication overlaps backward bucket by bucket: wrap small models with a smaller cap,
     ``DDP(model, bucket_cap_mb=suggest_bucket_cap_mb(model))``, so that they have several buckets.
@@ -904,6 +1031,7 @@ def register_hook(
     names = {id(p): n for n, p in module.named_parameters()}
 
     plan_obj = agreed_plan(plan, trainable, process_group, world_size, aliases=aliases, frozen=frozen)
+    topo, groups = _agreed_machines(process_group, rank, world_size, ranks_per_node)
     sparse = [f"{prefix}{'.' if prefix else ''}weight" for prefix, m in module.named_modules()
               if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
     lossy = [n for n in sparse if plan_obj.for_parameter(n).lossy]
@@ -912,8 +1040,10 @@ def register_hook(
                       f"all-reduce, as DDP does it), whatever the plan says; use sparse=False to compress "
                       f"them", stacklevel=2)
     state = FastMLState(plan_obj, process_group, rank, world_size, names, list(module.parameters()),
-                        check_replicas_every=check_replicas_every, layer_stats_every=layer_stats_every)
+                        check_replicas_every=check_replicas_every, layer_stats_every=layer_stats_every,
+                        topology=topo, node_groups=groups)
     state._own_group = own_group
+    state._own_node_groups = bool(groups)
     if rank == 0:
         log.info("FastML: %s", plan_summary(plan_obj, dict(module.named_parameters()), world_size))
         if not getattr(model, "gradient_as_bucket_view", True):

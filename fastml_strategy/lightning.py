@@ -509,7 +509,8 @@ class _TrainerStrategy(_TrainerLogging, _FastMLStateHolder):
         layer_every = self._fastml_intervals()[1]
         self._fastml_adopt(lambda: register_hook(self.model, self._fastml_plan,
                                                  check_replicas_every=self._fastml_check_every,
-                                                 layer_stats_every=layer_every))
+                                                 layer_stats_every=layer_every,
+                                                 ranks_per_node=_ranks_per_node(self)))
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         # Runs on every rank (Trainer.save_checkpoint and ModelCheckpoint call it everywhere), so the
@@ -531,6 +532,20 @@ class _TrainerStrategy(_TrainerLogging, _FastMLStateHolder):
         self._fastml_pending = None
         self._fastml_loaded_ckpt = False
         super().teardown()
+
+
+def _ranks_per_node(strategy: Any) -> int | None:
+    """Ranks per machine for :func:`register_hook`: None (detect: FASTML_RANKS_PER_NODE, torchrun's or
+    Slurm's variables) when the environment says it, else the strategy's own ``num_processes`` (its
+    devices per node). Lightning's own launcher sets LOCAL_RANK, NODE_RANK and WORLD_SIZE but no
+    LOCAL_WORLD_SIZE, and places global rank node_rank x num_processes + local_rank: the contiguous
+    machines the hierarchical all-reduce assumes."""
+    from fastml_strategy.topology import detect_ranks_per_node
+
+    if detect_ranks_per_node()[1] != "default":
+        return None
+    n = getattr(strategy, "num_processes", None)
+    return int(n) if isinstance(n, int) and n >= 1 else None
 
 
 # -- DDP: Fabric -----------------------------------------------------------------------------------------
@@ -572,7 +587,8 @@ class _FabricStrategy(_FastMLStateHolder):
         ddp_model = super().setup_module(module)
         self._fastml_adopt(lambda: register_hook(ddp_model, self._fastml_plan,
                                                  check_replicas_every=self._fastml_check_every,
-                                                 layer_stats_every=self._fastml_layer_every))
+                                                 layer_stats_every=self._fastml_layer_every,
+                                                 ranks_per_node=_ranks_per_node(self)))
         return ddp_model
 
     def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any | None = None,

@@ -902,7 +902,8 @@ def _scaling(profile: Profile, options: list[HardwareOption], groups: Mapping[st
                 br = step_time(profile, ch or {}, opt, nodes=n, hook=ch is not None, sharding=sh)
                 rows.append({"option": opt.name, "nodes": n, "plan": label, "step_s": br.step_s,
                              "compute_s": br.compute_s, "codec_s": br.codec_s,
-                             "exposed_comm_s": br.exposed_s, "bytes_per_rank": br.bytes_per_rank})
+                             "exposed_comm_s": br.exposed_s, "bytes_per_rank": br.bytes_per_rank,
+                             "node_net_bytes": br.node_net_bytes, "ddp_schedule": br.topology})
     return rows
 
 

@@ -106,7 +106,11 @@ def _where(result: "AutotuneResult", name: str) -> str:
         link = o.link
         how = "measured" if link.source == "measured" else "from --link"
         return f"your cluster ({o.ranks} ranks; link {link.rate_words()} with {link.latency_words()} per message, {how})"
-    return (f"{name} ({o.nodes} node{'s' if o.nodes != 1 else ''} x {o.accelerators_per_node}, "
+    from fastml_strategy.autotune.costmodel import ddp_topology
+
+    sched = ("" if result.sharding.sharded or o.accelerators_per_node == 1 or o.nodes == 1
+             else f", {ddp_topology(o.nodes, o.accelerators_per_node)} all-reduce")
+    return (f"{name} ({o.nodes} node{'s' if o.nodes != 1 else ''} x {o.accelerators_per_node}{sched}, "
             f"{human_money(o.price_per_hour)} per node-hour)")
 
 
@@ -335,9 +339,15 @@ def _option_row(result: "AutotuneResult", o: Any) -> dict[str, Any]:
     b, d = result.best[o.name], result.baseline[o.name]
     use = "FastML plan" if b.get("use_hook", True) else (
         "plain DDP" if not sh.sharded else f"{sh.kind.upper()} alone")
+    from fastml_strategy.autotune.costmodel import ddp_topology
+
+    # DDP: the schedule the hook runs and the cost model priced (hierarchical on several machines of
+    # several ranks: reduce-scatter inside each machine, compressed across, all-gather inside)
+    schedule = ddp_topology(o.nodes, o.accelerators_per_node) if not sh.sharded else sh.kind
     return {
         "option": o.name, "use": use,
-        "nodes": o.nodes, "ranks": o.ranks, "price_per_node_hour": o.price_per_hour,
+        "nodes": o.nodes, "ranks": o.ranks, "ranks_per_node": o.accelerators_per_node,
+        "schedule": schedule, "price_per_node_hour": o.price_per_hour,
         "link": o.link.describe(), "compute_speed": o.compute_speed,
         "tuned_step_ms": 1e3 * b["step_s"], f"{bp}_step_ms": 1e3 * d["step_s"],
         "tuned_error": b["error"], "tuned_extra_steps_pct": 100 * (b["g"] - 1),

@@ -100,9 +100,10 @@ def test_compute_scales_with_ranks_and_speed():
     assert step_time(prof, {}, option(nodes=4), hook=False).compute_s == pytest.approx(base / 2)
     assert step_time(prof, {}, option(nodes=2, speed=4.0), hook=False).compute_s == pytest.approx(base / 4)
     assert step_time(prof, {}, option(nodes=1, per_node=4), hook=False).compute_s == pytest.approx(base / 2)
-    # one node: no network traffic at all
+    # one node: no network traffic at all; the ring runs on the intra-node link (PCIe class by default)
     one = step_time(prof, {}, option(nodes=1, per_node=4), hook=False)
-    assert one.bytes_per_rank == 0 and one.wire_s == 0.0
+    assert one.node_net_bytes == 0 and one.topology == "flat"
+    assert one.wire_s == pytest.approx(2 * 3 * 5e-6 + one.bytes_per_rank / 25e9)
 
 
 def test_plan_error_is_gradient_energy_weighted():
@@ -182,3 +183,40 @@ def test_a_codec_that_is_no_candidate_is_an_error():
     assert _candidate_name(CANDIDATES["int8"]) == "int8"
     with pytest.raises(ValueError, match="none of the autotuner's candidates"):
         _candidate_name(CodecConfig(codec=Codec.QUANTIZE, bits=5))
+
+
+def test_ddp_on_several_ranks_per_machine_is_priced_as_the_hook_runs_it():
+    from fastml_strategy.autotune.costmodel import ddp_node_net_bytes, ddp_topology
+
+    n = 1 << 20
+    prof = make_profile(numels=(n,))
+    int4 = {"l0.weight": "int4"}
+    cfg = CANDIDATES["int4"]
+    for A in (2, 4):
+        opt = option(nodes=2, per_node=A, gbps=1.0)
+        W = 2 * A
+        hier = step_time(prof, int4, opt)
+        flat = step_time(prof, int4, opt, topology="flat")
+        assert (hier.topology, flat.topology) == ("hierarchical", "flat")
+        # across machines: A parts of n/A elements, each 2(N-1)/N of its encoding = 1.00 x S_c per machine
+        assert hier.node_net_bytes == A * wire_bytes(n // A, cfg, 2)
+        assert hier.node_net_bytes == pytest.approx(wire_bytes(n, cfg, 2), rel=0.01)
+        # flat: the all_to_all half goes straight to each chunk's owner (A (W-A)/W x S_c leave the
+        # machine), the ring all_gather half crosses once ((W-1)/W x S_c): 1.75 x S_c at A = 2 and
+        # 2.875 at A = 4, as measured on two emulated machines (DESIGN.md: 1.76 and 2.89)
+        s_c = hier.node_net_bytes
+        assert flat.node_net_bytes / s_c == pytest.approx({2: 1.75, 4: 2.875}[A], rel=0.01)
+        # the slow link sets the pace: the hierarchy is faster; its intra-node stage is priced, not free
+        assert hier.wire_s < flat.wire_s
+        inner = 2 * (A - 1) / A * 4 * n
+        assert hier.bytes_per_rank == pytest.approx(inner + hier.node_net_bytes / A, rel=1e-6)
+        assert hier.codec_s == pytest.approx(step_time(prof, int4, option(nodes=2)).codec_s / A, rel=1e-6)
+        assert ddp_node_net_bytes(prof, int4, opt) == hier.node_net_bytes
+        # plain DDP: gloo's ring over all W ranks crosses each machine's link with 2(W-1)/W x S
+        ddp = step_time(prof, {}, opt, hook=False)
+        assert ddp.node_net_bytes == wire_bytes(n, CANDIDATES["none"], W) and ddp.topology == "flat"
+    # flat where the runtime is flat: one machine, or one rank per machine
+    assert ddp_topology(1, 8) == ddp_topology(4, 1) == ddp_topology(4, 8, "flat") == "flat"
+    assert step_time(prof, int4, option(nodes=1, per_node=4)).node_net_bytes == 0
+    with pytest.raises(ValueError, match="topology='ring'"):
+        ddp_topology(2, 2, "ring")

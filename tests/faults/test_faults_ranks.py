@@ -29,7 +29,7 @@ PG_TIMEOUT = 60
 COMM_TIMEOUT = 5
 
 
-def _setup(plan="int4", check_replicas_every=0):
+def _setup(plan="int4", check_replicas_every=0, ranks_per_node=None):
     from datetime import timedelta
 
     import fastml_strategy as fm
@@ -38,7 +38,8 @@ def _setup(plan="int4", check_replicas_every=0):
     ddp = DDP(model, bucket_cap_mb=0.02)
     group = dist.new_group(list(range(dist.get_world_size())), timeout=timedelta(seconds=COMM_TIMEOUT))
     state = fm.register_hook(ddp, plan=plan, check_replicas_every=check_replicas_every,
-                             process_group=group)
+                             process_group=group, ranks_per_node=ranks_per_node)
+    assert state.hierarchical == (ranks_per_node is not None and ranks_per_node > 1)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     return model, ddp, state, opt
 
@@ -49,10 +50,10 @@ def _error_report(e: BaseException, t0: float) -> dict:
 
 
 # -- a rank dies or stalls at step 3 -------------------------------------------------------------------
-def _rank_fault(rank, world_size, how, victim, plan="int4"):
+def _rank_fault(rank, world_size, how, victim, plan="int4", ranks_per_node=None):
     import fastml_strategy.codecs as codecs
 
-    model, ddp, state, opt = _setup(plan)
+    model, ddp, state, opt = _setup(plan, ranks_per_node=ranks_per_node)
     t0 = time.monotonic()
     for step in range(6):
         if step == 3:
@@ -78,14 +79,17 @@ def _rank_fault(rank, world_size, how, victim, plan="int4"):
     return {"step": None}
 
 
-@pytest.mark.parametrize("world_size,how,plan", [
-    (2, "exit", "int4"), (3, "sigkill_in_encoder", "int4"), (2, "stall", "int4"),
+@pytest.mark.parametrize("world_size,how,plan,ranks_per_node", [
+    (2, "exit", "int4", None), (3, "sigkill_in_encoder", "int4", None), (2, "stall", "int4", None),
     # a `none` plan's all-reduce is issued by the hook itself (no communication thread): same promise
-    (2, "exit", "none"), (2, "stall", "none")])
-def test_dead_or_stalled_rank_fails_every_other_rank_fast(world_size, how, plan):
+    (2, "exit", "none", None), (2, "stall", "none", None),
+    # the hierarchical path, two machines of two ranks: rank 3 dies (ranks 0 and 2 share no group
+    # with it but the world's), or stalls (rank 2 is its intra-machine peer)
+    (4, "exit", "int4", 2), (4, "stall", "int4", 2)])
+def test_dead_or_stalled_rank_fails_every_other_rank_fast(world_size, how, plan, ranks_per_node):
     victim = world_size - 1
-    results = run_workers(_rank_fault, world_size, how, victim, plan, timeout=90, pg_timeout=PG_TIMEOUT,
-                          allow_deaths=True)
+    results = run_workers(_rank_fault, world_size, how, victim, plan, ranks_per_node, timeout=90,
+                          pg_timeout=PG_TIMEOUT, allow_deaths=True)
     if how == "stall":
         assert results[victim][0] == "ok"  # it wakes up to a broken group and fails too
         assert results[victim][1]["type"] == "CompressionError", results[victim]
@@ -109,11 +113,11 @@ def test_dead_or_stalled_rank_fails_every_other_rank_fast(world_size, how, plan)
 
 
 # -- an exception inside compression on one rank only -------------------------------------------------------
-def _encoder_raises(rank, world_size, stage):
+def _encoder_raises(rank, world_size, stage, ranks_per_node=None):
     import fastml_strategy.codecs as codecs
     from fastml_strategy import CompressionError
 
-    model, ddp, state, opt = _setup("int4")
+    model, ddp, state, opt = _setup("int4", ranks_per_node=ranks_per_node)
     for step in range(5):
         if step == 3 and rank == 1:
             real = codecs.encode_dense
@@ -144,15 +148,19 @@ def _encoder_raises(rank, world_size, stage):
     return {"step": None}
 
 
-@pytest.mark.parametrize("stage", ["encoding", "reduction"])
-def test_encoder_exception_on_one_rank_fails_every_rank_alike(stage):
-    res = run_workers(_encoder_raises, 2, stage, timeout=60, pg_timeout=PG_TIMEOUT)
-    assert res[0]["step"] == res[1]["step"] == 3, res
-    assert res[0]["msg"] == res[1]["msg"], "every rank must raise the same error"
+@pytest.mark.parametrize("stage,world_size,ranks_per_node", [
+    ("encoding", 2, None), ("reduction", 2, None),
+    # hierarchical: rank 1's error travels in its cross-machine group's headers (ranks 1, 3), then to
+    # ranks 0 and 2 in the end-of-step agreement of all ranks
+    ("reduction", 4, 2)])
+def test_encoder_exception_on_one_rank_fails_every_rank_alike(stage, world_size, ranks_per_node):
+    res = run_workers(_encoder_raises, world_size, stage, ranks_per_node, timeout=60, pg_timeout=PG_TIMEOUT)
+    assert all(r["step"] == 3 for r in res), res
+    assert len({r["msg"] for r in res}) == 1, "every rank must raise the same error"
     assert f"compression failed on rank 1 during {stage}" in res[0]["msg"], res[0]["msg"]
     assert "injected codec failure" in res[0]["msg"]
     assert "injected codec failure" in res[1]["cause"]  # the failing rank keeps its traceback
-    assert res[0]["again"] == res[1]["again"] != "no error"
+    assert len({r["again"] for r in res}) == 1 and res[0]["again"] != "no error"
 
 
 def _final_decode_raises(rank, world_size):
@@ -196,12 +204,12 @@ def test_final_decode_exception_on_one_rank_fails_every_rank_promptly():
 
 
 # -- non-finite gradients on one rank --------------------------------------------------------------------
-def _nonfinite(rank, world_size, plan):
+def _nonfinite(rank, world_size, plan, ranks_per_node=None):
     if plan == "int4, poisoned layer none":  # the NaN in a plain all-reduce of a compressing step
         from fastml_strategy import RECIPES, Plan
 
         plan = Plan.from_recipe("int4").with_layers({"2.weight": RECIPES["none"]})
-    model, ddp, state, opt = _setup(plan, check_replicas_every=1)
+    model, ddp, state, opt = _setup(plan, check_replicas_every=1, ranks_per_node=ranks_per_node)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
     target = "2.weight"  # 128 x 128: compressed
     poison = {"on": False}
@@ -242,9 +250,14 @@ def _nonfinite(rank, world_size, plan):
     return out
 
 
-@pytest.mark.parametrize("plan", ["int4", "topk1", "int4, poisoned layer none", "none"])
-def test_nonfinite_gradient_on_one_rank_reaches_all_and_spares_residuals(plan):
-    for r, out in enumerate(run_workers(_nonfinite, 2, plan, timeout=90, pg_timeout=PG_TIMEOUT)):
+@pytest.mark.parametrize("plan,world_size,ranks_per_node", [
+    ("int4", 2, None), ("topk1", 2, None), ("int4, poisoned layer none", 2, None), ("none", 2, None),
+    # hierarchical: the NaN of rank 1 reaches one local rank's part on each machine (across machines)
+    # and every rank through the intra-machine all-gather; the agreement skips the commit everywhere
+    ("int4", 4, 2)])
+def test_nonfinite_gradient_on_one_rank_reaches_all_and_spares_residuals(plan, world_size, ranks_per_node):
+    for r, out in enumerate(run_workers(_nonfinite, world_size, plan, ranks_per_node, timeout=90,
+                                        pg_timeout=PG_TIMEOUT)):
         # Step 3: every rank (not only rank 1) receives NaN/inf in the poisoned layer's gradient...
         assert out["grad_finite"] == [True] * 3 + [False] + [True] * 4, (r, out["grad_finite"])
         assert not out["target_grad_finite_3"]

@@ -165,3 +165,23 @@ def test_fsdp_wrap_policies_pick_the_modules_they_name():
     assert by_class(big) and by_class(small) and not by_class(act)
     assert _wrap_policy(64 * 64)(small) and not _wrap_policy(64 * 64 + 65)(small)
     assert _wrap_policy(lambda m: m is act)(act)
+
+
+def test_lightning_strategies_tell_register_hook_their_ranks_per_node(monkeypatch):
+    # Lightning's own launcher sets LOCAL_RANK/NODE_RANK/WORLD_SIZE but no LOCAL_WORLD_SIZE: the
+    # strategy passes its devices per node; a launcher's or the user's variable wins (None: detect).
+    from types import SimpleNamespace
+
+    from fastml_strategy.lightning import _ranks_per_node
+
+    for var in ("FASTML_RANKS_PER_NODE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("NODE_RANK", "1")
+    assert _ranks_per_node(SimpleNamespace(num_processes=4, num_nodes=2)) == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun
+    assert _ranks_per_node(SimpleNamespace(num_processes=4, num_nodes=2)) is None
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setenv("FASTML_RANKS_PER_NODE", "1")  # the user asks for the flat all-reduce
+    assert _ranks_per_node(SimpleNamespace(num_processes=4, num_nodes=2)) is None

@@ -1,0 +1,283 @@
+"""The hierarchical compressed all-reduce of a DDP bucket, for N machines of R ranks each (N, R > 1).
+
+Why: the flat scatter-reduce-allgather (:mod:`fastml_strategy.collective`) runs over all W = N x R
+ranks, so each rank sends its share of every chunk to ranks on other machines, and a machine's network
+link carries about 2 R (N-1)/N x S_c per step (S_c: the compressed gradient; measured 1.76 x S_c at
+R = 2 and 2.89 x at R = 4 on two emulated machines, DESIGN.md). Reducing inside the machine first
+leaves 2 (N-1)/N x S_c per machine, what a ring all-reduce of S_c between N machines costs.
+
+Algorithm (per bucket, on every rank; this rank is local rank ``l`` of machine ``n``)
+----------------------------------------------------------------------------------
+1. Cut every parameter of the bucket into R parts on quantization-block boundaries
+   (:class:`HierLayout`); row ``j`` is part ``j`` of every parameter, in bucket order. A part depends
+   only on the parameter (its size, its codec, R), not on the bucket, so its error-feedback residual
+   survives DDP's bucket rebuild, keyed by the parameter's name as in the flat path.
+2. Reduce-scatter inside the machine, uncompressed: one fp32 ``all_to_all_single`` on the machine's
+   group sends row ``j`` to local rank ``j``; local rank ``l`` sums the R copies of row ``l`` in rank
+   order and divides by R.
+3. Across machines, local rank ``l`` runs the existing compressed all-reduce
+   (:class:`~fastml_strategy.collective.CompressedAllReduce`: scatter-reduce-allgather for dense
+   codecs, all_gather for top-k) of its row with local rank ``l`` of every other machine: R groups of
+   N ranks, in parallel. The row is a bucket of parameter parts, so every plan setting applies per
+   layer as before (a tensor's size for ``min_numel`` is the whole parameter's); error feedback lives
+   here, on the part (1/R of the flat path's residual memory). Top-k layers are gathered across
+   machines only: each machine sends the top-k of its reduced part (k from the part's size).
+4. All-gather inside the machine (fp32), on a second group of the machine's ranks, and copy every row
+   back into the bucket.
+
+Replicas stay bit-identical: after step 3 every rank with local rank ``l`` holds the same decoded
+bytes of row ``l`` (collective.py's rule), and step 4 hands exactly those to the machine.
+
+Ordering (gloo matches collectives by order of issue, DESIGN.md): all collectives of a bucket run on
+the hook's communication thread. Step 2 and 3 are issued in bucket order. Step 4 is the bucket's
+*tail*, which the thread runs once the next bucket's first cross-machine message is on the wire (or at once
+when no bucket is queued), so before or after the next bucket's step 2 depending on timing; it
+therefore runs on a group of its own, where only tails issue collectives, always in bucket order.
+
+End of step (:meth:`HierarchicalAllReduce.finish`): each cross-machine group resolves its own checks
+(one host read), then every rank of the world exchanges 72 bytes (an error header and a finiteness
+flag): an error on any rank raises the same :class:`CompressionError` on every rank, and a NaN/inf
+anywhere (it reaches the parts of one local rank through step 3 and every rank through step 4) skips
+the step's residual commit on every rank alike.
+
+Sparse gradients (their own bucket) take the exact flat sparse all-reduce. Not done: a codec for the
+intra-machine hop (step 2 and 4 are always fp32; the hop is the fast link).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fastml_strategy import codecs
+from fastml_strategy.collective import (HEADER, CompressedAllReduce, CompressionError, StepChecks,
+                                        _chunk_bounds, _host)
+from fastml_strategy.config import Codec, CodecConfig, Plan
+from fastml_strategy.topology import Topology
+
+__all__ = ["HierLayout", "HierarchicalAllReduce", "part_bounds"]
+
+
+def _part_unit(cfg: CodecConfig) -> int:
+    """Elements a part boundary must be a multiple of: the quantization block (also of a top-k layer's
+    dense fallback, which :func:`codecs.effective_config` may pick for the part), else 16."""
+    if cfg.codec in (Codec.QUANTIZE, Codec.TOPK) and cfg.block_size:
+        return int(cfg.block_size)
+    return codecs.chunk_unit(cfg)
+
+
+def part_bounds(plan: Plan, name: str, numel: int, ranks_per_node: int) -> list[int]:
+    """The R + 1 boundaries of parameter ``name``'s parts (part j: local rank j's)."""
+    return _chunk_bounds(numel, _part_unit(plan.for_parameter(name, numel)), ranks_per_node)
+
+
+class HierLayout:
+    """One bucket's parts (:func:`part_bounds`), rows and buffers; the cross-machine
+    :class:`~fastml_strategy.collective.BucketLayout` of this rank's row (``shard``, None when this
+    rank's row is empty: every machine's local rank ``l`` then skips step 3 alike)."""
+
+    def __init__(self, names, offsets, numels, plan: Plan, topo: Topology, cross: CompressedAllReduce,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        R, l = topo.ranks_per_node, topo.local_rank
+        self.names = tuple(names)
+        self.full_numels = [int(n) for n in numels]
+        self.total_numel = int(sum(numels))
+        self.dtype = torch.promote_types(dtype, torch.float32)  # fp16/bf16 buckets are summed in fp32
+        row_len = [0] * R
+        self.copies: list[tuple[int, int, int, int]] = []  # (row, row offset, bucket offset, elements)
+        mine: tuple[list, list, list, list] = ([], [], [], [])  # names, row offsets, parts, full sizes
+        for name, off, n in zip(names, offsets, numels):
+            b = part_bounds(plan, name, int(n), R)
+            for j in range(R):
+                m = b[j + 1] - b[j]
+                if m <= 0:
+                    continue
+                if j == l:
+                    for lst, v in zip(mine, (name, row_len[j], m, int(n))):
+                        lst.append(v)
+                self.copies.append((j, row_len[j], int(off) + b[j], m))
+                row_len[j] += m
+        self.row_len = row_len
+        self.P = max(1, max(row_len))  # rows padded to one length (all_to_all, all_gather of equal rows)
+        self.shard = (cross.layout_for(mine[0], mine[1], mine[2], device, self.dtype, plan_numels=mine[3])
+                      if mine[0] else None)
+        self.uncompressed = self.shard is None or self.shard.uncompressed
+        self.stage = torch.zeros(R, self.P, dtype=self.dtype, device=device)  # rows to send (step 2)
+        self.recv = torch.zeros(R, self.P, dtype=self.dtype, device=device)  # the R copies of my row
+        self.row = torch.zeros(self.P, dtype=self.dtype, device=device)  # my reduced row
+        # every row (step 4): recv's memory, free again once step 2's copies are summed into ``row``
+        self.gathered = self.recv
+
+    def residual_views(self) -> dict[str, torch.Tensor]:
+        return self.shard.residual_views() if self.shard is not None else {}
+
+    def residual_nbytes(self) -> int:
+        return self.shard.residual_nbytes() if self.shard is not None else 0
+
+
+class HierarchicalAllReduce:
+    """The engine of the DDP hook on N machines of R ranks (what :class:`CompressedAllReduce` is for
+    the flat path, with the same methods the hook calls): ``layout_for``, ``start``, ``finish``,
+    ``commit``, residuals and statistics. ``group``: all W ranks (sparse buckets, the end-of-step
+    agreement); ``intra`` and ``intra_gather``: two groups of this machine's ranks (steps 2 and 4);
+    ``cross``: this local rank's group across machines (step 3)."""
+
+    def __init__(self, plan: Plan, group, rank: int, world_size: int, topo: Topology,
+                 intra, intra_gather, cross) -> None:
+        self.plan, self.topo = plan, topo
+        self.group, self.rank, self.world_size = group, rank, world_size
+        self.intra, self.intra_gather = intra, intra_gather
+        # step 3: the flat engine, over the N ranks of this local rank; headers name world ranks
+        self.cross = CompressedAllReduce(plan, cross, topo.node_rank, topo.nodes)
+        self.cross.report_rank = rank
+        self.world = CompressedAllReduce(plan, group, rank, world_size)  # sparse buckets, agreement
+        self.hier_layouts: dict[tuple, HierLayout] = {}
+        # statistics
+        self.bytes_sent_intra = 0  # steps 2 and 4 (the machine's own link)
+        self.bytes_uncompressed = 0.0  # a flat fp32 ring all-reduce over all W ranks, as the flat path
+
+    # -- what the hook reads -------------------------------------------------------------------------
+    @property
+    def bytes_sent_inter(self) -> int:
+        """Bytes this rank sent to other machines (step 3; sparse buckets count whole)."""
+        return self.cross.bytes_sent + self.world.bytes_sent
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.bytes_sent_inter + self.bytes_sent_intra
+
+    @property
+    def layouts(self) -> dict:
+        """The cross-machine layouts (of this rank's rows): where the residuals live."""
+        return self.cross.layouts
+
+    def residuals(self) -> dict[str, torch.Tensor]:
+        return self.cross.residuals()
+
+    def residual_nbytes(self) -> int:
+        return self.cross.residual_nbytes()
+
+    def load_residuals(self, residuals: dict[str, torch.Tensor]) -> None:
+        self.cross.load_residuals(residuals)
+
+    def part_sizes(self, sizes: dict[str, int]) -> dict[str, int]:
+        """name -> elements of this rank's part of each parameter (the size of its saved residual)."""
+        R, l = self.topo.ranks_per_node, self.topo.local_rank
+        out = {}
+        for name, n in sizes.items():
+            b = part_bounds(self.plan, name, n, R)
+            out[name] = b[l + 1] - b[l]
+        return out
+
+    def layer_stats(self) -> dict[str, dict]:
+        """Per layer, as the flat path: ``numel`` the whole parameter, ``bytes`` what this rank sends
+        across machines for its part of it."""
+        rows = self.cross.layer_stats()
+        full = {n: numel for lay in self.hier_layouts.values() for n, numel in zip(lay.names, lay.full_numels)}
+        for name, row in rows.items():
+            row["numel"] = full.get(name, row["numel"])
+        for name in full.keys() - rows.keys():  # a layer too small to give this rank a part
+            rows[name] = {"codec": self.plan.for_parameter(name, full[name]).describe(), "numel": full[name],
+                          "bytes": 0, "rel_error": float("nan")}
+        return rows
+
+    # -- one bucket ----------------------------------------------------------------------------------
+    def layout_for(self, names, offsets, numels, device, dtype=torch.float32) -> HierLayout:
+        key = (tuple(names), tuple(offsets), tuple(numels), dtype)
+        lay = self.hier_layouts.get(key)
+        if lay is None:
+            lay = HierLayout(names, offsets, numels, self.plan, self.topo, self.cross, device, dtype)
+            stale = [k for k, v in self.hier_layouts.items() if set(v.names) & set(lay.names)]
+            for k in stale:  # DDP rebuilt its buckets: the residuals moved to the new cross layout
+                del self.hier_layouts[k]
+            self.hier_layouts[key] = lay
+        return lay
+
+    def sparse_all_reduce(self, buf: torch.Tensor, checks: StepChecks | None = None):
+        return self.world.sparse_all_reduce(buf, checks=checks)
+
+    @torch.no_grad()
+    def start(self, lay: HierLayout, buf: torch.Tensor, step: int, layer_stats: bool,
+              checks: StepChecks, baseline_elem_size: int = 4, before=None):
+        """Steps 1-3 of the bucket; returns its tail (the cross-machine decode, then step 4), which
+        :class:`fastml_strategy.hook._CommRunner` may hold until the next bucket is on the wire.
+        ``before`` (the previous bucket's tail) runs once this bucket's first cross-machine message
+        is on the wire, so that the slow link does not idle while the previous bucket is decoded
+        and all-gathered (measured: 819 ms against 505 ms of wire at 20 Mbit/s, R = 4, when it ran
+        before this bucket's cross-machine stage; benchmarks/RESULTS.md)."""
+        R, W = self.topo.ranks_per_node, self.world_size
+        stage, recv, row = lay.stage, lay.recv, lay.row
+        for j, roff, boff, m in lay.copies:
+            stage[j, roff: roff + m].copy_(buf[boff: boff + m])
+        dist.all_to_all_single(recv.view(-1), stage.view(-1), group=self.intra)
+        self.bytes_sent_intra += (R - 1) * lay.P * stage.element_size()
+        row.copy_(recv[0])
+        for j in range(1, R):  # in rank order: the same sum on every machine's local rank l
+            row.add_(recv[j])
+        row.div_(R)
+        n_row = lay.row_len[self.topo.local_rank]
+        cross_tail = None
+        if lay.shard is not None:
+            cross_tail = self.cross.start(lay.shard, row[:n_row], step, layer_stats, checks,
+                                          baseline_elem_size, before=before)
+        elif before is not None:
+            before()
+        self.bytes_uncompressed += 2.0 * (W - 1) / W * baseline_elem_size * lay.total_numel
+
+        @torch.no_grad()
+        def tail() -> None:
+            if cross_tail is not None:
+                cross_tail()
+            outs = list(lay.gathered.unbind(0))
+            dist.all_gather(outs, row, group=self.intra_gather)
+            self.bytes_sent_intra += (R - 1) * lay.P * row.element_size()
+            g = lay.gathered
+            for j, roff, boff, m in lay.copies:
+                buf[boff: boff + m].copy_(g[j, roff: roff + m])
+
+        return tail
+
+    def commit(self, lay: HierLayout) -> None:
+        if lay.shard is not None:
+            self.cross.commit(lay.shard)
+
+    # -- end of step ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def finish(self, checks: StepChecks, device: torch.device | None = None, exchange: bool = False,
+               stage: str = "decoding", plain: bool = True) -> bool:
+        """Resolve the step's checks in this rank's cross-machine group, then (``exchange``: a step
+        that decoded anything) agree over every rank: the same :class:`CompressionError` everywhere
+        if any rank failed, and whether every rank's result was finite."""
+        error: CompressionError | None = None
+        finite = True
+        try:
+            finite = self.cross.finish(checks, device, exchange=False, stage=stage, plain=plain)
+        except CompressionError as e:  # (DecodeError included) resolved with every rank below
+            error = e
+        if not exchange or self.world_size == 1:
+            if error is not None:
+                raise error
+            return finite
+        return self._agree(error, finite, device)
+
+    def _agree(self, error: CompressionError | None, finite: bool, device) -> bool:
+        W = self.world_size
+        dev = device if device is not None and device.type == "cuda" else torch.device("cpu")
+        mine = torch.zeros(HEADER + 8, dtype=torch.uint8, device=dev)
+        self.world._write_header(mine, error)
+        mine[HEADER] = 1 if finite else 0
+        out = torch.zeros(W * (HEADER + 8), dtype=torch.uint8, device=dev)
+        dist.all_gather(list(out.view(W, HEADER + 8).unbind(0)), mine, group=self.group)
+        got = _host(out.view(W, HEADER + 8))
+        status = got[:, :4].contiguous().view(torch.int32)[:, 0].tolist()
+        failed = [r for r, s in enumerate(status) if s != 0]
+        if failed:
+            texts: list = [None] * W  # the rare path: the full messages (every rank takes it)
+            dist.all_gather_object(texts, str(error) if error is not None else None, group=self.group)
+            text = texts[failed[0]]
+            if error is not None and str(error) == text:
+                raise error
+            err = CompressionError(text)
+            err.__cause__ = error
+            raise err
+        return bool(got[:, HEADER].all())

@@ -1,0 +1,148 @@
+"""The hierarchical all-reduce (fastml_strategy.hierarchical) in real DDP runs: 4 gloo processes told
+``ranks_per_node=2`` (two machines of two ranks; on one host the "machines" share a loopback, which
+does not change what is computed). One pool call carries every contract, to keep CI time down (the
+fault cases are in tests/faults/test_faults_ranks.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from _dist import run_workers
+
+pytestmark = pytest.mark.timeout(180)
+
+W, R = 4, 2
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128),
+                               torch.nn.ReLU(), torch.nn.Linear(128, 10))
+
+
+def _flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _identical(model, world_size: int) -> bool:
+    flat = _flat(model)
+    out = [torch.zeros_like(flat) for _ in range(world_size)]
+    dist.all_gather(out, flat)
+    return all(torch.equal(out[0], o) for o in out[1:])
+
+
+def _steps(ddp, opt, rank: int, start: int, stop: int) -> None:
+    for step in range(start, stop):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _run(plan, rank, steps, ranks_per_node=R, model=None):
+    import fastml_strategy as fm
+
+    model = model or _mlp()
+    ddp = DDP(model, bucket_cap_mb=0.02)  # several buckets; DDP rebuilds them after step 1
+    state = fm.register_hook(ddp, plan=plan, ranks_per_node=ranks_per_node)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    _steps(ddp, opt, rank, 0, steps)
+    return model, ddp, state, opt
+
+
+def _contracts(rank, world_size):
+    import fastml_strategy as fm
+    from fastml_strategy import RECIPES
+
+    out = {}
+    # 1. replicas bit-identical on every rank of both machines after 20 steps; stats split
+    mixed = fm.Plan.from_recipe("int4").with_layers({"2.weight": RECIPES["topk1-int4"], "4.weight": RECIPES["int8"]})
+    for name, plan in (("int4", "int4"), ("topk1-int4", "topk1-int4"), ("mixed", mixed)):
+        model, _, state, _ = _run(plan, rank, 20)
+        s = state.stats()
+        out[name] = {"identical": _identical(model, world_size), "hierarchical": s["hierarchical"],
+                     "split": (s["bytes_sent_inter"], s["bytes_sent_intra"], s["bytes_sent"]),
+                     "rows": sorted(s["layers"]), "numel_0": s["layers"]["0.weight"]["numel"],
+                     "finite": bool(torch.isfinite(_flat(model)).all())}
+        state.close()
+    model, _, state, _ = _run("int4", rank, 20, ranks_per_node=1)  # flat, for the bytes across machines
+    out["flat_int4_bytes"] = state.stats()["bytes_sent"]
+    state.close()
+
+    # 2. `none` through the hierarchy is DDP's all-reduce (within 1e-6 after 10 steps)
+    model, _, state, _ = _run("none", rank, 10)
+    ref = _mlp()
+    ddp_ref = DDP(ref, bucket_cap_mb=0.02)
+    _steps(ddp_ref, torch.optim.SGD(ddp_ref.parameters(), lr=0.05, momentum=0.9), rank, 0, 10)
+    out["none_hier"] = state.hierarchical
+    out["none_vs_ddp"] = float((_flat(model) - _flat(ref)).abs().max())
+    state.close()
+
+    # 3. resume bit-exact: the shard residuals travel in state_dict(all_ranks=True)
+    model, ddp, state, opt = _run("int4", rank, 4)
+    saved = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+             "opt": __import__("copy").deepcopy(opt.state_dict()), "fastml": state.state_dict(all_ranks=True)}
+    out["residual_sizes"] = sorted(v.numel() for v in saved["fastml"]["per_rank"][rank]["residuals"].values())
+    _steps(ddp, opt, rank, 4, 8)
+    straight = _flat(model)
+    state.close()
+    model2 = _mlp()
+    model2.load_state_dict(saved["model"])
+    ddp2 = DDP(model2, bucket_cap_mb=0.02)
+    state2 = fm.register_hook(ddp2, plan="int4", ranks_per_node=R)
+    state2.load_state_dict(saved["fastml"])
+    opt2 = torch.optim.SGD(ddp2.parameters(), lr=0.05, momentum=0.9)
+    opt2.load_state_dict(saved["opt"])
+    _steps(ddp2, opt2, rank, 4, 8)
+    out["resume_exact"] = torch.equal(straight, _flat(model2))
+    state2.close()
+    # ...and onto another ranks_per_node: refused (strict), with the way out; strict=False starts fresh
+    ddp3 = DDP(_mlp(), bucket_cap_mb=0.02)
+    state3 = fm.register_hook(ddp3, plan="int4", ranks_per_node=1)
+    try:
+        state3.load_state_dict(saved["fastml"])
+        out["other_R"] = "loaded"
+    except ValueError as e:
+        out["other_R"] = str(e)
+    state3.close()
+
+    # 4. a ranks_per_node that does not divide the world: the same error on every rank, before any step
+    try:
+        fm.register_hook(DDP(_mlp(), bucket_cap_mb=0.02), plan="int4", ranks_per_node=3)
+        out["bad_R"] = "registered"
+    except ValueError as e:
+        out["bad_R"] = str(e)
+    return out
+
+
+def test_hierarchical_contracts():
+    res = run_workers(_contracts, W, timeout=150)
+    for name in ("int4", "topk1-int4", "mixed"):
+        for r in range(W):
+            c = res[r][name]
+            assert c["hierarchical"] and c["identical"] and c["finite"], (name, r, c)
+            inter, intra, total = c["split"]
+            assert inter > 0 and intra > 0 and inter + intra == total, (name, r, c)
+            # one row per layer, the whole parameter's size (not the part's)
+            assert c["rows"] == ["0.bias", "0.weight", "2.bias", "2.weight", "4.bias", "4.weight"], c
+            assert c["numel_0"] == 32 * 128
+    # across machines each rank sends about a third of what the flat int4 path sends in all (per rank:
+    # 2 (N-1)/N x S_c / R = 0.5 S_c against 2 (W-1)/W x S_c = 1.5 S_c), plus headers and fp32 biases
+    inter = sum(res[r]["int4"]["split"][0] for r in range(W))
+    flat = sum(res[r]["flat_int4_bytes"] for r in range(W))
+    assert inter < 0.45 * flat, (inter, flat)
+    assert all(res[r]["none_hier"] for r in range(W))
+    assert max(res[r]["none_vs_ddp"] for r in range(W)) < 1e-6, [res[r]["none_vs_ddp"] for r in range(W)]
+    assert all(res[r]["resume_exact"] for r in range(W)), [res[r]["resume_exact"] for r in range(W)]
+    # residuals are parts: 0.weight (4096) and 2.weight (16384) halved; the biases travel uncompressed
+    assert res[0]["residual_sizes"] == [2048, 8192], res[0]["residual_sizes"]
+    msg = res[0]["other_R"]
+    assert "saved with 2 rank(s) per machine" in msg and "ranks_per_node=2" in msg and "strict=False" in msg, msg
+    bad = {res[r]["bad_R"] for r in range(W)}
+    assert len(bad) == 1, bad  # every rank, the same words
+    msg = bad.pop()
+    assert "rank(s) [0, 1, 2, 3]" in msg and "does not divide the world size 4" in msg, msg
