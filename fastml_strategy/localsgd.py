@@ -36,6 +36,19 @@ optimizer beside its codecs (``Plan.local_steps``)::
 
     local = fastml_strategy.LocalSGD.from_plan(model, inner, "tune-out/plan.json")
 
+Islands (DiLoCo across machines, DDP inside): on N machines of R ranks, wrap the model in DDP over the
+ranks of its machine and give LocalSGD the DDP model::
+
+    ddp = DDP(model, process_group=fastml_strategy.localsgd.machine_group())
+    local = fastml_strategy.LocalSGD(ddp, inner, every=50, plan="int4")
+
+Inner steps all-reduce inside the machine every step (DDP, uncompressed, the fast link); the
+synchronisation crosses machines only, as the DDP hook's hierarchical all-reduce does it
+(:mod:`fastml_strategy.hierarchical`): local rank l of every machine reduces part l of each fragment's
+pseudo-gradient, compressed, with its counterparts on the other machines (R groups in parallel, error
+feedback on the part), and the machine all-gathers the parts. Every rank of every machine then holds
+the same shared parameters. Plan names are the module's (``ddp.module``), as for a plain model.
+
 Checkpoints: ``local.state_dict()`` holds the shared (last-synchronised) parameters, the outer
 optimizer's state, the residuals, the counters and any fragment update still waiting for its delay;
 save it with the model's and the inner optimizer's state dicts, and ``load_state_dict`` resumes exactly.
@@ -53,12 +66,13 @@ import torch
 import torch.distributed as dist
 
 from fastml_strategy._validate import env_whole_number, whole_number
-from fastml_strategy.collective import CompressedAllReduce, CompressionError, DecodeError
+from fastml_strategy.collective import CompressedAllReduce, CompressionError, DecodeError, StepChecks
 from fastml_strategy.config import Plan
 from fastml_strategy.hook import (_default_group_timeout, agreed_plan, check_saved_state, check_state_kind,
                                   fitting_residuals, model_names, own_rank_state)
 
-__all__ = ["LocalSGD", "check_arguments", "resolve_settings", "gather_to_rank_zero", "SETTINGS"]
+__all__ = ["LocalSGD", "machine_group", "check_arguments", "resolve_settings", "gather_to_rank_zero",
+           "SETTINGS"]
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +154,18 @@ def resolve_settings(plan: Any = None, **given: Any) -> tuple[Plan, dict]:
     return resolved, out
 
 
+def machine_group(ranks_per_node: Optional[int] = None) -> Any:
+    """The process group of this rank's machine, to wrap a DiLoCo island in: ``DDP(model,
+    process_group=machine_group())``, then ``LocalSGD(ddp_model, ...)``. Which ranks share a machine
+    comes from ``ranks_per_node`` or the launcher (:mod:`fastml_strategy.topology`); every rank agrees
+    first. A collective on the default group: call it on every rank, once."""
+    from fastml_strategy.topology import agreed_topology, node_groups
+
+    topo = agreed_topology(dist.group.WORLD, dist.get_rank(), dist.get_world_size(), ranks_per_node)
+    intra, _ = node_groups(topo, timeout=_default_group_timeout(), cross=False)
+    return intra
+
+
 class _Fragment:
     """A run of consecutive parameters synchronised together, with its flat pseudo-gradient buffer."""
 
@@ -179,13 +205,25 @@ class LocalSGD:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"LocalSGD: model is a {type(model).__name__}; pass the torch.nn.Module every "
                             f"rank trains")
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            raise TypeError("LocalSGD: the model is wrapped in DistributedDataParallel, which all-reduces "
-                            "every step; pass the plain module (model.module): LocalSGD synchronises it")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("LocalSGD: torch.distributed is not initialised; call dist.init_process_group "
                                "(torchrun sets the environment) first")
+        island = None  # DDP over the ranks of this machine: an island (see the module docstring)
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            island = dist.get_process_group_ranks(model.process_group)
+            if len(island) == dist.get_world_size():
+                raise TypeError(
+                    "LocalSGD: the model is wrapped in DistributedDataParallel over every rank, which "
+                    "all-reduces every step across machines; pass the plain module (model.module), or, "
+                    "for DiLoCo islands, wrap it in DDP over the ranks of one machine: "
+                    "DDP(model, process_group=fastml_strategy.localsgd.machine_group())")
+            if process_group is not None:
+                raise ValueError("LocalSGD: process_group is for plain models; with a DDP island the outer "
+                                 "synchronisation runs over every rank (one part per local rank across "
+                                 "machines): drop process_group")
         self.model = model
+        self._ddp = model if island is not None else None
+        module = model.module if island is not None else model
         self.inner_optimizer = inner_optimizer
         self.every = every
         self.outer, self.outer_lr, self.outer_momentum = outer, outer_lr, outer_momentum
@@ -198,10 +236,19 @@ class LocalSGD:
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        trainable, aliases, frozen = model_names(model)
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        trainable, aliases, frozen = model_names(module)
+        R = len(island) if island is not None else 1
+        world = dist.get_world_size()
 
         def check() -> None:
+            if island is not None:
+                node = dist.get_rank() // R
+                if world % R or island != list(range(node * R, (node + 1) * R)):
+                    raise ValueError(
+                        f"LocalSGD: the DDP model's process group holds ranks {island}, which are not the "
+                        f"ranks of one machine (machines hold contiguous ranks; {world} ranks): wrap it as "
+                        f"DDP(model, process_group=fastml_strategy.localsgd.machine_group())")
             check_arguments(self.every, self.outer, self.outer_lr, self.outer_momentum, self.fragments,
                             self.delay, self.mix, self.layer_stats_every)
             if not named:
@@ -217,7 +264,7 @@ class LocalSGD:
         # every setting that moves the synchronisations or changes the outer step: a rank with another
         # value would issue its collectives at other steps (a hang) or drift from the others silently
         shared = {"every": every, "fragments": fragments, "delay": delay, "outer": outer,
-                  "outer_lr": outer_lr, "outer_momentum": outer_momentum, "mix": mix}
+                  "outer_lr": outer_lr, "outer_momentum": outer_momentum, "mix": mix, "island_ranks": R}
         try:
             self.plan: Plan = agreed_plan(plan, trainable, process_group, self.world_size, check=check,
                                           aliases=aliases, frozen=frozen, local_steps=True,
@@ -229,7 +276,7 @@ class LocalSGD:
         # Start identical: rank 0's parameters and buffers everywhere.
         src = dist.get_global_rank(process_group, 0) if process_group is not dist.group.WORLD else 0
         with torch.no_grad():
-            for t in list(model.parameters()) + list(model.buffers()):
+            for t in list(module.parameters()) + list(module.buffers()):
                 dist.broadcast(t.data, src=src, group=process_group)
         self._named = named
         # the shared parameters (the last synchronisation's result), fp32, and the outer optimizer on them
@@ -240,7 +287,23 @@ class LocalSGD:
         else:
             self._outer = torch.optim.SGD(params, lr=outer_lr, momentum=outer_momentum)
         self._fragments = self._split(named, fragments, every)
-        self._engine = CompressedAllReduce(self.plan, process_group, self.rank, self.world_size)
+        self.ranks_per_node = R
+        if island is not None:
+            # islands: local rank l of every machine reduces part l of each fragment across machines
+            # (the hierarchical all-reduce of the DDP hook; inside a machine the pseudo-gradients are
+            # equal, DDP having kept the island's replicas equal)
+            from fastml_strategy.hierarchical import HierarchicalAllReduce
+            from fastml_strategy.hook import _agreed_machines
+
+            topo, groups = _agreed_machines(process_group, self.rank, self.world_size, R)
+            if not groups:  # one machine: nothing crosses machines, and DDP already averages it all
+                self._engine = CompressedAllReduce(self.plan, process_group, self.rank, self.world_size)
+            else:
+                self._engine = HierarchicalAllReduce(self.plan, process_group, self.rank, self.world_size,
+                                                     topo, *groups)
+        else:
+            self._engine = CompressedAllReduce(self.plan, process_group, self.rank, self.world_size)
+        self._hier = not isinstance(self._engine, CompressedAllReduce)
         # one thread issues the fragments' collectives in order (every rank in the same order)
         self._runner = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastml-localsgd")
         self.inner_steps = 0
@@ -310,6 +373,18 @@ class LocalSGD:
             torch.cuda.set_device(delta.device)  # the current device is per thread
         lay = eng.layout_for(frag.names, frag.offsets, frag.numels, delta.device, delta.dtype)
         every = self.layer_stats_every
+        stats_now = every > 0 and outer_step % every == 0
+        if self._hier:  # one check of every rank of the world at the end (errors and finiteness)
+            checks = StepChecks()
+            tail = eng.start(lay, delta, outer_step, stats_now, checks)
+            if tail is not None:
+                tail()
+            finite = eng.finish(checks, delta.device, exchange=True)
+            if finite:
+                eng.commit(lay)
+            if delta.is_cuda:
+                torch.cuda.current_stream(delta.device).synchronize()
+            return delta, finite
         error: Optional[BaseException] = None
         try:
             finite = eng.run(lay, delta, outer_step, layer_stats=every > 0 and outer_step % every == 0)
@@ -456,6 +531,9 @@ class LocalSGD:
             "ratio_vs_ddp": ddp / sent if sent else float("inf") if ddp else 1.0,
             "residual_bytes": eng.residual_nbytes(),
             "nonfinite_syncs": self.nonfinite_syncs,
+            "ranks_per_node": self.ranks_per_node,
+            **({"bytes_sent_inter": int(eng.bytes_sent_inter), "bytes_sent_intra": int(eng.bytes_sent_intra)}
+               if self._hier else {}),
             "layers": eng.layer_stats(),
         }
 
@@ -482,13 +560,16 @@ class LocalSGD:
             "world_size": self.world_size,
             "every": self.every,
             "fragments": self.fragments,
+            "ranks_per_node": self.ranks_per_node,
             "inner_steps": self.inner_steps,
             "outer_steps": self.outer_steps,
             "nonfinite_syncs": self.nonfinite_syncs,
             "shared": {n: a.detach().cpu().clone() for n, a in self._anchor.items()},
             "outer_optimizer": self._outer.state_dict(),
             "counters": {"bytes_sent": self._engine.bytes_sent,
-                         "bytes_uncompressed": self._engine.bytes_uncompressed},
+                         "bytes_uncompressed": self._engine.bytes_uncompressed,
+                         **({"bytes_sent_intra": self._engine.bytes_sent_intra,
+                             "bytes_sent_inter": self._engine.bytes_sent_inter} if self._hier else {})},
             "residuals": {k: v.detach().cpu().clone() for k, v in self._engine.residuals().items()},
             "pending": pending,
         }
@@ -499,8 +580,8 @@ class LocalSGD:
         sd = own_rank_state(sd, self.rank, self.world_size, STATE_FORMAT_VERSION, "LocalSGD")
         check_state_kind(sd, "localsgd", "LocalSGD")
         check_saved_state(sd, self.rank, self.world_size, self.plan, strict, "LocalSGD")
-        for key in ("every", "fragments"):
-            if sd.get(key) != getattr(self, key):
+        for key in ("every", "fragments", "ranks_per_node"):
+            if sd.get(key, 1 if key == "ranks_per_node" else None) != getattr(self, key):
                 raise ValueError(f"LocalSGD.load_state_dict: the state was saved with {key}={sd.get(key)}, "
                                  f"this run has {key}={getattr(self, key)}; resume with the same setting")
         shared = sd["shared"]
@@ -509,6 +590,8 @@ class LocalSGD:
             raise ValueError(f"LocalSGD.load_state_dict: the saved shared parameters do not fit this model "
                              f"(missing or of another shape: {missing or 'shapes differ'}); resume the same model")
         sizes = {n: p.numel() for n, p in self._named}
+        if self._hier:  # this rank's part of each parameter
+            sizes = self._engine.part_sizes(sizes)
         residuals = fitting_residuals(sd.get("residuals", {}), sizes, strict, "LocalSGD")
         with torch.no_grad():
             for n, a in self._anchor.items():
@@ -518,7 +601,12 @@ class LocalSGD:
         self.outer_steps = int(sd["outer_steps"])
         self.nonfinite_syncs = int(sd.get("nonfinite_syncs", 0))
         c = sd.get("counters", {})
-        self._engine.bytes_sent = int(c.get("bytes_sent", 0))
+        if self._hier:
+            self._engine.bytes_sent_intra = int(c.get("bytes_sent_intra", 0))
+            self._engine.cross.bytes_sent = int(c.get("bytes_sent_inter", c.get("bytes_sent", 0)))
+            self._engine.world.bytes_sent = 0
+        else:
+            self._engine.bytes_sent = int(c.get("bytes_sent", 0))
         self._engine.bytes_uncompressed = float(c.get("bytes_uncompressed", 0.0))
         self._engine.load_residuals(residuals)
         for frag in self._fragments:

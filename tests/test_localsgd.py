@@ -333,3 +333,84 @@ def test_settings_that_differ_between_ranks_fail_on_every_rank():
     for r in res:
         assert r["per_rank"] == [0, 1]
         assert "a DDP FastML state" in r["ddp_state"] and "FastMLState.load_state_dict" in r["ddp_state"]
+
+
+def _islands(rank, world_size):
+    """4 ranks as 2 machines x 2: DDP inside each machine, LocalSGD across machines."""
+    import fastml_strategy as fm
+    from fastml_strategy.localsgd import machine_group
+
+    island = machine_group(ranks_per_node=2)
+    out = {}
+    # 1. every=1, outer SGD lr 1, no momentum, plan none: DDP over all 4 ranks
+    ref = DDP(_mlp())
+    model = DDP(_mlp(seed=0 if rank == 0 else rank + 9), process_group=island)  # LocalSGD: from rank 0
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, model)]
+    local = fm.LocalSGD(model, opts[1], every=1, outer="sgd", outer_lr=1.0, outer_momentum=0.0, plan="none")
+    for step in range(10):
+        for m, opt in zip((ref, model), opts):
+            x, y = _batch(rank, step)
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        local.step()
+    out["ddp_diff"] = max(abs(a - b) for a, b in zip(_flat(ref.module), _flat(model.module)))
+    local.close()
+    # 2. int4 across machines, every 3, 2 fragments: every rank of every machine holds the same shared
+    # parameters, and after the last sync the same model; bytes cross machines once per part
+    model = DDP(_mlp(seed=3), process_group=island)
+    inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    local = fm.LocalSGD(model, inner, every=3, fragments=2, plan=fm.Plan.from_recipe("int4", min_numel=0))
+    for step in range(12):
+        x, y = _batch(rank, step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        inner.step()
+        inner.zero_grad()
+        local.step()
+    local.synchronize()
+    out["shared"] = torch.cat([a.detach().reshape(-1) for a in local._anchor.values()]).tolist()
+    s = local.stats()
+    out["stats"] = {k: s[k] for k in ("outer_steps", "ranks_per_node", "bytes_sent_inter", "bytes_sent_intra",
+                                      "compression_ratio", "residual_bytes")}
+    out["numel"] = sum(p.numel() for p in model.parameters())
+    # the state round trip: this rank's residuals are its parts, and they load back
+    sd = local.state_dict()
+    out["res_numel"] = {n: v.numel() for n, v in sd["residuals"].items()}
+    out["param_numel"] = {n: p.numel() for n, p in model.module.named_parameters()}
+    again = fm.LocalSGD(model, inner, every=3, fragments=2, plan=fm.Plan.from_recipe("int4", min_numel=0))
+    again.load_state_dict(sd)
+    out["reloaded"] = all(torch.equal(again._engine.residuals()[n], v) for n, v in sd["residuals"].items())
+    again.close()
+    local.close()
+    # 3. DDP over every rank, and DDP over ranks of two machines: refused on every rank
+    import torch.distributed as dist
+
+    g02, g13 = dist.new_group([0, 2]), dist.new_group([1, 3])  # every rank makes every group
+    for key, group in (("all", None), ("across", g02 if rank in (0, 2) else g13)):
+        try:
+            wrong = DDP(_mlp(), process_group=group) if group is not None else DDP(_mlp())
+            fm.LocalSGD(wrong, None, every=2).close()
+            out[key] = None
+        except (TypeError, ValueError) as e:
+            out[key] = (type(e).__name__, str(e))
+    return out
+
+
+def test_diloco_islands_ddp_inside_a_machine_local_steps_across():
+    res = run_workers(_islands, 4, timeout=170)
+    for r in res:
+        assert r["ddp_diff"] < 1e-6, r["ddp_diff"]
+        assert r["shared"] == res[0]["shared"]
+        s = r["stats"]
+        assert s["ranks_per_node"] == 2 and s["outer_steps"] == 8
+        # int4 parts cross machines; the fp32 reduce-scatter and all-gather stay inside
+        assert 0 < 3 * s["bytes_sent_inter"] < s["bytes_sent_intra"], s
+        assert r["reloaded"]
+        assert r["all"][0] == "TypeError" and "machine_group()" in r["all"][1]
+        assert r["across"][0] == "ValueError" and "not the ranks of one machine" in r["across"][1]
+    assert res[0]["across"] == res[1]["across"]
+    # error feedback on this rank's part only: the two local ranks' parts of each parameter add up to it
+    for machine in (0, 2):
+        mine, peer = res[machine]["res_numel"], res[machine + 1]["res_numel"]
+        assert {n: mine.get(n, 0) + peer.get(n, 0) for n in res[0]["param_numel"]} == res[0]["param_numel"]
+        assert sum(mine.values()) < sum(res[0]["param_numel"].values())
