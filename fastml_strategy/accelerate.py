@@ -101,6 +101,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
+import torch.distributed as dist
 
 from fastml_strategy._validate import env_whole_number
 from fastml_strategy.config import Plan, resolve_plan
@@ -331,7 +332,10 @@ def local_sgd(
                                           outer_momentum=outer_momentum, fragments=fragments, delay=delay)
     layer_every = env_whole_number("FASTML_LAYER_STATS_EVERY", layer_stats_every, 1,
                                    owner="fastml_strategy.accelerate.local_sgd")
-    if _find_ddp(model) is not None or _find_fsdp2(model) is not None or _is_fsdp1(model):
+    ddp = _find_ddp(model)
+    island = (ddp is not None and dist.is_initialized()
+              and dist.get_world_size(ddp.process_group) < dist.get_world_size())
+    if (ddp is not None and not island) or _find_fsdp2(model) is not None or _is_fsdp1(model):
         raise TypeError(
             f"fastml_strategy.accelerate.local_sgd: the model is a {type(model).__name__} (accelerator.prepare "
             f"wrapped it), which communicates every step; LocalSGD needs the plain model. Use "
@@ -342,11 +346,34 @@ def local_sgd(
         resolved.check_parameters([n for n, p in inner.named_parameters() if p.requires_grad])
         return None
     optimizers = [] if optimizer is None else list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-    local = LocalSGD(inner, optimizers[0] if len(optimizers) == 1 else None, plan=resolved, mix=mix,
-                     layer_stats_every=layer_every, **settings)
+    # a DDP island (DDP over the ranks of one machine, prepare_local_sgd's islands): LocalSGD takes the DDP
+    local = LocalSGD(ddp if island else inner, optimizers[0] if len(optimizers) == 1 else None, plan=resolved,
+                     mix=mix, layer_stats_every=layer_every, **settings)
     if checkpoint:
         accelerator.register_for_checkpointing(LocalSGDCheckpoint(local, inner, optimizers))
     return local
+
+
+def _island(model: torch.nn.Module, islands: bool | None) -> torch.nn.Module:
+    """``model`` in DDP over the ranks of its machine when there are several machines of several ranks
+    (agreed on every rank), else ``model``; ``islands=True`` without such machines is an error."""
+    from fastml_strategy.topology import agreed_topology, node_groups
+
+    topo = agreed_topology(dist.group.WORLD, dist.get_rank(), dist.get_world_size())
+    if not topo.hierarchical:
+        if islands:
+            raise ValueError(
+                f"fastml_strategy.accelerate.prepare_local_sgd: islands=True needs several machines of "
+                f"several processes; this run is {topo.nodes} machine(s) x {topo.ranks_per_node} "
+                f"({topo.source}). Set FASTML_RANKS_PER_NODE or launch one torchrun per machine, or drop "
+                f"islands")
+        return model
+    intra, _ = node_groups(topo, cross=False)
+    dev = next(model.parameters()).device
+    log.info("fastml_strategy.accelerate: DiLoCo islands, %d machines x %d processes (%s)", topo.nodes,
+             topo.ranks_per_node, topo.source)
+    return torch.nn.parallel.DistributedDataParallel(
+        model, process_group=intra, device_ids=[dev.index] if dev.type == "cuda" else None)
 
 
 def prepare_local_sgd(
@@ -363,18 +390,29 @@ def prepare_local_sgd(
     mix: float = 1.0,
     layer_stats_every: int | None = None,
     checkpoint: bool = True,
+    islands: bool | None = None,
     **prepare_kwargs: Any,
 ) -> Any:
     """``accelerator.prepare_model(model, evaluation_mode=True)`` (no DDP), ``accelerator.prepare(*objects)``,
     then :func:`local_sgd` with the prepared optimizers among ``objects``.
 
-    Returns ``(model, *prepared objects)``; the :class:`~fastml_strategy.LocalSGD` is kept as
-    ``accelerator.fastml_localsgd`` (None in a single process).
+    ``islands`` (DiLoCo islands): on several machines of several processes each, the model is wrapped
+    in DDP over the processes of its machine (every inner step all-reduces inside the machine) and
+    LocalSGD synchronises across machines only (:class:`~fastml_strategy.LocalSGD`'s islands). None
+    (default): islands exactly when the launcher (or ``FASTML_RANKS_PER_NODE``) says there are
+    several machines of several ranks; False: every process its own replica; True: islands, or a
+    ValueError on every process when the run is not on several machines of several ranks.
+
+    Returns ``(model, *prepared objects)`` (the model is the DDP island when there are islands); the
+    :class:`~fastml_strategy.LocalSGD` is kept as ``accelerator.fastml_localsgd`` (None in a single
+    process).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fastml_strategy.accelerate.prepare_local_sgd: the first object must be the model (an "
                         f"nn.Module), got {type(model).__name__}")
     model = accelerator.prepare_model(model, evaluation_mode=True)
+    if islands is not False and getattr(accelerator, "num_processes", 1) > 1:
+        model = _island(model, islands)
     prepared = accelerator.prepare(*objects, **prepare_kwargs) if objects else ()
     items = prepared if isinstance(prepared, tuple) else (prepared,)
     optimizers = [o for o in items if isinstance(o, torch.optim.Optimizer)]

@@ -393,11 +393,37 @@ def _islands(rank, world_size):
             out[key] = None
         except (TypeError, ValueError) as e:
             out[key] = (type(e).__name__, str(e))
+    # 4. the Accelerate helper builds the islands itself when torchrun says 2 machines x 2
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % 2),
+                      LOCAL_WORLD_SIZE="2", GROUP_RANK=str(rank // 2))
+    from accelerate import Accelerator
+
+    import fastml_strategy.accelerate as fa
+
+    acc = Accelerator(cpu=True)
+    ref, plain = DDP(_mlp()), _mlp()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, plain)]
+    model, opt = fa.prepare_local_sgd(acc, plain, opts[1], plan="none", every=1, outer="sgd", outer_lr=1.0,
+                                      outer_momentum=0.0)
+    for step in range(5):
+        for m, o in ((ref, opts[0]), (model, opt)):
+            x, y = _batch(rank, step)
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+        acc.fastml_localsgd.step()
+    out["accelerate"] = {"wrapped": type(model).__name__,
+                         "island": dist.get_process_group_ranks(model.process_group),
+                         "diff": max(abs(a - b) for a, b in zip(_flat(ref.module), _flat(model.module))),
+                         "ranks_per_node": acc.fastml_localsgd.stats()["ranks_per_node"]}
+    acc.fastml_localsgd.close()
     return out
 
 
+@pytest.mark.timeout(330)
 def test_diloco_islands_ddp_inside_a_machine_local_steps_across():
-    res = run_workers(_islands, 4, timeout=170)
+    """LocalSGD islands on 2 machines x 2 ranks (own processes: Accelerate keeps a per-process state)."""
+    res = run_workers(_islands, 4, timeout=300, fresh=True)
     for r in res:
         assert r["ddp_diff"] < 1e-6, r["ddp_diff"]
         assert r["shared"] == res[0]["shared"]
@@ -408,9 +434,14 @@ def test_diloco_islands_ddp_inside_a_machine_local_steps_across():
         assert r["reloaded"]
         assert r["all"][0] == "TypeError" and "machine_group()" in r["all"][1]
         assert r["across"][0] == "ValueError" and "not the ranks of one machine" in r["across"][1]
+    for r, out in enumerate(res):
+        acc = out["accelerate"]
+        assert acc["wrapped"] == "DistributedDataParallel" and acc["island"] == [r // 2 * 2, r // 2 * 2 + 1]
+        assert acc["ranks_per_node"] == 2 and acc["diff"] < 1e-6, acc
     assert res[0]["across"] == res[1]["across"]
     # error feedback on this rank's part only: the two local ranks' parts of each parameter add up to it
     for machine in (0, 2):
         mine, peer = res[machine]["res_numel"], res[machine + 1]["res_numel"]
         assert {n: mine.get(n, 0) + peer.get(n, 0) for n in res[0]["param_numel"]} == res[0]["param_numel"]
         assert sum(mine.values()) < sum(res[0]["param_numel"].values())
+
