@@ -238,7 +238,8 @@ def main() -> None:
         with open(f"{args.summary}.rank{accelerator.process_index}.json", "w") as f:
             json.dump({"rank": accelerator.process_index, "world_size": accelerator.num_processes, "step": step,
                        "val_acc": acc, "params_sha256": digest, "plan": stats["plan"],
-                       "fastml_step": stats.get("steps", stats.get("inner_steps")), "compression_ratio": stats["compression_ratio"],
+                       "fastml_step": stats.get("steps", stats.get("inner_steps")),
+                       "compression_ratio": stats["compression_ratio"],
                        "fastml_kind": type(state).__name__ if state is not None else None,
                        "residual_bytes": stats.get("residual_bytes"),
                        "model_type": type(accelerator.unwrap_model(model)).__name__,

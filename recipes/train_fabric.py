@@ -189,7 +189,8 @@ def main() -> None:
         os.makedirs(os.path.dirname(os.path.abspath(args.summary)), exist_ok=True)
         with open(f"{args.summary}.rank{fabric.global_rank}.json", "w") as f:
             json.dump({"rank": fabric.global_rank, "world_size": fabric.world_size, "step": step, "val_acc": acc,
-                       "params_sha256": h.hexdigest(), "plan": stats["plan"], "fastml_step": stats.get("steps", stats.get("inner_steps")),
+                       "params_sha256": h.hexdigest(), "plan": stats["plan"],
+                       "fastml_step": stats.get("steps", stats.get("inner_steps")),
                        "compression_ratio": stats["compression_ratio"]}, f)
     fabric.logger.finalize("success")
     if args.strategy == "fastml_localsgd":

@@ -48,7 +48,8 @@ parameters bit for bit (resume with the same number of processes and the same ``
 
 ``--resume last`` takes the newest ``last*.ckpt`` in ``OUT/checkpoints`` that the same ``--strategy``
 wrote (Lightning logs "Restored all states from the checkpoint at PATH"); a checkpoint of another
-strategy, or none at all, stops the run with one line that says what to pass instead.
+strategy, or none at all, stops the run with one line that says what to pass instead; so does a
+local-steps checkpoint written with another ``--every``.
 """
 
 from __future__ import annotations
@@ -163,6 +164,15 @@ def resume_path(resume: str | None, ckpt_dir: str, strategy: str) -> tuple[str |
                       f"{', '.join(others)}, not {strategy}; resume with that --strategy, or give --out of a "
                       f"{strategy} run")
     return max(own, key=os.path.getmtime), None
+
+
+def saved_every(path: str) -> int | None:
+    """The local-steps period H a fastml_localsgd checkpoint was written with (None: not one)."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return int(ckpt["fastml_strategy"]["per_rank"][0]["localsgd"]["every"])
+    except Exception:  # not a local-steps checkpoint, or not one torch can read
+        return None
 
 
 class RecordStrategy(Callback):
@@ -332,6 +342,11 @@ def main() -> None:
     ckpt_path, refused = resume_path(args.resume, ckpt_dir, args.strategy)
     if refused:
         fail(refused)
+    if ckpt_path and args.strategy == "fastml_localsgd":  # LocalSGD resumes only with the same H
+        every, saved = strategy.settings["every"], saved_every(ckpt_path)
+        if saved is not None and saved != every:
+            fail(f"--resume {ckpt_path} was written with --every {saved}, this run has {every}; resume with "
+                 f"--every {saved}")
     L.seed_everything(0)
     max_epochs = args.max_epochs if args.max_epochs is not None else (5 if args.max_steps < 0 else -1)
     checkpoints = [ModelCheckpoint(dirpath=ckpt_dir, save_last=True)]

@@ -164,6 +164,9 @@ def test_recipe_resume_last_takes_its_own_strategys_newest_checkpoint_or_refuses
     # a local-steps checkpoint written before the recipe recorded its strategy: known by its per-rank state
     torch.save({"fastml_strategy": {"per_rank": [{"localsgd": {}}, {"localsgd": {}}]}}, d / "last-v2.ckpt")
     assert tl.resume_path("last", str(d), "fastml_localsgd") == (str(d / "last-v2.ckpt"), None)
+    assert tl.saved_every(str(d / "last-v2.ckpt")) is None and tl.saved_every(str(d / "last.ckpt")) is None
+    torch.save({"fastml_strategy": {"per_rank": [{"localsgd": {"every": 10}}]}}, d / "h10.ckpt")
+    assert tl.saved_every(str(d / "h10.ckpt")) == 10  # main() refuses another --every in one line
     path, why = tl.resume_path(str(d / "last-v1.ckpt"), str(d), "fastml")
     assert path is None and why.endswith("resume it with --strategy fastml_fsdp"), why
     path, why = tl.resume_path("last", str(tmp_path / "nothing"), "fastml")
