@@ -107,7 +107,7 @@ from fastml_strategy._validate import env_whole_number
 from fastml_strategy.config import Plan, resolve_plan
 from fastml_strategy.hook import FastMLState, own_rank_state, register_hook
 from fastml_strategy.localsgd import STATE_FORMAT_VERSION as LOCALSGD_FORMAT_VERSION
-from fastml_strategy.localsgd import LocalSGD, gather_to_rank_zero, resolve_settings
+from fastml_strategy.localsgd import LocalSGD, gather_to_rank_zero, island_model, resolve_settings
 
 if TYPE_CHECKING:
     from fastml_strategy.fsdp import FSDPState
@@ -354,28 +354,6 @@ def local_sgd(
     return local
 
 
-def _island(model: torch.nn.Module, islands: bool | None) -> torch.nn.Module:
-    """``model`` in DDP over the ranks of its machine when there are several machines of several ranks
-    (agreed on every rank), else ``model``; ``islands=True`` without such machines is an error."""
-    from fastml_strategy.topology import agreed_topology, node_groups
-
-    topo = agreed_topology(dist.group.WORLD, dist.get_rank(), dist.get_world_size())
-    if not topo.hierarchical:
-        if islands:
-            raise ValueError(
-                f"fastml_strategy.accelerate.prepare_local_sgd: islands=True needs several machines of "
-                f"several processes; this run is {topo.nodes} machine(s) x {topo.ranks_per_node} "
-                f"({topo.source}). Set FASTML_RANKS_PER_NODE or launch one torchrun per machine, or drop "
-                f"islands")
-        return model
-    intra, _ = node_groups(topo, cross=False)
-    dev = next(model.parameters()).device
-    log.info("fastml_strategy.accelerate: DiLoCo islands, %d machines x %d processes (%s)", topo.nodes,
-             topo.ranks_per_node, topo.source)
-    return torch.nn.parallel.DistributedDataParallel(
-        model, process_group=intra, device_ids=[dev.index] if dev.type == "cuda" else None)
-
-
 def prepare_local_sgd(
     accelerator: Any,
     model: torch.nn.Module,
@@ -412,7 +390,8 @@ def prepare_local_sgd(
                         f"nn.Module), got {type(model).__name__}")
     model = accelerator.prepare_model(model, evaluation_mode=True)
     if islands is not False and getattr(accelerator, "num_processes", 1) > 1:
-        model = _island(model, islands)
+        model = island_model(model, required=bool(islands),
+                             owner="fastml_strategy.accelerate.prepare_local_sgd")
     prepared = accelerator.prepare(*objects, **prepare_kwargs) if objects else ()
     items = prepared if isinstance(prepared, tuple) else (prepared,)
     optimizers = [o for o in items if isinstance(o, torch.optim.Optimizer)]

@@ -1101,6 +1101,16 @@ class _LocalSGDMixin:
     def _fastml_steps(state: Any) -> int:
         return state.inner_steps
 
+    def _fastml_island(self, module: torch.nn.Module) -> torch.nn.Module:
+        """DiLoCo islands: on ``num_nodes`` > 1 machines of ``devices`` > 1 processes, ``module`` in DDP
+        over the processes of its machine (inner steps all-reduce inside the machine; LocalSGD then
+        synchronises across machines only); else ``module``. A collective."""
+        if int(getattr(self, "num_nodes", 1) or 1) <= 1 or int(getattr(self, "num_processes", 1) or 1) <= 1:
+            return module
+        from fastml_strategy.localsgd import island_model
+
+        return island_model(module, _ranks_per_node(self), owner=type(self).__name__)
+
     def _fastml_build(self, module: torch.nn.Module, layer_stats_every: int = 1) -> Any:
         log.debug(f"{type(self).__name__}: LocalSGD on the unwrapped model, {self._fastml_settings}")
         # A collective: checks the plan against the model on every rank, broadcasts rank 0's weights.
@@ -1225,7 +1235,9 @@ class _TrainerLocalSGDStrategy(_TrainerLogging, _LocalSGDMixin, _FastMLStateHold
         super().__init__(**kwargs)
 
     def configure_ddp(self) -> None:
-        # Replaces DDPStrategy's: no DistributedDataParallel wrapper, so no all-reduce in the inner steps.
+        # Replaces DDPStrategy's: no DistributedDataParallel wrapper, so no all-reduce in the inner steps
+        # (islands: DDP over the processes of one machine).
+        self.model = self._fastml_island(self.model)
         self._fastml_build(self.model)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -1314,7 +1326,9 @@ class _FabricLocalSGDStrategy(_LocalSGDMixin, _FastMLStateHolder):
                      "fabric.no_backward_sync(model) would call DDP's no_sync on a model with no DDP wrapper")
 
     def setup_module(self, module: Any) -> Any:
-        # Replaces DDPStrategy's: the module stays as it is (Fabric has moved it to the device).
+        # Replaces DDPStrategy's: the module stays as it is (Fabric has moved it to the device), or on
+        # several machines of several processes goes into DDP over its machine (islands).
+        module = self._fastml_island(module)
         self._fastml_build(module, layer_stats_every=self._fastml_layer_every)
         return module
 

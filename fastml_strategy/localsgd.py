@@ -71,7 +71,7 @@ from fastml_strategy.config import Plan
 from fastml_strategy.hook import (_default_group_timeout, agreed_plan, check_saved_state, check_state_kind,
                                   fitting_residuals, model_names, own_rank_state)
 
-__all__ = ["LocalSGD", "machine_group", "check_arguments", "resolve_settings", "gather_to_rank_zero",
+__all__ = ["LocalSGD", "machine_group", "island_model", "check_arguments", "resolve_settings", "gather_to_rank_zero",
            "SETTINGS"]
 
 log = logging.getLogger(__name__)
@@ -164,6 +164,31 @@ def machine_group(ranks_per_node: Optional[int] = None) -> Any:
     topo = agreed_topology(dist.group.WORLD, dist.get_rank(), dist.get_world_size(), ranks_per_node)
     intra, _ = node_groups(topo, timeout=_default_group_timeout(), cross=False)
     return intra
+
+
+def island_model(module: torch.nn.Module, ranks_per_node: Optional[int] = None, required: bool = False,
+                 owner: str = "LocalSGD") -> torch.nn.Module:
+    """``module`` in DDP over the ranks of its machine when there are several machines of several ranks
+    (``ranks_per_node`` or the launcher says so; agreed on every rank), else ``module`` itself (one
+    replica per rank). ``required``: raise ValueError, on every rank, when there are no such machines.
+    A collective on the default group. What the framework adapters call to build DiLoCo islands."""
+    from fastml_strategy.topology import agreed_topology, node_groups
+
+    topo = agreed_topology(dist.group.WORLD, dist.get_rank(), dist.get_world_size(), ranks_per_node)
+    if not topo.hierarchical:
+        if required:
+            raise ValueError(
+                f"{owner}: islands need several machines of several processes; this run is {topo.nodes} "
+                f"machine(s) x {topo.ranks_per_node} ({topo.source}). Set FASTML_RANKS_PER_NODE or launch "
+                f"one torchrun per machine, or train one replica per process")
+        return module
+    intra, _ = node_groups(topo, timeout=_default_group_timeout(), cross=False)
+    dev = next(module.parameters()).device
+    if dist.get_rank() == 0:
+        log.info("%s: DiLoCo islands, %d machines x %d ranks (%s): DDP inside each machine, local steps "
+                 "across machines", owner, topo.nodes, topo.ranks_per_node, topo.source)
+    return torch.nn.parallel.DistributedDataParallel(
+        module, process_group=intra, device_ids=[dev.index] if dev.type == "cuda" else None)
 
 
 class _Fragment:

@@ -417,6 +417,31 @@ def _islands(rank, world_size):
                          "diff": max(abs(a - b) for a, b in zip(_flat(ref.module), _flat(model.module))),
                          "ranks_per_node": acc.fastml_localsgd.stats()["ranks_per_node"]}
     acc.fastml_localsgd.close()
+    # 5. Fabric's local-steps strategy on num_nodes=2 x devices=2 builds the islands too
+    import lightning.fabric as LF
+
+    from fastml_strategy.lightning import FastMLLocalSGDFabricStrategy
+
+    fabric = LF.Fabric(accelerator="cpu", devices=2, num_nodes=2,
+                       strategy=FastMLLocalSGDFabricStrategy(plan="none", every=1, outer="sgd", outer_lr=1.0,
+                                                             outer_momentum=0.0))
+    fabric.launch()
+    ref, plain = DDP(_mlp()), _mlp()
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    model, opt = fabric.setup(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
+    for step in range(5):
+        for m, o in ((ref, opt_ref), (model, opt)):
+            x, y = _batch(rank, step)
+            loss = torch.nn.functional.cross_entropy(m(x), y)
+            fabric.backward(loss) if m is model else loss.backward()
+            o.step()  # Fabric's: LocalSGD counts the inner step
+            o.zero_grad()
+    inner = fabric.strategy.localsgd.model  # what LocalSGD synchronises: the DDP island
+    out["fabric"] = {"wrapped": type(inner).__name__,
+                     "island": dist.get_process_group_ranks(inner.process_group),
+                     "diff": max(abs(a - b) for a, b in zip(_flat(ref.module), _flat(inner.module))),
+                     "ranks_per_node": fabric.strategy.localsgd.stats()["ranks_per_node"]}
+    fabric.strategy.teardown()
     return out
 
 
@@ -438,6 +463,9 @@ def test_diloco_islands_ddp_inside_a_machine_local_steps_across():
         acc = out["accelerate"]
         assert acc["wrapped"] == "DistributedDataParallel" and acc["island"] == [r // 2 * 2, r // 2 * 2 + 1]
         assert acc["ranks_per_node"] == 2 and acc["diff"] < 1e-6, acc
+        fab = out["fabric"]
+        assert fab["wrapped"] == "DistributedDataParallel" and fab["island"] == acc["island"], fab
+        assert fab["ranks_per_node"] == 2 and fab["diff"] < 1e-6, fab
     assert res[0]["across"] == res[1]["across"]
     # error feedback on this rank's part only: the two local ranks' parts of each parameter add up to it
     for machine in (0, 2):
