@@ -30,9 +30,11 @@ bytes of row ``l`` (collective.py's rule), and step 4 hands exactly those to the
 
 Ordering (gloo matches collectives by order of issue, DESIGN.md): all collectives of a bucket run on
 the hook's communication thread. Step 2 and 3 are issued in bucket order. Step 4 is the bucket's
-*tail*, which the thread runs once the next bucket's first cross-machine message is on the wire (or at once
-when no bucket is queued), so before or after the next bucket's step 2 depending on timing; it
-therefore runs on a group of its own, where only tails issue collectives, always in bucket order.
+*tail*, which the thread runs once the next bucket's first cross-machine message is on the wire, so
+that the slow link does not idle while one bucket is decoded and all-gathered; it runs on a group of
+its own, where only tails issue collectives, always in bucket order. A tail always waits for the next
+bucket (``_CommRunner.hold_tails``): run early, it would block on its all-gather while a machine peer
+blocks on the next bucket's all_to_all with this rank.
 
 End of step (:meth:`HierarchicalAllReduce.finish`): each cross-machine group resolves its own checks
 (one host read), then every rank of the world exchanges 72 bytes (an error header and a finiteness

@@ -119,6 +119,12 @@ class _CommRunner:
         self._work = work  # (job, before) -> tail or None: the compressed all-reduce of one bucket
         self._explain = explain  # (exception, bucket index) -> the exception the user sees
         self._queue: "queue.Queue[Optional[_Job]]" = queue.Queue()
+        # True (the hierarchical path): a held tail always waits for the next bucket, never runs on
+        # its own when the queue is empty. Its tail blocks on an all-gather with the machine's other
+        # ranks; one of them may meanwhile block on the next bucket's intra-machine all_to_all with
+        # this rank, so a tail run early could deadlock (seen on 4 ranks). A held bucket is never the
+        # step's last, so the next one always comes.
+        self.hold_tails = False
         self._stream = None  # CUDA stream of the thread, made on the first CUDA bucket
         self.failure: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._loop, name=f"fastml-comm-r{rank}", daemon=True)
@@ -171,7 +177,7 @@ class _CommRunner:
     def _loop(self) -> None:
         held: Optional[_Held] = None
         while True:
-            if held is not None and self._queue.empty():
+            if held is not None and self._queue.empty() and not self.hold_tails:
                 self._complete(held, reraise=False)  # nothing queued to overlap it with
                 held = None
             job = self._queue.get()
@@ -303,6 +309,7 @@ class FastMLState:
             self._engine = CompressedAllReduce(plan, process_group, rank, world_size)
         self._commit = StepCommit(self._engine)
         self._runner: Optional[_CommRunner] = _CommRunner(rank, self._process, self._explain)
+        self._runner.hold_tails = bool(node_groups)
         # A plan that compresses no parameter (every layer `none`) is DDP's own all-reduce: the hook
         # issues it itself, as torch's allreduce_hook does (no thread hand-off, no step checks), and
         # the communication thread stays idle. Every parameter counts, frozen ones too: one unfrozen
