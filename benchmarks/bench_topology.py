@@ -28,8 +28,10 @@ a fixed batch after the same steps. The namespaces are removed at the end, on fa
 too. CSV (``--csv``; default ``benchmarks/results/bench_topology_cpu.csv`` for the run with every
 default, ``benchmarks/out/`` otherwise), every row with the machine and the load average.
 
-A ``localsgd-islands`` method slot is kept in :data:`METHODS` for LocalSGD over DDP islands (issue 23
-part 2), which this script does not run yet.
+``localsgd-islands``: DiLoCo islands, DDP over each machine's ranks (``machine_group()``) and
+``LocalSGD(ddp, every=50, plan="int4")`` across machines. Its row covers a whole period: after the
+warm-up, 50 inner steps of which one synchronises, and gives the mean ms per step and the bytes across
+machines per step averaged over the period (its loss is after those 52 steps, not the others' 6).
 """
 
 from __future__ import annotations
@@ -54,8 +56,9 @@ METHODS = {
     "fp16-hook": "torch's fp16_compress_hook",
     "fastml-int4-flat": "FastML int4, flat (register_hook(..., ranks_per_node=1))",
     "fastml-int4-hier": "FastML int4, hierarchical (register_hook(...): R from LOCAL_WORLD_SIZE)",
-    "localsgd-islands": None,  # LocalSGD H=50 over DDP islands: issue 23 part 2, not measured here
+    "localsgd-islands": "LocalSGD, H=50, int4, over DDP islands (DDP inside each machine)",
 }
+ISLANDS_H = 50  # inner steps between synchronisations of the islands row (DiLoCo's order of magnitude)
 DEFAULTS = dict(ranks=[2, 4], links=["1gbit", "50mbit"], layers=4, width=768, batch=16, steps=4, warmup=2)
 
 
@@ -99,8 +102,14 @@ def _worker(a) -> None:
     for method in a.methods_csv.split(","):
         model = _model(a)
         nbytes = sum(p.numel() * 4 for p in model.parameters())
-        ddp = DDP(model, bucket_cap_mb=nbytes / 4 / (1 << 20))
-        state = None
+        islands = method == "localsgd-islands"
+        if islands:
+            from fastml_strategy.localsgd import machine_group
+
+            ddp = DDP(model, bucket_cap_mb=nbytes / 4 / (1 << 20), process_group=machine_group())
+        else:
+            ddp = DDP(model, bucket_cap_mb=nbytes / 4 / (1 << 20))
+        state = local = None
         if method == "fp16-hook":
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         elif method == "fastml-int4-flat":
@@ -108,8 +117,11 @@ def _worker(a) -> None:
         elif method == "fastml-int4-hier":
             state = fm.register_hook(ddp, plan="int4")
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        if islands:
+            local = fm.LocalSGD(ddp, opt, every=ISLANDS_H, plan="int4")
+        steps = ISLANDS_H if islands else a.steps
         times, tx0 = [], None
-        for step in range(a.warmup + a.steps):
+        for step in range(a.warmup + steps):
             x, y = _batch(a, rank, step)
             dist.barrier()
             if step == a.warmup:
@@ -118,24 +130,31 @@ def _worker(a) -> None:
             torch.nn.functional.cross_entropy(ddp(x), y).backward()
             opt.step()
             opt.zero_grad()
+            if local is not None:
+                local.step()
             dt = torch.tensor([time.perf_counter() - t0])
             dist.barrier()
-            tx = bf._net_bytes(iface) if step == a.warmup + a.steps - 1 else None
+            tx = bf._net_bytes(iface) if step == a.warmup + steps - 1 else None
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             if step >= a.warmup:
                 times.append(float(dt))
-        node_bytes = torch.tensor([float((tx - tx0) / a.steps) if (local0 and tx is not None and tx0 is not None)
+        node_bytes = torch.tensor([float((tx - tx0) / steps) if (local0 and tx is not None and tx0 is not None)
                                    else 0.0])
         dist.all_reduce(node_bytes)  # the sum over machines (only each machine's local rank 0 adds)
         with torch.no_grad():
             x, y = _batch(a, 10 ** 6, 0)
             loss = float(torch.nn.functional.cross_entropy(model(x), y))
-        out[method] = {"ms": 1e3 * statistics.median(times), "node_bytes": float(node_bytes) / 2,
-                       "loss": loss, "hierarchical": bool(state.hierarchical) if state else False,
+        # islands: the mean over the period (one step in 50 synchronises); the others: the median step
+        ms = 1e3 * (statistics.mean(times) if islands else statistics.median(times))
+        out[method] = {"ms": ms, "node_bytes": float(node_bytes) / 2,
+                       "loss": loss, "hierarchical": bool(state.hierarchical) if state else islands,
                        "stats": {k: state.stats()[k] for k in ("bytes_sent_inter", "bytes_sent_intra")}
                        if state else None, "grad_bytes": nbytes}
         if state is not None:
             state.close()
+        if local is not None:
+            out[method]["outer_steps"] = local.stats()["outer_steps"]
+            local.close()
         del ddp
     if rank == 0:
         with open(a._out, "w") as f:
@@ -160,6 +179,9 @@ def _predicted(a, R: int, method: str) -> tuple[float, str]:
     opt = HardwareOption(name="emulated", nodes=2, accelerators_per_node=R, price_per_hour=0.0, bandwidth_gbps=1.0,
                          latency_us=0.0, compute_speed=1.0)
     choice = {lp.name: "int4" for lp in layers if lp.tunable}
+    if method == "localsgd-islands":  # one compressed part per local rank across machines, once per H
+        br = step_time(prof, choice, opt, topology="auto")
+        return float(br.node_net_bytes) / ISLANDS_H, br.topology
     if method == "ddp":
         br = step_time(prof, {}, opt, hook=False)
     elif method == "fp16-hook":  # the fp16 hook is a ring all-reduce of half the bytes
