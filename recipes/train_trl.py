@@ -65,7 +65,7 @@ def main() -> None:
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--max-steps", type=int, default=30)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=5e-3)
+    ap.add_argument("--lr", type=float, default=2e-2)
     ap.add_argument("--rank", type=int, default=8, help="LoRA rank")
     ap.add_argument("--output-dir", default="runs/train_trl")
     args = ap.parse_args()
