@@ -67,10 +67,12 @@ except ImportError as e:  # pragma: no cover - the extra is missing
                       "'fastml-strategy[transformers]' (or pip install transformers)") from e
 
 from fastml_strategy._io import atomic_open
-from fastml_strategy.accelerate import _find_ddp
+from fastml_strategy._validate import env_whole_number
+from fastml_strategy.accelerate import LocalSGDCheckpoint, _find_ddp
 from fastml_strategy.accelerate import setup as accelerate_setup
 from fastml_strategy.config import Plan, resolve_plan
 from fastml_strategy.hook import suggest_bucket_cap_mb
+from fastml_strategy.localsgd import LocalSGD, resolve_settings
 
 __all__ = ["setup", "FastMLCallback", "STATE_FILE"]
 
@@ -105,15 +107,23 @@ class FastMLCallback(TrainerCallback):
 
     def __init__(self, plan: Plan | str | os.PathLike | dict | None = None, *,
                  layer_stats_every: int | None = None, check_replicas_every: int | None = None,
-                 layer_metrics: bool = True) -> None:
+                 layer_metrics: bool = True, every: int | None = None, **localsgd: Any) -> None:
         # -- tuned by the user --------------------------------------------------------------------
-        self.plan = resolve_plan(plan)  # a bad plan or FASTML_PLAN fails here, naming it
+        if every is None and localsgd:
+            raise TypeError(f"FastMLCallback: {sorted(localsgd)} are LocalSGD settings; they need every=H "
+                            f"(local steps between synchronisations), which turns LocalSGD on")
+        self.localsgd: dict | None = None  # LocalSGD's settings (every=H opts in), else None: DDP's hook
+        if every is not None:
+            self.plan, self.localsgd = resolve_settings(plan, every=every, **localsgd)
+        else:
+            self.plan = resolve_plan(plan)  # a bad plan or FASTML_PLAN fails here, naming it
         self.layer_stats_every = layer_stats_every  # None: FASTML_LAYER_STATS_EVERY, else 10
         self.check_replicas_every = check_replicas_every  # None: FASTML_CHECK_REPLICAS_EVERY, else 0
         self.layer_metrics = layer_metrics  # fastml/error/<parameter> in the logs: one entry per layer
         # -- internal state -------------------------------------------------------------------------
         self.trainer: Any = None
-        self.state: Any = None  # FastMLState (DDP), FSDPState (FSDP2), or None (one process)
+        self.state: Any = None  # FastMLState (DDP), FSDPState (FSDP2), LocalSGD, or None (one process)
+        self._local_ckpt: LocalSGDCheckpoint | None = None  # every rank's model/optimizer/LocalSGD state
         self._model: Any = None  # the wrapped model the state belongs to
         self._last = (0, 0, 0.0)  # (steps, bytes_sent, bytes_uncompressed) at the last log
 
@@ -136,18 +146,45 @@ class FastMLCallback(TrainerCallback):
             return  # a second train() on the same prepared model: the hook is registered already
         ddp = _find_ddp(wrapped)
         try:
-            self.state = accelerate_setup(trainer.accelerator, wrapped, self.plan, checkpoint=False,
-                                          layer_stats_every=self.layer_stats_every,
-                                          check_replicas_every=self.check_replicas_every)
+            if self.localsgd is not None:
+                self.state = self._start_local_sgd(trainer, wrapped, ddp)
+            else:
+                self.state = accelerate_setup(trainer.accelerator, wrapped, self.plan, checkpoint=False,
+                                              layer_stats_every=self.layer_stats_every,
+                                              check_replicas_every=self.check_replicas_every)
         except ValueError as e:  # the same one-line error on every rank, before the first step
             raise ValueError(f"fastml_strategy.transformers: {' '.join(str(e).split())}") from None
         self._model = wrapped
-        if ddp is not None:
+        if ddp is not None and self.localsgd is None:
             self._advise_buckets(args, ddp)
         if self.state is not None and state.global_step > 0:
             self._resume(args, state)
         self._last = self._counters()
         log.debug("FastMLCallback: registered on a %s (plan %s)", type(wrapped).__name__, self.plan.name)
+
+    def _start_local_sgd(self, trainer, wrapped, ddp) -> LocalSGD | None:
+        """LocalSGD on the module inside Trainer's DDP model, whose own all-reduce is switched off by a
+        comm hook that hands each bucket back as it is (this rank's gradients): the ranks then
+        communicate only in the outer synchronisations, every ``every`` optimizer steps
+        (``on_step_end``)."""
+        if ddp is None:
+            if _is_distributed(trainer):
+                raise ValueError(f"LocalSGD (every=H) needs Trainer's DDP model; this one is a "
+                                 f"{type(wrapped).__name__} (FSDP or DeepSpeed): drop every= to compress "
+                                 f"its gradients instead")
+            self.plan.check_parameters([n for n, p in trainer.model.named_parameters() if p.requires_grad])
+            return None
+        ddp.register_comm_hook(None, _local_gradients_hook)
+        layer_every = env_whole_number("FASTML_LAYER_STATS_EVERY", self.layer_stats_every, 1,
+                                       owner="fastml_strategy.transformers")
+        inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # under Accelerate's wrapper
+        local = LocalSGD(ddp.module, inner, plan=self.plan, layer_stats_every=layer_every, **self.localsgd)
+        self._local_ckpt = LocalSGDCheckpoint(local, ddp.module, [trainer.optimizer])
+        return local
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if isinstance(self.state, LocalSGD):
+            self.state.step()  # after the optimizer step: synchronises every `every` steps
 
     def _advise_buckets(self, args, ddp) -> None:
         if args.ddp_bucket_cap_mb is not None or not args.should_log:
@@ -165,18 +202,21 @@ class FastMLCallback(TrainerCallback):
         if self.state is None:
             return (0, 0, 0.0)
         s = self.state.stats()
-        return (s["steps"], s["bytes_sent"], float(s["bytes_uncompressed"]))
+        return (s.get("steps", s.get("inner_steps")), s["bytes_sent"], float(s["bytes_uncompressed"]))
 
     def metrics(self) -> dict:
         """FastML's figures since the last call (what ``on_log`` adds to the logs)."""
         if self.state is None:
             return {}
         s = self.state.stats()
-        steps, sent, unc = s["steps"], s["bytes_sent"], float(s["bytes_uncompressed"])
+        steps, sent, unc = s.get("steps", s.get("inner_steps")), s["bytes_sent"], float(s["bytes_uncompressed"])
         d_steps, d_sent, d_unc = steps - self._last[0], sent - self._last[1], unc - self._last[2]
         self._last = (steps, sent, unc)
-        out = {"fastml/compression_ratio": (d_unc / d_sent) if d_sent > 0 else 1.0,
+        # (an interval without communication, LocalSGD's between two synchronisations: the run's ratio)
+        out = {"fastml/compression_ratio": (d_unc / d_sent) if d_sent > 0 else s["compression_ratio"],
                "fastml/bytes_per_step": (d_sent / d_steps) if d_steps > 0 else 0.0}
+        if "ratio_vs_ddp" in s:  # LocalSGD: bytes against DDP's fp32 all-reduce of every step
+            out["fastml/ratio_vs_ddp"] = s["ratio_vs_ddp"]
         if self.layer_metrics:
             for name, row in s.get("layers", {}).items():
                 err = row.get("rel_error")
@@ -198,7 +238,12 @@ class FastMLCallback(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         if self.state is None:
             return
-        sd = self.state.state_dict(all_ranks=True)  # a collective: every rank is here
+        if self._local_ckpt is not None:  # each rank's model and optimizer are its own between syncs
+            sd = self._local_ckpt.state_dict()  # a collective; rank 0 receives every rank's part
+            if not sd:
+                return
+        else:
+            sd = self.state.state_dict(all_ranks=True)  # a collective: every rank is here
         if not args.should_save:
             return
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
@@ -208,7 +253,8 @@ class FastMLCallback(TrainerCallback):
                           f"checkpoint restarts error feedback from zero", stacklevel=2)
             return
         with atomic_open(folder / STATE_FILE, "wb") as f:
-            torch.save({"format_version": _FORMAT_VERSION, "global_step": state.global_step, "fastml": sd}, f)
+            torch.save({"format_version": _FORMAT_VERSION, "global_step": state.global_step,
+                        "kind": "localsgd" if self._local_ckpt is not None else "ddp", "fastml": sd}, f)
         log.debug("FastMLCallback: saved the FastML state of %d rank(s) in %s", len(sd.get("per_rank", [sd])),
                   folder)
 
@@ -229,7 +275,13 @@ class FastMLCallback(TrainerCallback):
                                  f"upgrade FastML, or delete the file to restart error feedback from zero")
             if saved.get("global_step") != step:
                 continue  # another checkpoint's state: not this resume's
-            self.state.load_state_dict(saved["fastml"])
+            kind = "localsgd" if self._local_ckpt is not None else "ddp"
+            if saved.get("kind", "ddp") != kind:
+                raise ValueError(f"fastml_strategy.transformers: {str(path)!r} holds the state of a "
+                                 f"{saved.get('kind', 'ddp')} run, this one is {kind} (every= "
+                                 f"{'given' if kind == 'localsgd' else 'not given'}); resume it the way it "
+                                 f"was trained, or delete the file to restart FastML's state from zero")
+            (self._local_ckpt or self.state).load_state_dict(saved["fastml"])
             log.debug("FastMLCallback: resumed the FastML state of step %d from %s", step, path)
             return
         if args.should_log:
@@ -240,9 +292,21 @@ class FastMLCallback(TrainerCallback):
                           stacklevel=2)
 
 
+def _local_gradients_hook(state, bucket):
+    # DDP's all-reduce switched off (LocalSGD): each rank keeps its own gradients. No annotations: DDP
+    # checks them, and this module's postponed ones would be strings.
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def _is_distributed(trainer: Any) -> bool:
+    return getattr(trainer.accelerator, "num_processes", 1) > 1
+
+
 def setup(trainer: Any, plan: Plan | str | os.PathLike | dict | None = None, *,
           layer_stats_every: int | None = None, check_replicas_every: int | None = None,
-          layer_metrics: bool = True) -> FastMLCallback:
+          layer_metrics: bool = True, every: int | None = None, **localsgd: Any) -> FastMLCallback:
     """Compress the gradients of ``trainer`` (a ``transformers.Trainer`` or a subclass: TRL's
     ``SFTTrainer``, ``DPOTrainer``...) with FastML: call it on every process, after building the
     Trainer and before ``trainer.train()``. Returns the :class:`FastMLCallback` (its ``.state`` is
@@ -254,6 +318,14 @@ def setup(trainer: Any, plan: Plan | str | os.PathLike | dict | None = None, *,
     ``FASTML_CHECK_REPLICAS_EVERY``). ``layer_metrics=False`` leaves the per-layer errors out of the
     logs. Raises ValueError for a bad plan, here or (for one naming no parameter of the model) when
     training begins, on every process, before the first step.
+
+    ``every=H`` opts in to local steps (:class:`~fastml_strategy.LocalSGD`, below 1 Gbit/s): DDP's
+    per-step all-reduce is switched off, each rank takes H optimizer steps on its own, then the ranks
+    average their compressed pseudo-gradients and apply an outer step. ``localsgd``: LocalSGD's other
+    settings (``outer``, ``outer_lr``, ``outer_momentum``, ``fragments``, ``delay``), else
+    ``FASTML_LOCALSGD_*``, else LocalSGD's defaults (DiLoCo's Nesterov). Checkpoints then hold every
+    rank's model, optimizer and LocalSGD state (they differ between synchronisations), and a resume
+    gives each rank its own back.
     """
     if not hasattr(trainer, "model_wrapped") or not hasattr(trainer, "accelerator"):
         raise TypeError(f"fastml_strategy.transformers.setup: expected a transformers.Trainer (or a subclass), "
@@ -265,7 +337,7 @@ def setup(trainer: Any, plan: Plan | str | os.PathLike | dict | None = None, *,
     named = list(trainer.model.named_parameters())
     try:
         cb = FastMLCallback(plan, layer_stats_every=layer_stats_every, check_replicas_every=check_replicas_every,
-                            layer_metrics=layer_metrics)
+                            layer_metrics=layer_metrics, every=every, **localsgd)
         # the plan's names against the model's parameters, at once, in any world size
         cb.plan.check_parameters([n for n, p in named if p.requires_grad],
                                  frozen=[n for n, p in named if not p.requires_grad])

@@ -107,3 +107,14 @@ def test_bad_plans_stop_before_the_first_step_on_every_rank_with_one_line(ranks)
             assert msg.startswith("fastml_strategy.transformers: ")
         assert r["bad_disagree_step"] == 0
     assert r0["bad_disagree"] == r1["bad_disagree"]  # the same error on both ranks
+
+
+def test_localsgd_opt_in_syncs_every_h_steps_and_resumes_each_rank_exactly(ranks):
+    r0, r1, _ = ranks
+    assert r0["lsgd"]["fastml_step"] == 6 and r0["lsgd"]["outer_steps"] == 2  # every=3: 2 synchronisations
+    assert r0["lsgd"]["digest"] == r1["lsgd"]["digest"]  # identical right after the synchronisation at 6
+    assert r0["lsgd_saved"] == {"kind": "localsgd", "ranks": [0, 1], "models_differ": True}  # step 4: apart
+    for r in (r0, r1):
+        assert r["lsgd_resumed"]["digest"] == r["lsgd"]["digest"] and r["lsgd_resumed"]["outer_steps"] == 2
+    assert r0["lsgd_ratio_vs_ddp"] > 15  # int4 (about 7.6x) and one sync in 3 steps
+    assert r0["lsgd"]["logged"]["fastml/ratio_vs_ddp"] == r0["lsgd_ratio_vs_ddp"]

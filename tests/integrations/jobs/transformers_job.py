@@ -78,10 +78,10 @@ def losses(trainer) -> list:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-def train(name: str, plan=None, fastml: bool = True, model=None, resume=None, **kw) -> tuple:
+def train(name: str, plan=None, fastml: bool = True, model=None, resume=None, every=None, **kw) -> tuple:
     trainer = Trainer(model=model if model is not None else tiny_llama(), args=targs(name, **kw),
                       train_dataset=Progressions())
-    cb = fmt.setup(trainer, plan=plan) if fastml else None
+    cb = fmt.setup(trainer, plan=plan, every=every) if fastml else None
     t = time.monotonic()
     trainer.train(resume_from_checkpoint=resume)
     return trainer, cb, time.monotonic() - t
@@ -91,7 +91,8 @@ def summary(trainer, cb) -> dict:
     logged = [h for h in trainer.state.log_history if "loss" in h]
     s = cb.state.stats() if cb is not None and cb.state is not None else None
     return {"digest": digest(trainer.model), "losses": losses(trainer), "global_step": trainer.state.global_step,
-            "fastml_step": s["steps"] if s else None, "logged": logged[-1] if logged else {},
+            "fastml_step": s.get("steps", s.get("inner_steps")) if s else None, "outer_steps": (s or {}).get(
+                "outer_steps"), "logged": logged[-1] if logged else {},
             "layers": {n: r["codec"] for n, r in s["layers"].items()} if s else {},
             "wrapped": type(trainer.model_wrapped).__name__}
 
@@ -168,10 +169,23 @@ def main() -> None:
     r["bare"] = summary(bare_run, cb_bare)
     r["bare_warned"] = any("residuals start from zero" in str(w.message) for w in caught)
 
-    # 7. TRL's SFTTrainer (LoRA, a tokenizer built here) with the same one line
+    # 7. LocalSGD (every=3): checkpoint-4 falls between two synchronisations (the ranks' models differ
+    # there); resuming from it gives each rank its own model, optimizer and LocalSGD state back
+    ls_full, cb_ls, _ = train("lsgd", plan="int4", every=3, max_steps=6, save_strategy="steps", save_steps=4)
+    ls_saved = torch.load(WORK / "lsgd" / "checkpoint-4" / fmt.STATE_FILE, weights_only=True)
+    per = ls_saved["fastml"]["per_rank"]
+    r["lsgd_saved"] = {"kind": ls_saved["kind"], "ranks": [p["rank"] for p in per],
+                       "models_differ": any(not torch.equal(per[0]["model"][k], per[1]["model"][k])
+                                            for k in per[0]["model"])}
+    ls_res, cb_lsr, _ = train("lsgd", plan="int4", every=3, max_steps=6, save_strategy="steps", save_steps=4,
+                              resume=str(WORK / "lsgd" / "checkpoint-4"))
+    r["lsgd"], r["lsgd_resumed"] = summary(ls_full, cb_ls), summary(ls_res, cb_lsr)
+    r["lsgd_ratio_vs_ddp"] = cb_ls.state.stats()["ratio_vs_ddp"]
+
+    # 8. TRL's SFTTrainer (LoRA, a tokenizer built here) with the same one line
     r["trl"] = trl_sft()
 
-    # 8. bad plans stop before any step, on every rank, with one line
+    # 9. bad plans stop before any step, on every rank, with one line
     os.environ["FASTML_PLAN"] = "int44"
     r["bad_env"] = one_line_error(lambda: train("bad_env", plan=None))
     del os.environ["FASTML_PLAN"]
