@@ -15,6 +15,7 @@ Run (CPU, 2 processes; on GPUs drop --cpu and the backend becomes NCCL)::
     torchrun --nproc_per_node 2 recipes/train_transformers.py --cpu --gpt2 --bf16 --accumulate 2
     torchrun --nproc_per_node 2 recipes/train_transformers.py --cpu --max-steps 50 --save-steps 25
     torchrun --nproc_per_node 2 recipes/train_transformers.py --cpu --max-steps 100 --resume  # from the last checkpoint
+    torchrun --nproc_per_node 2 recipes/train_transformers.py --cpu --every 10   # LocalSGD: sync every 10 steps
 
 The logs (``trainer.state.log_history``, TensorBoard/W&B with ``--report-to``) carry
 ``fastml/compression_ratio``, ``fastml/bytes_per_step`` and ``fastml/error/<parameter>`` at every
@@ -83,6 +84,8 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true", help="bf16 mixed precision")
     ap.add_argument("--gradient-checkpointing", action="store_true")
     ap.add_argument("--bucket-cap-mb", type=float, default=None, help="TrainingArguments.ddp_bucket_cap_mb")
+    ap.add_argument("--every", type=int, default=None,
+                    help="LocalSGD: synchronise every N optimizer steps instead of all-reducing every step")
     ap.add_argument("--output-dir", default="runs/train_transformers")
     ap.add_argument("--save-steps", type=int, default=0, help="write checkpoint-N every N steps (0: never)")
     ap.add_argument("--resume", nargs="?", const=True, default=None,
@@ -105,7 +108,7 @@ def main() -> None:
 
     rank = int(os.environ.get("RANK", "0"))
     try:
-        callback = fastml_strategy.transformers.setup(trainer, plan=args.plan)  # the one FastML line
+        callback = fastml_strategy.transformers.setup(trainer, plan=args.plan, every=args.every)  # the FastML line
         trainer.train(resume_from_checkpoint=args.resume)
     except ValueError as e:  # a bad plan: the same one-line error on every rank, before the first step
         if "fastml_strategy.transformers" not in str(e):
@@ -114,6 +117,8 @@ def main() -> None:
         sys.exit(2)
 
     stats = callback.state.stats() if callback.state is not None else None
+    if stats is not None and "steps" not in stats:  # LocalSGD's figures
+        stats["steps"] = stats["inner_steps"]
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     if trainer.is_world_process_zero():
         ratio = stats["compression_ratio"] if stats else 1.0
