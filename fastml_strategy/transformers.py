@@ -40,6 +40,15 @@ computes (communication then overlaps backward). ``bf16=True`` mixed precision, 
 and ``torch_compile=True`` (Accelerate compiles the DDP model; FastML finds DDP inside it) change nothing
 here. DeepSpeed has no DDP model: FastML warns and training runs uncompressed.
 
+Local steps (below 1 Gbit/s): ``setup(trainer, plan="int4", every=H)`` switches DDP's all-reduce off (a
+comm hook that hands every bucket back as it is: each rank keeps its own gradients) and runs
+:class:`~fastml_strategy.LocalSGD` on the module inside DDP: ``local.step()`` at every ``on_step_end``,
+so the ranks average their compressed pseudo-gradients every H optimizer steps and apply an outer step
+(``outer``, ``outer_lr``, ``outer_momentum``, ``fragments``, ``delay``: LocalSGD's, else
+``FASTML_LOCALSGD_*``). Between two synchronisations every rank's model and optimizer are its own, so
+the checkpoint's ``fastml_state.pt`` then holds every rank's model, optimizer and LocalSGD state, and a
+resume gives each rank its own back over the rank-0 state Trainer loaded.
+
 Why ``setup(trainer)`` and not ``callbacks=[FastMLCallback()]``: a callback's events are handed the
 unwrapped model, never the DDP wrapper or the Trainer, so the callback must know its Trainer; ``setup``
 binds it (``FastMLCallback(plan).bind(trainer)`` does the same by hand). Resuming looks for the FastML
