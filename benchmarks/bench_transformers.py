@@ -4,8 +4,8 @@
     sudo python benchmarks/bench_transformers.py                       # both links, no limit, both methods
     sudo python benchmarks/bench_transformers.py --links 100mbit --steps 10
 
-Model: the recipe's Llama built from a config (``--width 256 --layers 4``: 3.3M parameters, 13.1 MB of
-fp32 gradient per step), trained byte by byte on the text the recipe uses, batch 8 x 64 bytes per rank,
+Model: the recipe's Llama built from a config (``--width 256 --layers 4``: 2.75M parameters, 11.0 MB of
+fp32 gradient per step, in DDP's default 25 MB buckets), trained byte by byte on the text the recipe uses, batch 8 x 64 bytes per rank,
 2 ranks x 1 thread under torchrun, gloo. Methods: ``plain`` (Trainer's own DDP all-reduce, fp32) and
 ``fastml-int4`` (``fastml_strategy.transformers.setup(trainer, plan="int4")``), and the same with
 ``--methods fastml-none`` or any recipe name after ``fastml-``.
