@@ -118,3 +118,23 @@ def test_localsgd_opt_in_syncs_every_h_steps_and_resumes_each_rank_exactly(ranks
         assert r["lsgd_resumed"]["digest"] == r["lsgd"]["digest"] and r["lsgd_resumed"]["outer_steps"] == 2
     assert r0["lsgd_ratio_vs_ddp"] > 15  # int4 (about 7.6x) and one sync in 3 steps
     assert r0["lsgd"]["logged"]["fastml/ratio_vs_ddp"] == r0["lsgd_ratio_vs_ddp"]
+
+
+def test_bucket_advice_names_the_training_argument(caplog):
+    """Without ddp_bucket_cap_mb, a model that DDP's 25 MB default packs into fewer than 3 buckets gets the
+    ddp_bucket_cap_mb suggest_bucket_cap_mb computes; a cap the user set is left alone, unadvised."""
+    import logging
+    import types
+
+    import torch
+
+    import fastml_strategy.transformers as fmt
+    from fastml_strategy.hook import suggest_bucket_cap_mb
+
+    ddp = types.SimpleNamespace(module=torch.nn.Linear(2048, 1100))  # 9.0 MB of fp32 gradient
+    cb = fmt.FastMLCallback("int4")
+    with caplog.at_level(logging.INFO, logger="fastml_strategy.transformers"):
+        cb._advise_buckets(types.SimpleNamespace(ddp_bucket_cap_mb=5, should_log=True), ddp)
+        assert caplog.text == ""
+        cb._advise_buckets(types.SimpleNamespace(ddp_bucket_cap_mb=None, should_log=True), ddp)
+    assert f"TrainingArguments(ddp_bucket_cap_mb={suggest_bucket_cap_mb(ddp.module):.2f})" in caplog.text
