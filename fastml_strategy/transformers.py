@@ -164,6 +164,11 @@ class FastMLCallback(TrainerCallback):
         except ValueError as e:  # the same one-line error on every rank, before the first step
             raise ValueError(f"fastml_strategy.transformers: {' '.join(str(e).split())}") from None
         self._model = wrapped
+        if ddp is not None and getattr(args, "fsdp", None) and args.should_log:
+            warnings.warn("FastML: TrainingArguments ask for FSDP (fsdp/fsdp_config) but Trainer's model is a "
+                          "DistributedDataParallel (on CPU Accelerate ignores its FSDP plugin); FastML "
+                          "compresses DDP's all-reduce of the full gradients. FSDP2 (fsdp_version: 2) is "
+                          "compressed where Accelerate shards the model (GPUs)", stacklevel=2)
         if ddp is not None and self.localsgd is None:
             self._advise_buckets(args, ddp)
         if self.state is not None and state.global_step > 0:
