@@ -46,7 +46,6 @@ LINKS = ["none", "1gbit", "100mbit"]
 # -- one method, one rank (under torchrun, inside the namespace) ------------------------------------------
 def _worker(args) -> None:
     sys.path.insert(0, os.path.join(REPO, "recipes"))
-    import torch
     import torch.distributed as dist
     from train_transformers import ByteText, tiny_model
     from transformers import Trainer, TrainerCallback, TrainingArguments
