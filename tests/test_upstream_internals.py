@@ -145,3 +145,62 @@ def test_a_missing_lightning_attribute_is_logged(caplog):
         _set_private(obj, "_device_mesh", 1, "self.device_mesh in configure_model will be None")
     assert obj._device_mesh == 1
     assert "has no attribute _device_mesh" in caplog.text and "device_mesh in configure_model" in caplog.text
+
+
+# -- transformers.Trainer ------------------------------------------------------------------------------------------
+def _tiny_trainer(tmp_path):
+    transformers = pytest.importorskip("transformers")
+
+    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                                          disable_tqdm=True, save_strategy="no")
+    return transformers.Trainer(model=transformers.LlamaForCausalLM(cfg), args=args)
+
+
+class _Counters:  # what FastMLCallback reads of a FastMLState: stats()
+    def __init__(self):
+        self.steps, self.sent, self.unc = 0, 0, 0.0
+
+    def stats(self):
+        return {"steps": self.steps, "bytes_sent": self.sent, "bytes_uncompressed": self.unc, "layers": {}}
+
+
+def test_transformers_trainer_names_fastml_reads(tmp_path):
+    """fastml_strategy.transformers reads Trainer.model_wrapped and Trainer.accelerator (public), puts its
+    callback first in trainer.callback_handler.callbacks (so that the reporting callbacks see its
+    figures), finds checkpoints as output_dir/checkpoint-N, and adds its figures to
+    state.log_history[-1], which Trainer.log appends just BEFORE calling on_log. A transformers that
+    changes any of these would silently drop the figures or the resume."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    import fastml_strategy.transformers as fmt
+
+    trainer = _tiny_trainer(tmp_path)
+    assert trainer.model_wrapped is trainer.model and trainer.accelerator is not None
+    assert PREFIX_CHECKPOINT_DIR == "checkpoint"
+    assert isinstance(trainer.callback_handler.callbacks, list)
+    cb = fmt.setup(trainer, plan="int4")
+    assert trainer.callback_handler.callbacks[0] is cb
+    cb.state = counters = _Counters()  # as if on_train_begin had registered the hook
+    counters.steps, counters.sent, counters.unc = 4, 1000, 8000.0
+    trainer.state.global_step = 4
+    trainer.log({"loss": 1.5})
+    last = trainer.state.log_history[-1]
+    assert last["step"] == 4 and last["loss"] == 1.5
+    assert last["fastml/compression_ratio"] == 8.0 and last["fastml/bytes_per_step"] == 250.0
+    with pytest.raises(ValueError, match="has a FastML callback already"):
+        fmt.setup(trainer, plan="int4")
+
+
+def test_unbound_callback_and_missing_callback_list_are_explained(tmp_path, caplog):
+    import fastml_strategy.transformers as fmt
+
+    trainer = _tiny_trainer(tmp_path)
+    with pytest.raises(TypeError, match=r"fastml_strategy.transformers.setup\(trainer"):
+        fmt.FastMLCallback("int4").on_train_begin(trainer.args, trainer.state, trainer.control)
+    stub = types.SimpleNamespace(callback_handler=types.SimpleNamespace(), added=[])
+    stub.add_callback = stub.added.append
+    with caplog.at_level(logging.WARNING, logger="fastml_strategy.transformers"):
+        cb = fmt.FastMLCallback("int4").bind(stub)
+    assert stub.added == [cb] and "callback_handler.callbacks is not a list" in caplog.text

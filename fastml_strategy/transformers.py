@@ -1,0 +1,360 @@
+"""Hugging Face ``transformers.Trainer`` (and TRL's trainers built on it): one added line.
+
+``Trainer`` builds its DDP model inside ``train()`` (through Accelerate) and offers no comm hook:
+``TrainingArguments`` has no such field and Accelerate's ``DistributedDataParallelKwargs.comm_hook``
+takes only its closed enum. What it does offer is the callback system, and ``trainer.model_wrapped``
+(documented: "always points to the most external model"), which is the DDP wrapper by the time
+``on_train_begin`` runs, before the first forward. So FastML attaches itself as a callback::
+
+    trainer = Trainer(model=model, args=args, train_dataset=ds)        # or SFTTrainer(...)
+    fastml_strategy.transformers.setup(trainer, plan="int4")           # the one added line
+    trainer.train()                                                    # torchrun / accelerate launch
+
+What the callback (:class:`FastMLCallback`) does, on every process:
+
+1. ``setup`` resolves the plan (the argument, else ``FASTML_PLAN``: a recipe name or a plan JSON; default
+   ``int4``) at once, so a typo fails on the line that names it, before any step.
+2. ``on_train_begin`` (after ``accelerator.prepare``, before the first backward) hands
+   ``trainer.model_wrapped`` to :func:`fastml_strategy.accelerate.setup`: FastML's comm hook on a DDP
+   model (every rank agrees on the plan first, or every rank raises the same one-line ValueError),
+   FSDP2's compressed reduce-scatter on an FSDP2 model, nothing in one process. Plan names are the
+   names of ``trainer.model.named_parameters()``: for a PEFT model, the adapter names you see
+   (``base_model.model....lora_A.default.weight``), only the trainable ones compressed.
+3. ``on_log``, at the logging interval, adds ``fastml/compression_ratio`` and ``fastml/bytes_per_step``
+   (this rank's bytes on the wire per optimizer step since the last log, against a ring all-reduce of
+   fp32) and ``fastml/error/<parameter>`` (the relative compression error of each compressed
+   parameter, measured every ``layer_stats_every`` steps) to the logs: they reach
+   ``trainer.state.log_history`` and the reporting callbacks (TensorBoard, W&B), which run after it.
+4. ``on_save`` writes every rank's FastML state (error-feedback residuals, step, plan) into the
+   checkpoint folder (``checkpoint-N/fastml_state.pt``, atomically; gathering it is a collective, and
+   Trainer calls ``on_save`` on every process). ``trainer.train(resume_from_checkpoint=...)`` loads it
+   back in ``on_train_begin``, so the resumed run continues on the same trajectory as an uninterrupted
+   one, bit for bit.
+
+Gradient accumulation (``gradient_accumulation_steps``) needs nothing: Trainer runs the micro-batches
+before the last inside ``accelerator.no_sync``, which calls no comm hook, so only the synchronising
+micro-batch is compressed (``state.step`` counts optimizer steps). ``ddp_bucket_cap_mb`` is DDP's to
+use and FastML keeps it; without it, a model that DDP's default 25 MB cap packs into fewer than three
+buckets gets a log line with the ``ddp_bucket_cap_mb`` that :func:`~fastml_strategy.hook.suggest_bucket_cap_mb`
+computes (communication then overlaps backward). ``bf16=True`` mixed precision, gradient checkpointing
+and ``torch_compile=True`` (Accelerate compiles the DDP model; FastML finds DDP inside it) change nothing
+here. DeepSpeed has no DDP model: FastML warns and training runs uncompressed.
+
+Local steps (below 1 Gbit/s): ``setup(trainer, plan="int4", every=H)`` switches DDP's all-reduce off (a
+comm hook that hands every bucket back as it is: each rank keeps its own gradients) and runs
+:class:`~fastml_strategy.LocalSGD` on the module inside DDP: ``local.step()`` at every ``on_step_end``,
+so the ranks average their compressed pseudo-gradients every H optimizer steps and apply an outer step
+(``outer``, ``outer_lr``, ``outer_momentum``, ``fragments``, ``delay``: LocalSGD's, else
+``FASTML_LOCALSGD_*``). Between two synchronisations every rank's model and optimizer are its own, so
+the checkpoint's ``fastml_state.pt`` then holds every rank's model, optimizer and LocalSGD state, and a
+resume gives each rank its own back over the rank-0 state Trainer loaded.
+
+Why ``setup(trainer)`` and not ``callbacks=[FastMLCallback()]``: a callback's events are handed the
+unwrapped model, never the DDP wrapper or the Trainer, so the callback must know its Trainer; ``setup``
+binds it (``FastMLCallback(plan).bind(trainer)`` does the same by hand). Resuming looks for the FastML
+state in ``TrainingArguments.resume_from_checkpoint`` and in ``output_dir/checkpoint-<global step>``
+(where ``resume_from_checkpoint=True`` and Trainer's own folders are); a resume from a folder elsewhere
+warns that the residuals start from zero unless ``TrainingArguments(resume_from_checkpoint=...)`` names it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+try:
+    from transformers import TrainerCallback
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+except ImportError as e:  # pragma: no cover - the extra is missing
+    raise ImportError("fastml_strategy.transformers needs Hugging Face transformers: pip install "
+                      "'fastml-strategy[transformers]' (or pip install transformers)") from e
+
+from fastml_strategy._io import atomic_open
+from fastml_strategy._validate import env_whole_number
+from fastml_strategy.accelerate import LocalSGDCheckpoint, _find_ddp
+from fastml_strategy.accelerate import setup as accelerate_setup
+from fastml_strategy.config import Plan, resolve_plan
+from fastml_strategy.hook import suggest_bucket_cap_mb
+from fastml_strategy.localsgd import LocalSGD, resolve_settings
+
+__all__ = ["setup", "FastMLCallback", "STATE_FILE"]
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "fastml_state.pt"  # in each checkpoint-N folder
+_FORMAT_VERSION = 1
+# DDP's default bucket_cap_mb, and the smallest gradient for which the bucket advice matters (as in hook.py)
+_DDP_DEFAULT_CAP_MB = 25
+_ADVISE_BYTES = 8 << 20
+
+
+def _callbacks_first(trainer: Any, callback: "FastMLCallback") -> None:
+    """Put ``callback`` first in the Trainer's callback list, so that the reporting callbacks
+    (TensorBoard, W&B...) run after its ``on_log`` and see FastML's figures. Reads
+    ``trainer.callback_handler.callbacks`` (not underscored, but not documented either):
+    tests/test_upstream_internals.py fails if transformers renames it; here a missing list falls back to
+    ``add_callback`` (the figures then still reach ``state.log_history``)."""
+    handler = getattr(trainer, "callback_handler", None)
+    cbs = getattr(handler, "callbacks", None)
+    if not isinstance(cbs, list):
+        log.warning("FastML: trainer.callback_handler.callbacks is not a list in this transformers; adding "
+                    "the FastML callback last (reporting callbacks that run before it miss its figures)")
+        trainer.add_callback(callback)
+        return
+    cbs.insert(0, callback)
+
+
+class FastMLCallback(TrainerCallback):
+    """Registers FastML on the Trainer's DDP (or FSDP2) model at ``on_train_begin``, logs its figures,
+    checkpoints and restores its state. Build it with :func:`setup`; see the module docstring."""
+
+    def __init__(self, plan: Plan | str | os.PathLike | dict | None = None, *,
+                 layer_stats_every: int | None = None, check_replicas_every: int | None = None,
+                 layer_metrics: bool = True, every: int | None = None, **localsgd: Any) -> None:
+        # -- tuned by the user --------------------------------------------------------------------
+        if every is None and localsgd:
+            raise TypeError(f"FastMLCallback: {sorted(localsgd)} are LocalSGD settings; they need every=H "
+                            f"(local steps between synchronisations), which turns LocalSGD on")
+        self.localsgd: dict | None = None  # LocalSGD's settings (every=H opts in), else None: DDP's hook
+        if every is not None:
+            self.plan, self.localsgd = resolve_settings(plan, every=every, **localsgd)
+        else:
+            self.plan = resolve_plan(plan)  # a bad plan or FASTML_PLAN fails here, naming it
+        self.layer_stats_every = layer_stats_every  # None: FASTML_LAYER_STATS_EVERY, else 10
+        self.check_replicas_every = check_replicas_every  # None: FASTML_CHECK_REPLICAS_EVERY, else 0
+        self.layer_metrics = layer_metrics  # fastml/error/<parameter> in the logs: one entry per layer
+        # -- internal state -------------------------------------------------------------------------
+        self.trainer: Any = None
+        self.state: Any = None  # FastMLState (DDP), FSDPState (FSDP2), LocalSGD, or None (one process)
+        self._local_ckpt: LocalSGDCheckpoint | None = None  # every rank's model/optimizer/LocalSGD state
+        self._model: Any = None  # the wrapped model the state belongs to
+        self._last = (0, 0, 0.0)  # (steps, bytes_sent, bytes_uncompressed) at the last log
+
+    def bind(self, trainer: Any) -> "FastMLCallback":
+        """Attach to ``trainer`` (first in its callback list); returns self."""
+        self.trainer = trainer
+        _callbacks_first(trainer, self)
+        return self
+
+    # -- registration ------------------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        if trainer is None:
+            raise TypeError("FastMLCallback was not bound to its Trainer (callback events are handed the "
+                            "unwrapped model, not the DDP one); instead of callbacks=[FastMLCallback()], "
+                            "call fastml_strategy.transformers.setup(trainer, plan=...) after building the "
+                            "Trainer")
+        wrapped = trainer.model_wrapped
+        if self.state is not None and wrapped is self._model:
+            return  # a second train() on the same prepared model: the hook is registered already
+        ddp = _find_ddp(wrapped)
+        try:
+            if self.localsgd is not None:
+                self.state = self._start_local_sgd(trainer, wrapped, ddp)
+            else:
+                self.state = accelerate_setup(trainer.accelerator, wrapped, self.plan, checkpoint=False,
+                                              layer_stats_every=self.layer_stats_every,
+                                              check_replicas_every=self.check_replicas_every)
+        except ValueError as e:  # the same one-line error on every rank, before the first step
+            raise ValueError(f"fastml_strategy.transformers: {' '.join(str(e).split())}") from None
+        self._model = wrapped
+        if ddp is not None and getattr(args, "fsdp", None) and args.should_log:
+            warnings.warn("FastML: TrainingArguments ask for FSDP (fsdp/fsdp_config) but Trainer's model is a "
+                          "DistributedDataParallel (on CPU Accelerate ignores its FSDP plugin); FastML "
+                          "compresses DDP's all-reduce of the full gradients. FSDP2 (fsdp_version: 2) is "
+                          "compressed where Accelerate shards the model (GPUs)", stacklevel=2)
+        if ddp is not None and self.localsgd is None:
+            self._advise_buckets(args, ddp)
+        if self.state is not None and state.global_step > 0:
+            self._resume(args, state)
+        self._last = self._counters()
+        log.debug("FastMLCallback: registered on a %s (plan %s)", type(wrapped).__name__, self.plan.name)
+
+    def _start_local_sgd(self, trainer, wrapped, ddp) -> LocalSGD | None:
+        """LocalSGD on the module inside Trainer's DDP model, whose own all-reduce is switched off by a
+        comm hook that hands each bucket back as it is (this rank's gradients): the ranks then
+        communicate only in the outer synchronisations, every ``every`` optimizer steps
+        (``on_step_end``)."""
+        if ddp is None:
+            if _is_distributed(trainer):
+                raise ValueError(f"LocalSGD (every=H) needs Trainer's DDP model; this one is a "
+                                 f"{type(wrapped).__name__} (FSDP or DeepSpeed): drop every= to compress "
+                                 f"its gradients instead")
+            self.plan.check_parameters([n for n, p in trainer.model.named_parameters() if p.requires_grad])
+            return None
+        ddp.register_comm_hook(None, _local_gradients_hook)
+        layer_every = env_whole_number("FASTML_LAYER_STATS_EVERY", self.layer_stats_every, 1,
+                                       owner="fastml_strategy.transformers")
+        inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # under Accelerate's wrapper
+        local = LocalSGD(ddp.module, inner, plan=self.plan, layer_stats_every=layer_every, **self.localsgd)
+        self._local_ckpt = LocalSGDCheckpoint(local, ddp.module, [trainer.optimizer])
+        return local
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if isinstance(self.state, LocalSGD):
+            self.state.step()  # after the optimizer step: synchronises every `every` steps
+
+    def _advise_buckets(self, args, ddp) -> None:
+        if args.ddp_bucket_cap_mb is not None or not args.should_log:
+            return
+        module = ddp.module
+        nbytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+        if nbytes >= _ADVISE_BYTES and nbytes / (_DDP_DEFAULT_CAP_MB << 20) < 3:
+            log.info("FastML: DDP's default bucket_cap_mb=25 packs this model's %.1f MB of gradients into "
+                     "fewer than 3 buckets, so communication starts only when backward is (nearly) done; "
+                     "TrainingArguments(ddp_bucket_cap_mb=%.2f) gives about 4 buckets whose all-reduce "
+                     "overlaps the rest of backward", nbytes / 1e6, suggest_bucket_cap_mb(module))
+
+    # -- metrics -----------------------------------------------------------------------------------------
+    def _counters(self) -> tuple:
+        if self.state is None:
+            return (0, 0, 0.0)
+        s = self.state.stats()
+        return (s.get("steps", s.get("inner_steps")), s["bytes_sent"], float(s["bytes_uncompressed"]))
+
+    def metrics(self) -> dict:
+        """FastML's figures since the last call (what ``on_log`` adds to the logs)."""
+        if self.state is None:
+            return {}
+        s = self.state.stats()
+        steps, sent, unc = s.get("steps", s.get("inner_steps")), s["bytes_sent"], float(s["bytes_uncompressed"])
+        d_steps, d_sent, d_unc = steps - self._last[0], sent - self._last[1], unc - self._last[2]
+        self._last = (steps, sent, unc)
+        # (an interval without communication, LocalSGD's between two synchronisations: the run's ratio)
+        out = {"fastml/compression_ratio": (d_unc / d_sent) if d_sent > 0 else s["compression_ratio"],
+               "fastml/bytes_per_step": (d_sent / d_steps) if d_steps > 0 else 0.0}
+        if "ratio_vs_ddp" in s:  # LocalSGD: bytes against DDP's fp32 all-reduce of every step
+            out["fastml/ratio_vs_ddp"] = s["ratio_vs_ddp"]
+        if self.layer_metrics:
+            for name, row in s.get("layers", {}).items():
+                err = row.get("rel_error")
+                lossy = self.plan.for_parameter(name, row.get("numel")).lossy  # exact layers have no error
+                if lossy and isinstance(err, float) and math.isfinite(err):
+                    out[f"fastml/error/{name}"] = err
+        return out
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or "loss" not in logs or self.state is None:
+            return  # only the training logs of the logging interval (not eval or the final summary)
+        figures = self.metrics()
+        logs.update(figures)
+        # Trainer appended a copy of the logs to log_history just before on_log: add them there too
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(figures)
+
+    # -- checkpoints -------------------------------------------------------------------------------------
+    def on_save(self, args, state, control, **kwargs):
+        if self.state is None:
+            return
+        if self._local_ckpt is not None:  # each rank's model and optimizer are its own between syncs
+            sd = self._local_ckpt.state_dict()  # a collective; rank 0 receives every rank's part
+            if not sd:
+                return
+        else:
+            sd = self.state.state_dict(all_ranks=True)  # a collective: every rank is here
+        if not args.should_save:
+            return
+        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if not folder.is_dir():
+            warnings.warn(f"FastML: the checkpoint folder {str(folder)!r} does not exist (a hyperparameter "
+                          f"search writes elsewhere); FastML's state was not saved, and a resume from this "
+                          f"checkpoint restarts error feedback from zero", stacklevel=2)
+            return
+        with atomic_open(folder / STATE_FILE, "wb") as f:
+            torch.save({"format_version": _FORMAT_VERSION, "global_step": state.global_step,
+                        "kind": "localsgd" if self._local_ckpt is not None else "ddp", "fastml": sd}, f)
+        log.debug("FastMLCallback: saved the FastML state of %d rank(s) in %s", len(sd.get("per_rank", [sd])),
+                  folder)
+
+    def _resume(self, args, state) -> None:
+        step = state.global_step
+        candidates = []
+        if isinstance(args.resume_from_checkpoint, str):
+            candidates.append(Path(args.resume_from_checkpoint))
+        candidates.append(Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        for folder in candidates:
+            path = folder / STATE_FILE
+            if not path.is_file():
+                continue
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+            if saved.get("format_version") != _FORMAT_VERSION:
+                raise ValueError(f"fastml_strategy.transformers: {str(path)!r} has format_version "
+                                 f"{saved.get('format_version')!r}, this FastML reads {_FORMAT_VERSION}; "
+                                 f"upgrade FastML, or delete the file to restart error feedback from zero")
+            if saved.get("global_step") != step:
+                continue  # another checkpoint's state: not this resume's
+            kind = "localsgd" if self._local_ckpt is not None else "ddp"
+            if saved.get("kind", "ddp") != kind:
+                raise ValueError(f"fastml_strategy.transformers: {str(path)!r} holds the state of a "
+                                 f"{saved.get('kind', 'ddp')} run, this one is {kind} (every= "
+                                 f"{'given' if kind == 'localsgd' else 'not given'}); resume it the way it "
+                                 f"was trained, or delete the file to restart FastML's state from zero")
+            (self._local_ckpt or self.state).load_state_dict(saved["fastml"])
+            log.debug("FastMLCallback: resumed the FastML state of step %d from %s", step, path)
+            return
+        if args.should_log:
+            warnings.warn(f"FastML: resuming at step {step}, but no {STATE_FILE} of that step is in "
+                          f"{[str(c) for c in candidates]}; error-feedback residuals start from zero (training "
+                          f"goes on, not bit-exactly as an uninterrupted run). If you resumed from a folder "
+                          f"outside output_dir, name it in TrainingArguments(resume_from_checkpoint=...)",
+                          stacklevel=2)
+
+
+def _local_gradients_hook(state, bucket):
+    # DDP's all-reduce switched off (LocalSGD): each rank keeps its own gradients. No annotations: DDP
+    # checks them, and this module's postponed ones would be strings.
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def _is_distributed(trainer: Any) -> bool:
+    return getattr(trainer.accelerator, "num_processes", 1) > 1
+
+
+def setup(trainer: Any, plan: Plan | str | os.PathLike | dict | None = None, *,
+          layer_stats_every: int | None = None, check_replicas_every: int | None = None,
+          layer_metrics: bool = True, every: int | None = None, **localsgd: Any) -> FastMLCallback:
+    """Compress the gradients of ``trainer`` (a ``transformers.Trainer`` or a subclass: TRL's
+    ``SFTTrainer``, ``DPOTrainer``...) with FastML: call it on every process, after building the
+    Trainer and before ``trainer.train()``. Returns the :class:`FastMLCallback` (its ``.state`` is
+    the :class:`~fastml_strategy.FastMLState` once training has begun).
+
+    ``plan``: a recipe name, a plan JSON path, a dict or a :class:`~fastml_strategy.Plan`; None reads
+    ``FASTML_PLAN`` (default ``int4``). ``layer_stats_every`` and ``check_replicas_every`` are
+    :func:`fastml_strategy.accelerate.setup`'s (None: ``FASTML_LAYER_STATS_EVERY`` /
+    ``FASTML_CHECK_REPLICAS_EVERY``). ``layer_metrics=False`` leaves the per-layer errors out of the
+    logs. Raises ValueError for a bad plan, here or (for one naming no parameter of the model) when
+    training begins, on every process, before the first step.
+
+    ``every=H`` opts in to local steps (:class:`~fastml_strategy.LocalSGD`, below 1 Gbit/s): DDP's
+    per-step all-reduce is switched off, each rank takes H optimizer steps on its own, then the ranks
+    average their compressed pseudo-gradients and apply an outer step. ``localsgd``: LocalSGD's other
+    settings (``outer``, ``outer_lr``, ``outer_momentum``, ``fragments``, ``delay``), else
+    ``FASTML_LOCALSGD_*``, else LocalSGD's defaults (DiLoCo's Nesterov). Checkpoints then hold every
+    rank's model, optimizer and LocalSGD state (they differ between synchronisations), and a resume
+    gives each rank its own back.
+    """
+    if not hasattr(trainer, "model_wrapped") or not hasattr(trainer, "accelerator"):
+        raise TypeError(f"fastml_strategy.transformers.setup: expected a transformers.Trainer (or a subclass), "
+                        f"got a {type(trainer).__name__}; for a plain Accelerate loop use "
+                        f"fastml_strategy.accelerate.setup(accelerator, model)")
+    if any(isinstance(cb, FastMLCallback) for cb in getattr(trainer.callback_handler, "callbacks", [])):
+        raise ValueError("fastml_strategy.transformers.setup: this Trainer has a FastML callback already; "
+                         "call setup once per Trainer and keep the callback it returned")
+    named = list(trainer.model.named_parameters())
+    try:
+        cb = FastMLCallback(plan, layer_stats_every=layer_stats_every, check_replicas_every=check_replicas_every,
+                            layer_metrics=layer_metrics, every=every, **localsgd)
+        # the plan's names against the model's parameters, at once, in any world size
+        cb.plan.check_parameters([n for n, p in named if p.requires_grad],
+                                 frozen=[n for n, p in named if not p.requires_grad])
+    except ValueError as e:
+        raise ValueError(f"fastml_strategy.transformers: {' '.join(str(e).split())}") from None
+    return cb.bind(trainer)

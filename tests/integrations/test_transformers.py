@@ -1,0 +1,138 @@
+"""fastml_strategy.transformers on real processes: ONE torchrun launch (2 CPU ranks) in which
+tests/integrations/jobs/transformers_job.py trains a tiny Llama (built from a config) through
+transformers.Trainer and TRL's SFTTrainer under every contract of issue 24, then the assertions below
+read what each rank found. One launch keeps the suite's added time to about a minute on 2 loaded cores."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from _launch import ROOT, rank_files, run, torchrun
+
+# find_spec, not importorskip: importing TRL and transformers at collection would cost every run ~20 s
+_MISSING = [m for m in ("transformers", "peft", "trl") if importlib.util.find_spec(m) is None]
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(bool(_MISSING), reason=f"needs {_MISSING}: pip install -e '.[transformers]'")]
+JOB = str(ROOT / "tests" / "integrations" / "jobs" / "transformers_job.py")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf") / "out"
+    res = run(torchrun(2) + [JOB, str(out)], timeout=420).check()
+    r0, r1 = rank_files(out)
+    return r0, r1, res
+
+
+def test_plan_none_through_the_integration_equals_plain_trainer_ddp(ranks):
+    r0, r1, _ = ranks
+    for r in (r0, r1):
+        assert r["plain"]["global_step"] == r["none"]["global_step"] == r["none"]["fastml_step"] == 10
+        assert r["none"]["wrapped"] == "DistributedDataParallel"  # the hook went on Trainer's DDP model
+        assert r["none_max_abs_diff"] <= 1e-6, r["none_max_abs_diff"]
+        assert r["none_vs_init_max_abs_diff"] > 1e-3  # and the comparison is not of two untrained models
+        assert r["none"]["logged"]["fastml/compression_ratio"] == 1.0
+
+
+def test_int4_keeps_replicas_identical_loss_falls_and_figures_reach_log_history(ranks):
+    r0, r1, _ = ranks
+    assert r0["int4"]["digest"] == r1["int4"]["digest"]
+    assert r0["int4"]["digest"] != r0["plain"]["digest"]  # it did compress
+    plain, int4 = r0["plain"]["losses"], r0["int4"]["losses"]
+    assert int4[-1] < int4[0] - 0.5, int4  # the loss falls...
+    assert abs(int4[-1] - plain[-1]) < 0.15 * (plain[0] - plain[-1]), (plain, int4)  # ...as uncompressed does
+    logged = r0["int4"]["logged"]  # trainer.state.log_history[-1], at the logging interval
+    assert logged["step"] == 10 and 7.0 < logged["fastml/compression_ratio"] < 8.0
+    assert logged["fastml/bytes_per_step"] > 0
+    errors = {k[len("fastml/error/"):]: v for k, v in logged.items() if k.startswith("fastml/error/")}
+    assert "model.layers.0.mlp.up_proj.weight" in errors and 0 < errors["model.layers.0.mlp.up_proj.weight"] < 0.5
+    assert "model.norm.weight" not in errors  # exact (uncompressed) layers report no error
+
+
+def test_accumulation_compresses_only_the_syncing_micro_batch_and_keeps_the_bucket_cap(ranks):
+    r0, r1, _ = ranks
+    assert r0["acc"]["global_step"] == 6 and r0["acc"]["fastml_step"] == 6  # 12 micro-batches, 6 hook steps
+    assert r0["acc"]["digest"] == r1["acc"]["digest"]
+    assert r0["acc_bucket_bytes_cap"] == int(0.02 * 1024 * 1024)  # ddp_bucket_cap_mb reached DDP unchanged
+
+
+def test_bf16_with_gradient_checkpointing(ranks):
+    r0, r1, _ = ranks
+    assert r0["bf16_mixed_precision"] == "bf16" and r0["bf16_checkpointing"]
+    assert r0["bf16"]["digest"] == r1["bf16"]["digest"] and r0["bf16"]["fastml_step"] == 6
+    assert all(l == l and l < 5 for l in r0["bf16"]["losses"])  # finite
+
+
+def test_lora_plan_uses_the_names_the_user_sees_and_only_adapters_train(ranks):
+    r0, r1, _ = ranks
+    layers = r0["lora"]["layers"]
+    assert layers and all(".lora_A." in n or ".lora_B." in n for n in layers)  # frozen base: not in DDP's buckets
+    assert layers[r0["lora_exact"]] == "int8" and r0["lora_exact"].startswith("base_model.model.")
+    assert sum(c == "int4" for c in layers.values()) == len(layers) - 1
+    assert r0["lora"]["digest"] == r1["lora"]["digest"] and not r0["lora_base_changed"]
+
+
+def test_resume_from_checkpoint_is_bit_exact(ranks):
+    r0, r1, _ = ranks
+    assert r0["saved"] == {"global_step": 4, "ranks": [0, 1], "steps": [4, 4], "residuals": 16}
+    for r in (r0, r1):
+        assert r["resumed"]["digest"] == r["full"]["digest"]  # 4 + 4 steps == 8 uninterrupted
+        assert r["resumed"]["fastml_step"] == 8
+        # without fastml_state.pt the residuals restart from zero: the run is no longer bit-exact
+        assert r["bare"]["digest"] != r["full"]["digest"] and r["bare"]["fastml_step"] == 4
+    assert r0["bare_warned"]  # and the main process said so
+
+
+def test_trl_sft_trainer_runs_with_the_same_line(ranks):
+    r0, r1, _ = ranks
+    assert r0["trl"]["trainer"] == "SFTTrainer" and r0["trl"]["wrapped"] == "DistributedDataParallel"
+    assert r0["trl"]["fastml_step"] == r0["trl"]["global_step"] == 4
+    assert r0["trl"]["digest"] == r1["trl"]["digest"]
+    assert r0["trl"]["layers"] and all("lora_" in n for n in r0["trl"]["layers"])
+    assert r0["trl"]["logged"]["fastml/compression_ratio"] > 2
+
+
+def test_bad_plans_stop_before_the_first_step_on_every_rank_with_one_line(ranks):
+    r0, r1, _ = ranks
+    for r in (r0, r1):
+        for key, needle in (("bad_env", "FASTML_PLAN='int44' is not a usable plan"),
+                            ("bad_name", "'model.layers.7.mlp.up_proj.weight'"),
+                            ("bad_disagree", "ranks hold different plans")):
+            msg = r[key]
+            assert msg is not None and "\n" not in msg and needle in msg, (key, msg)
+            assert msg.startswith("fastml_strategy.transformers: ")
+        assert r["bad_disagree_step"] == 0
+    assert r0["bad_disagree"] == r1["bad_disagree"]  # the same error on both ranks
+
+
+def test_localsgd_opt_in_syncs_every_h_steps_and_resumes_each_rank_exactly(ranks):
+    r0, r1, _ = ranks
+    assert r0["lsgd"]["fastml_step"] == 6 and r0["lsgd"]["outer_steps"] == 2  # every=3: 2 synchronisations
+    assert r0["lsgd"]["digest"] == r1["lsgd"]["digest"]  # identical right after the synchronisation at 6
+    assert r0["lsgd_saved"] == {"kind": "localsgd", "ranks": [0, 1], "models_differ": True}  # step 4: apart
+    for r in (r0, r1):
+        assert r["lsgd_resumed"]["digest"] == r["lsgd"]["digest"] and r["lsgd_resumed"]["outer_steps"] == 2
+    assert r0["lsgd_ratio_vs_ddp"] > 15  # int4 (about 7.6x) and one sync in 3 steps
+    assert r0["lsgd"]["logged"]["fastml/ratio_vs_ddp"] == r0["lsgd_ratio_vs_ddp"]
+
+
+def test_bucket_advice_names_the_training_argument(caplog):
+    """Without ddp_bucket_cap_mb, a model that DDP's 25 MB default packs into fewer than 3 buckets gets the
+    ddp_bucket_cap_mb suggest_bucket_cap_mb computes; a cap the user set is left alone, unadvised."""
+    import logging
+    import types
+
+    import torch
+
+    import fastml_strategy.transformers as fmt
+    from fastml_strategy.hook import suggest_bucket_cap_mb
+
+    ddp = types.SimpleNamespace(module=torch.nn.Linear(2048, 1100))  # 9.0 MB of fp32 gradient
+    cb = fmt.FastMLCallback("int4")
+    with caplog.at_level(logging.INFO, logger="fastml_strategy.transformers"):
+        cb._advise_buckets(types.SimpleNamespace(ddp_bucket_cap_mb=5, should_log=True), ddp)
+        assert caplog.text == ""
+        cb._advise_buckets(types.SimpleNamespace(ddp_bucket_cap_mb=None, should_log=True), ddp)
+    assert f"TrainingArguments(ddp_bucket_cap_mb={suggest_bucket_cap_mb(ddp.module):.2f})" in caplog.text
