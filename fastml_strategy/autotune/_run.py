@@ -1046,7 +1046,8 @@ def _recheck_measured(s: Settings, profile: Profile, groups: Mapping[str, list[s
         if e["measured_sooner"] and e["within_limit"] and (best is None or e["measured_time_ratio"] < best[0]):
             best = (e["measured_time_ratio"], e)
     if best is None:
-        c["verdict"] += "; with measured step times too" if not c["verdict"].startswith("nothing") else ""
+        if any("measured_time_ratio" in e for e in c["alternatives"]):
+            c["verdict"] += "; with measured step times too"
         return
     e = best[1]
     chosen = c["option"]
@@ -1087,13 +1088,12 @@ def _uniform_alternatives(rows: list[dict[str, Any]], option: str, tuned: Mappin
         return out
     fast = min(uni.values(), key=lambda r: (r["step_s"], r["objective"]))
     best = min(uni.values(), key=lambda r: (r["objective"], r["step_s"]))
-    for r, why in ((fast, "the fastest uniform plan within the accuracy limit (predicted step time)"),
+    for r, why in ((fast, "the fastest uniform plan within the accuracy limit by predicted step time"),
                    (best, "the best uniform plan by the cost model")):
         if r["choice"] != tuned["choice"] and all(r["choice"] != q["choice"] for q, _ in out):
             out.append((r, why))
         elif r["choice"] != tuned["choice"]:  # the same plan for both reasons
-            out = [(q, w if q["choice"] != r["choice"] else f"{w}, and {why.replace('the ', '', 1)}")
-                   for q, w in out]
+            out = [(q, w if q["choice"] != r["choice"] else f"{w}, and {why}") for q, w in out]
     return out
 
 
