@@ -1,4 +1,11 @@
-"""The autotuner's driver: validate, profile, calibrate, search, measure, report.
+"""The autotuner's driver: validate, profile, calibrate, search, check, measure, report.
+
+The check (:func:`_check`, issue 28): before plan.json is written, the tuned plan of its option and the
+obvious uniform alternatives (the fastest uniform plan within the accuracy limit, the best by the cost
+model) are trained side by side from the same weights; a uniform plan that reaches the tuned plan's
+losses sooner (measured stretch x step time: predicted, then, launched distributed, measured,
+:func:`_recheck_measured`) within the accuracy limit is written instead. A cost model fitted to short,
+noisy runs can be wrong in ways no refit shows; the alternative a user would try first is the test.
 
 Everything that can be wrong with the inputs (target, catalog, link, numbers, storage URL) is checked
 in :func:`prepare`, before any profiling and before anything is written; outputs are written only at
