@@ -1,4 +1,11 @@
-"""The autotuner's driver: validate, profile, calibrate, search, measure, report.
+"""The autotuner's driver: validate, profile, calibrate, search, check, measure, report.
+
+The check (:func:`_check`, issue 28): before plan.json is written, the tuned plan of its option and the
+obvious uniform alternatives (the fastest uniform plan within the accuracy limit, the best by the cost
+model) are trained side by side from the same weights; a uniform plan that reaches the tuned plan's
+losses sooner (measured stretch x step time: predicted, then, launched distributed, measured,
+:func:`_recheck_measured`) within the accuracy limit is written instead. A cost model fitted to short,
+noisy runs can be wrong in ways no refit shows; the alternative a user would try first is the test.
 
 Everything that can be wrong with the inputs (target, catalog, link, numbers, storage URL) is checked
 in :func:`prepare`, before any profiling and before anything is written; outputs are written only at
@@ -692,6 +699,9 @@ def _run(s: Settings) -> AutotuneResult:
         # -- 4. measure step times: the tuned plan (never used in a fit) and the recipes -----------
         profile, step_rows = _time_plans(s, profile, groups, options, found, recipe_choices, measured_pre,
                                          bar)
+        # -- 4b. the check against uniform plans again, with measured step times ---------------------
+        if lead:
+            _recheck_measured(s, profile, groups, options, found, step_rows, measured_pre)
         # -- 5. scaling predictions and the report (rank 0) ----------------------------------------
         result = _result(s, profile, groups, options, found, step_rows, link_warning)
         bar.close()
@@ -1012,6 +1022,60 @@ def _calibrate_and_search(s: Settings, profile: Profile, groups: Mapping[str, li
                      notes=notes, check=check)
 
 
+def _recheck_measured(s: Settings, profile: Profile, groups: Mapping[str, list[str]],
+                      options: list[HardwareOption], found: _Searched, step_rows: list[dict[str, Any]],
+                      measured_pre: Mapping[str, float]) -> None:
+    """Launched distributed, the tuned plan and the uniform recipes have now been timed for real:
+    the check's time ratios again with measured step times (the measured stretch x the measured step
+    time over the tuned plan's), and an alternative that is sooner by them (within the accuracy
+    limit, its levels reached) replaces the tuned plan in ``found.best`` before plan.json is written.
+    A plan the check already replaced (its figures then came from the cost model) is left as is."""
+    from fastml_strategy.autotune import search
+
+    c = found.check
+    if c is None or not c.get("alternatives") or c.get("replaced"):
+        return
+    tuned_m = next((r["measured_s"] for r in step_rows if str(r["plan"]).startswith("tuned")), None)
+    if not tuned_m or not math.isfinite(tuned_m):
+        return
+    c["tuned_measured_step_s"] = tuned_m
+    best: tuple[float, dict[str, Any]] | None = None
+    for e in c["alternatives"]:
+        codec = e["plan"].split()[-1]
+        m = measured_pre.get(codec)
+        if not m or not math.isfinite(m):
+            e["measured_words"] = f"{codec} was not timed (only the uniform recipes {', '.join(UNIFORM_RECIPES)} are)"
+            continue
+        e["measured_step_s"] = m
+        e["measured_time_ratio"] = e["ratio"] * m / tuned_m
+        e["measured_sooner"] = bool(not e["censored"] and e["levels"] > 0 and e["measured_time_ratio"] < 1.0)
+        e["measured_words"] = (f"with measured step times ({_ms_text(m)} against the tuned plan's "
+                               f"{_ms_text(tuned_m)}): {e['measured_time_ratio']:.3g}x the time")
+        if e["measured_sooner"] and e["within_limit"] and (best is None or e["measured_time_ratio"] < best[0]):
+            best = (e["measured_time_ratio"], e)
+    if best is None:
+        if any("measured_time_ratio" in e for e in c["alternatives"]):
+            c["verdict"] += "; with measured step times too"
+        return
+    e = best[1]
+    chosen = c["option"]
+    row = next(r for r in found.rows if r["option"] == chosen and r.get("kind") == "fastml"
+               and int(r.get("every", 1)) == 1 and r["choice"] == e["choice"])
+    new = dict(row, use_hook=True, checked_over=dict(c["tuned"]))
+    opt = next(o for o in options if o.name == chosen)
+    if not s.sharding.sharded:
+        new = _best_bucket(profile, groups, opt, found.conv, float(s.target_steps), new, search)
+    found.best[chosen] = new
+    c["replaced"] = e["plan"]
+    c["verdict"] = (f"{e['plan']} reached the tuned plan's losses in {best[0]:.3g}x its time with measured "
+                    f"step times (the cost model had said {e['time_ratio']:.3g}x), within the accuracy "
+                    f"limit: plan.json holds {e['plan']} instead")
+
+
+def _ms_text(seconds: float) -> str:
+    return f"{1e3 * seconds:.4g} ms" if seconds < 1 else f"{seconds:.3g} s"
+
+
 def _uniform_alternatives(rows: list[dict[str, Any]], option: str, tuned: Mapping[str, Any],
                           groups: Mapping[str, list[str]]) -> list[tuple[dict[str, Any], str]]:
     """The obvious alternatives to the tuned plan on ``option``: the feasible uniform per-step plan
@@ -1032,13 +1096,12 @@ def _uniform_alternatives(rows: list[dict[str, Any]], option: str, tuned: Mappin
         return out
     fast = min(uni.values(), key=lambda r: (r["step_s"], r["objective"]))
     best = min(uni.values(), key=lambda r: (r["objective"], r["step_s"]))
-    for r, why in ((fast, "the fastest uniform plan within the accuracy limit (predicted step time)"),
+    for r, why in ((fast, "the fastest uniform plan within the accuracy limit by predicted step time"),
                    (best, "the best uniform plan by the cost model")):
         if r["choice"] != tuned["choice"] and all(r["choice"] != q["choice"] for q, _ in out):
             out.append((r, why))
         elif r["choice"] != tuned["choice"]:  # the same plan for both reasons
-            out = [(q, w if q["choice"] != r["choice"] else f"{w}, and {why.replace('the ', '', 1)}")
-                   for q, w in out]
+            out = [(q, w if q["choice"] != r["choice"] else f"{w}, and {why}") for q, w in out]
     return out
 
 

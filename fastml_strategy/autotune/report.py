@@ -1050,16 +1050,21 @@ def _check_text(result: "AutotuneResult") -> str | None:
             "from the same weights (batches not replayed: the comparison includes the data order)")
     head = (f"Check before writing plan.json: the tuned plan ({_plan_words(c['tuned'])}) and the obvious "
             f"uniform alternatives on {c['option']} trained side by side for {c['steps']} steps, {pair}, "
-            f"seed {c['seed']}; time to the tuned plan's losses = measured steps x predicted step time.")
+            f"seed {c['seed']}; time to the tuned plan's losses = measured steps x predicted step time"
+            + (" (then, with the step times measured across the ranks, again)." if c.get("tuned_measured_step_s")
+               else "."))
     parts = [head]
     for e in c.get("alternatives", []):
         parts.append(f"{e['plan']} ({e['why']}; predicted {_ms(e['step_s'])} per step against "
-                     f"{_ms(c['tuned_step_s'])}): {e['words']}; accuracy loss {e['accuracy_loss']:+.3g}"
+                     f"{_ms(c['tuned_step_s'])}): {e['words']}"
+                     + (f"; {e['measured_words']}" if e.get("measured_words") else "")
+                     + f"; accuracy loss {e['accuracy_loss']:+.3g}"
                      f" ({'within' if e['within_limit'] else 'over'} the limit).")
     parts.append(f"Verdict: {c.get('verdict', '')}.")
     if c.get("replaced"):
-        parts.append("The predicted figures above are the cost model's for that plan; plans/*.json of "
-                     "the other options were not checked.")
+        parts.append("The predicted figures above are the cost model's for that plan, and the step-time "
+                     "table's tuned row is the plan it replaced where the replacement came after timing; "
+                     "plans/*.json of the other options were not checked.")
     return " ".join(parts)
 
 

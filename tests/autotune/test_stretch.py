@@ -154,3 +154,34 @@ def test_the_alternatives_are_the_fastest_and_the_best_feasible_uniform_plans():
     # the tuned plan is uniform int8, the best by the model: the fastest, int4, is left
     alts = _uniform_alternatives(rows, "x", rows[0], groups)
     assert len(alts) == 1 and alts[0][0]["choice"]["a"] == "int4"
+
+
+def test_measured_step_times_can_overturn_the_check():
+    from types import SimpleNamespace
+
+    from fastml_strategy.autotune._run import _recheck_measured
+
+    tuned = {"a": "int8", "b": "int4"}
+    alt = {"a": "int4", "b": "int4"}
+
+    def setup(alt_stretch):
+        entry = {"plan": "uniform int4", "choice": alt, "ratio": alt_stretch, "censored": False, "levels": 12,
+                 "within_limit": True, "time_ratio": 1.3}
+        check = {"option": "x", "tuned": tuned, "alternatives": [entry], "replaced": None,
+                 "verdict": "the tuned plan stands (uniform int4: not sooner)"}
+        rows = [{"option": "x", "kind": "fastml", "every": 1, "choice": alt, "step_s": 1.0, "objective": 2.0}]
+        found = SimpleNamespace(check=check, rows=rows, best={"x": {"choice": tuned}}, conv=None)
+        return found, check
+
+    s = SimpleNamespace(sharding=SimpleNamespace(sharded=True), target_steps=1000.0)
+    steps = [{"plan": "tuned (x)", "measured_s": 3.6}]
+    # predicted 1.3x, but the tuned plan measured 3.6 s per step and uniform int4 1.9: sooner
+    found, check = setup(1.05)
+    _recheck_measured(s, None, {}, [SimpleNamespace(name="x")], found, steps, {"int4": 1.9})
+    assert check["replaced"] == "uniform int4" and found.best["x"]["choice"] == alt
+    assert check["alternatives"][0]["measured_time_ratio"] == pytest.approx(1.05 * 1.9 / 3.6)
+    # measured: not sooner; the tuned plan stands
+    found, check = setup(2.0)
+    _recheck_measured(s, None, {}, [SimpleNamespace(name="x")], found, steps, {"int4": 1.9})
+    assert check["replaced"] is None and found.best["x"]["choice"] == tuned
+    assert "measured step times" in check["verdict"]
