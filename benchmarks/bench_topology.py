@@ -95,7 +95,7 @@ def _worker(a) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=900))
-    rank, W = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     local0 = int(os.environ.get("LOCAL_RANK", "0")) == 0
     iface = os.environ.get("FASTML_BENCH_IFACE")
     out = {}
