@@ -61,6 +61,13 @@ TARGET_STEPS_SOURCES = {"given": "--target-steps", "entered": "entered at the pr
                         "assumed": "assumed; pass --target-steps N for your run"}
 
 
+def recipes_of(profile: Profile) -> tuple[str, ...]:
+    """The uniform recipes a run times and reports: those of :data:`UNIFORM_RECIPES` among the codec
+    options it profiled (``options=[...]`` / a restricted candidate list leaves the others out: they
+    have no profiled error or codec time)."""
+    return tuple(r for r in UNIFORM_RECIPES if r in profile.options)
+
+
 def baseline_label(sharding: Sharding) -> str:
     """The name of the uncompressed baseline in tables: DDP's fp32 all-reduce, or FSDP/HSDP's own
     collectives."""
@@ -691,7 +698,7 @@ def _run(s: Settings) -> AutotuneResult:
         options = _hardware_options(s, profile)
         groups = search.group_layers(profile, s.max_groups)
         tunable = [n for names in groups.values() for n in names]
-        recipe_choices = {r: {n: r for n in tunable} for r in UNIFORM_RECIPES}
+        recipe_choices = {r: {n: r for n in tunable} for r in recipes_of(profile)}
         # -- 1b. distributed: time the uniform recipes for real and fit the codec-time scales -------
         measured_pre = _time_recipes(s, profile, options, recipe_choices, bar) if s.distributed else {}
         # -- 2. calibrate, 3. search (rank 0; the others wait for its result) ------------------------
@@ -803,7 +810,7 @@ def _time_recipes(s: Settings, profile: Profile, options: list[HardwareOption],
             profile.collective_overhead_s = fit_collective_overhead(profile, options[0],
                                                                     measured[base_label], sh)
         profile.codec_scale = fit_codec_scale(
-            profile, options[0], {r: measured[r] for r in UNIFORM_RECIPES}, sharding=sh)
+            profile, options[0], {r: measured[r] for r in recipe_choices}, sharding=sh)
     return measured
 
 
@@ -1044,7 +1051,8 @@ def _recheck_measured(s: Settings, profile: Profile, groups: Mapping[str, list[s
         codec = e["plan"].split()[-1]
         m = measured_pre.get(codec)
         if not m or not math.isfinite(m):
-            e["measured_words"] = f"{codec} was not timed (only the uniform recipes {', '.join(UNIFORM_RECIPES)} are)"
+            e["measured_words"] = (f"{codec} was not timed (only the uniform recipes "
+                                   f"{', '.join(recipes_of(profile))} are)")
             continue
         e["measured_step_s"] = m
         e["measured_time_ratio"] = e["ratio"] * m / tuned_m
