@@ -185,3 +185,45 @@ def test_measured_step_times_can_overturn_the_check():
     _recheck_measured(s, None, {}, [SimpleNamespace(name="x")], found, steps, {"int4": 1.9})
     assert check["replaced"] is None and found.best["x"]["choice"] == tuned
     assert "measured step times" in check["verdict"]
+
+
+def _check_inputs(tuned_curve, alt_curve, alt_step_s):
+    """What _run._check needs, with every curve already among the calibration runs (no training)."""
+    from types import SimpleNamespace
+
+    from fastml_strategy.autotune._run import _Calibrated, _OptionSearch
+    from fastml_strategy.autotune.costmodel import AccuracyRule, Convergence
+
+    groups = {"a": ["a"], "b": ["b"]}
+    tuned = {"a": "int8", "b": "int4"}
+    alt = {"a": "int4", "b": "int4"}
+    refs, noise = refs_noise(60, 0.02, 0)
+    rows = [{"option": "x", "kind": "fastml", "every": 1, "choice": alt, "step_s": alt_step_s,
+             "objective": 2.0, "feasible": True}]
+    best = {"x": {"option": "x", "choice": tuned, "step_s": 1.0, "objective": 1.0, "use_hook": True}}
+    found = _OptionSearch(rows=rows, best=best, baseline={}, local_best={"x": None})
+    points = [{"choice": c, "seed": 0, "losses": l, "metric": None, "pruned": False}
+              for c, l in ((tuned, tuned_curve), (alt, alt_curve))]
+    ref = {"losses": refs[0]["losses"], "metric": None, "references": refs, "noise": noise, "paired": True}
+    cal = _Calibrated(plans=[], ref=ref, points=points, rule=AccuracyRule(limit=0.05), run_s=30.0)
+    s = SimpleNamespace(calibration_steps=60, seed=0, max_accuracy_loss=0.05, target_steps=1000.0,
+                        sharding=SimpleNamespace(sharded=True), storage=None)
+    return s, groups, found, cal, Convergence(k=0.0, gamma=1.0, e_max=1.0), tuned, alt
+
+
+def test_the_check_runs_whatever_the_budget_left():
+    # issue 28: gpt2 seed 0 at 50 Mbit/s missed "no later than the best uniform plan" because the
+    # check was skipped once --budget was spent; it now always runs and says what it cost
+    import time
+
+    from fastml_strategy.autotune._run import _check, _Progress
+
+    s, groups, found, cal, conv, tuned, alt = _check_inputs(curve(60, noise=0.02, seed=10),
+                                                            curve(60, noise=0.02, seed=11), 0.6)
+    notes = []
+    rec = _check(s, None, groups, [], "x", found, cal, conv, "c", _Progress(False),
+                 deadline=time.time() - 100.0, notes=notes)
+    assert rec["alternatives"] and rec["alternatives"][0]["plan"] == "uniform int4"
+    assert rec["replaced"] == "uniform int4" and found.best["x"]["choice"] == alt  # 0.6x the step, same curve
+    assert "not run" not in rec["verdict"]
+
