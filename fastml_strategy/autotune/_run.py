@@ -844,8 +844,12 @@ def _time_plans(s: Settings, profile: Profile, groups: Mapping[str, list[str]],
     choices: dict[str, Mapping[str, str] | None] = {
         base_label: None,
         f"tuned ({found.chosen})": search.expand(groups, tuned["choice"]) if tuned["use_hook"] else None}
-    # Distributed, the recipes were timed before the search (step 1b): only these two plans are left.
-    total = len(choices) if s.distributed else len(choices) + len(recipe_choices)
+    # Distributed, the baseline and the recipes were timed before the search (step 1b); the tuned
+    # plan is timed now, side by side with the uniform plans the check compared it with (the same
+    # rounds, so that load on a shared machine hits them alike: _recheck_measured compares them).
+    beside = {e["plan"].split()[-1]: search.expand(groups, e["choice"])
+              for e in ((found.check or {}).get("alternatives") or [])} if s.distributed else {}
+    total = 1 + len(beside) if s.distributed else len(choices) + len(recipe_choices)
     bar.phase("timing the tuned plan" if s.distributed else "timing plans (compute + codecs)", total, "plan")
     rows: list[dict[str, Any]] = []
     if s.distributed:
@@ -853,7 +857,10 @@ def _time_plans(s: Settings, profile: Profile, groups: Mapping[str, list[str]],
         local = {o.name: o for o in options}[LOCAL]
         # the tuned plan runs with the bucket size chosen for it (plan.json meta.ddp), as users will
         buckets = {f"tuned ({found.chosen})": tuned.get("bucket_mb")}
-        rows = _time_distributed(s, profile, local, choices, recipe_choices, measured_pre, buckets)
+        rows, side = _time_distributed(s, profile, local, choices, recipe_choices, measured_pre, buckets,
+                                       beside)
+        if found.check is not None:
+            found.check["timed_beside_tuned"] = side
     elif s.rank == 0:
         rows = _time_local(s, profile, {**choices, **recipe_choices})
     bar.update(total)
@@ -867,15 +874,21 @@ def _time_distributed(s: Settings, profile: Profile, local: HardwareOption,
                       choices: Mapping[str, Mapping[str, str] | None],
                       recipe_choices: Mapping[str, Mapping[str, str]],
                       measured_pre: Mapping[str, float],
-                      bucket_mb: Mapping[str, float | None] | None = None) -> list[dict[str, Any]]:
-    """Time ``choices`` across the ranks (``bucket_mb``: DDP's bucket cap by label; default buckets
-    otherwise); rows for them and for the recipes timed before, each with the step time the cost
-    model predicts on the measured link for the same buckets."""
+                      bucket_mb: Mapping[str, float | None] | None = None,
+                      beside: Mapping[str, Mapping[str, str]] | None = None,
+                      ) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Time ``choices`` not timed before (``measured_pre``) across the ranks, side by side with the
+    uniform plans ``beside`` (codec -> choice; DDP's default buckets); ``bucket_mb``: DDP's bucket
+    cap by label (default buckets otherwise). Returns rows for ``choices`` and the recipes, each with
+    the step time the cost model predicts on the measured link for the same buckets, and the
+    seconds per step of each plan ``beside``."""
     from fastml_strategy.autotune.measure import measure_distributed
 
     sh = s.sharding
     base_label = baseline_label(sh)
-    plans = {k: (None if c is None else _plan_from_choice(profile, c, k)[0]) for k, c in choices.items()}
+    plans = {k: (None if c is None else _plan_from_choice(profile, c, k)[0]) for k, c in choices.items()
+             if k not in measured_pre}
+    plans.update({f"uniform {o}": _plan_from_choice(profile, c, o)[0] for o, c in (beside or {}).items()})
     bucket_mb = {} if sh.sharded else dict(bucket_mb or {})
     measured = measure_distributed(s.workload, plans, steps=s.measure_steps, sharding=sh,
                                    ranks_per_node=s.ranks_per_node, bucket_mb=bucket_mb)
@@ -889,7 +902,7 @@ def _time_distributed(s: Settings, profile: Profile, local: HardwareOption,
         rows.append({"plan": k, "where": where + (f", bucket_cap_mb {bucket_mb[k]}" if bucket_mb.get(k) else ""),
                      "predicted_s": pred,
                      "measured_s": measured[k] if k in measured else measured_pre[k], "used_in_fit": fitted})
-    return rows
+    return rows, {o: measured[f"uniform {o}"] for o in (beside or {})}
 
 
 def _time_local(s: Settings, profile: Profile,
@@ -1049,9 +1062,10 @@ def _recheck_measured(s: Settings, profile: Profile, groups: Mapping[str, list[s
         return
     c["tuned_measured_step_s"] = tuned_m
     best: tuple[float, dict[str, Any]] | None = None
+    side = c.get("timed_beside_tuned") or {}
     for e in c["alternatives"]:
         codec = e["plan"].split()[-1]
-        m = measured_pre.get(codec)
+        m = side.get(codec, measured_pre.get(codec))
         if not m or not math.isfinite(m):
             timed = [r for r in UNIFORM_RECIPES if r in measured_pre]
             e["measured_words"] = f"{codec} was not timed (only the uniform recipes {', '.join(timed)} are)"
@@ -1060,7 +1074,9 @@ def _recheck_measured(s: Settings, profile: Profile, groups: Mapping[str, list[s
         e["measured_time_ratio"] = e["ratio"] * m / tuned_m
         e["measured_sooner"] = bool(not e["censored"] and e["levels"] > 0 and e["measured_time_ratio"] < 1.0)
         e["measured_words"] = (f"with measured step times ({_ms_text(m)} against the tuned plan's "
-                               f"{_ms_text(tuned_m)}): {e['measured_time_ratio']:.3g}x the time")
+                               f"{_ms_text(tuned_m)}"
+                               + (", timed side by side" if codec in side else ", timed at another moment")
+                               + f"): {e['measured_time_ratio']:.3g}x the time")
         if e["measured_sooner"] and e["within_limit"] and (best is None or e["measured_time_ratio"] < best[0]):
             best = (e["measured_time_ratio"], e)
     if best is None:
@@ -1173,12 +1189,17 @@ def _check(s: Settings, profile: Profile, groups: Mapping[str, list[str]], optio
     t_losses, _ = _check_curve(s, profile, groups, tuned["choice"], cal, cal_name)
     bar.update(1)
     ref = cal.ref.get("references", {}).get(s.seed) or cal.ref
+    slope = calibrate.end_slope([v["losses"] for v in (cal.ref.get("references") or {0: ref}).values()
+                                 if v.get("losses")])
     best_alt: tuple[float, dict[str, Any]] | None = None
     for row, why in alts:
         losses, metric = _check_curve(s, profile, groups, row["choice"], cal, cal_name)
         bar.update(1)
         cmp = calibrate.time_to_same_loss(t_losses, losses, cal.ref.get("noise"), tuned["step_s"], row["step_s"])
-        acc = calibrate._accuracy_loss(ref, losses, metric)
+        # the accuracy rule's measure: the gap a horizontal offset within noise does not explain
+        acc = calibrate.accuracy_within_noise(
+            ref, losses, metric, calibrate.stretch(ref["losses"], losses, cal.ref.get("noise")),
+            slope)["accuracy_loss"]
         within = bool(acc <= s.max_accuracy_loss + 1e-12)
         entry = {"plan": f"uniform {next(iter(row['choice'].values()))}", "why": why,
                  "choice": dict(row["choice"]), "step_s": row["step_s"], "accuracy_loss": acc,
@@ -1206,9 +1227,12 @@ def _check(s: Settings, profile: Profile, groups: Mapping[str, list[str]], optio
 def _calibration_deadline(s: Settings, profile: Profile) -> float | None:
     """When calibration runs must end (None: no --budget): the run's deadline less the time kept for
     timing the plans and writing the report, (plans x steps) of compute and a margin."""
+    from fastml_strategy.autotune.measure import steps_per_plan
+
     if s.deadline is None:
         return None
-    return s.deadline - ((len(UNIFORM_RECIPES) + 2) * (s.measure_steps + 2) * max(profile.compute_s, 1e-3)
+    # the recipes are timed before calibration; after it the tuned plan and the check's alternatives
+    return s.deadline - ((1 + CHECK_RUNS) * steps_per_plan(s.measure_steps) * max(profile.compute_s, 1e-3)
                          + 10.0)
 
 

@@ -81,7 +81,7 @@ from fastml_strategy.autotune.profile import SimulatedCompression
 from fastml_strategy.autotune.workload import Workload
 
 __all__ = ["train_curve", "smooth", "steps_ratio", "stretch", "Stretch", "Noise", "stretch_noise",
-           "step_noise", "time_to_same_loss", "lag_ratio", "calibration_candidates",
+           "step_noise", "time_to_same_loss", "lag_ratio", "end_slope", "accuracy_within_noise", "calibration_candidates",
            "run_calibration", "build_run", "runs_paired", "final_loss", "reference_sigma",
            "repeat_candidates", "local_curve", "local_calibration_steps", "run_local_calibration"]
 
@@ -329,16 +329,17 @@ def run_local_calibration(wl: Workload, profile: Profile, every: Sequence[int], 
         return got
 
     ref = run("local-reference", 0)
-    stretch, acc, cens = {}, {}, {}
+    ratios, acc, cens = {}, {}, {}
     for h in sorted(set(every)):
         r = run(f"local-H{h}", h)
-        ratio, censored = steps_ratio(ref["losses"], r["losses"])
-        stretch[h] = max(1.0, ratio)
-        acc[h] = _accuracy_loss(ref, r["losses"], r["metric"])
-        cens[h] = censored
+        st = stretch(ref["losses"], r["losses"])
+        ratios[h] = max(1.0, st.ratio)
+        acc[h] = accuracy_within_noise(ref, r["losses"], r["metric"], st,
+                                       end_slope([ref["losses"]]))["accuracy_loss"]
+        cens[h] = st.censored
     e_cal = plan_error(profile, {lp.name: LOCAL_CALIBRATION_OPTION for lp in profile.layers
                                  if lp.tunable and LOCAL_CALIBRATION_OPTION in lp.rel_error})
-    return LocalCalibration(stretch=stretch, accuracy_loss=acc, censored=cens, e_cal=e_cal,
+    return LocalCalibration(stretch=ratios, accuracy_loss=acc, censored=cens, e_cal=e_cal,
                             max_accuracy_loss=max_accuracy_loss, steps=steps, world_size=world_size)
 
 
@@ -768,10 +769,13 @@ def run_calibration(
                        n_trials=len(todo), callbacks=[_tick_until(deadline, progress)])
     points = _calibration_points(study, keys, seed)
     noise = stretch_noise(refs, _repeat_curves(points, refs), paired=paired)
+    slope = end_slope([v["losses"] for v in refs.values() if v.get("losses")])
     for p in points:  # every stretch again, with the noise of the references and the repeats
         if p.get("losses") and int(p["seed"]) in refs:
-            p.update(stretch(refs[int(p["seed"])]["losses"], p["losses"], noise).to_point(),
-                     stretch_sigma=noise.sigma, stretch_noise=noise.source)
+            r_ = refs[int(p["seed"])]
+            st = stretch(r_["losses"], p["losses"], noise)
+            acc = accuracy_within_noise(r_, p["losses"], p.get("metric"), st, slope)
+            p.update(st.to_point(), stretch_sigma=noise.sigma, stretch_noise=noise.source, **acc)
     ref["references"] = refs
     ref["paired"] = bool(paired)
     ref["sigma"] = reference_sigma(list(refs.values()))
@@ -929,6 +933,58 @@ def _accuracy_loss(ref: Mapping[str, Any], losses: Sequence[float], metric: floa
     if not math.isfinite(c):
         return math.inf
     return float((c - r) / abs(r)) if r != 0 else float(c - r)
+
+
+def end_slope(curves: Sequence[Sequence[float]]) -> float:
+    """How steeply the references still descend over the last :func:`window` of their runs: the
+    drop of the smoothed loss per unit of log-step (``-d loss / d log t``, >= 0), the mean over
+    ``curves``. A horizontal offset of ``log s`` (a run ``s`` times slower or faster) moves the final
+    loss by about this times ``log s``."""
+    out = []
+    for c in curves:
+        n = len(c)
+        w = window(n)
+        if n < w + 2:
+            continue
+        r = smooth(c)
+        lag = (_span(n) - 1) / 2
+        a, b = n - w - 1, n - 1  # 0-based: the step before the window, and the last
+        t_a, t_b = a + 1 - lag, b + 1 - lag
+        if t_a >= 1.0 and math.isfinite(r[a] - r[b]):
+            out.append(max(0.0, float(r[a] - r[b])) / math.log(t_b / t_a))
+    return float(np.mean(out)) if out else 0.0
+
+
+def accuracy_within_noise(ref: Mapping[str, Any], losses: Sequence[float], metric: float | None,
+                          st: Stretch | None, slope: float) -> dict[str, float]:
+    """A run's accuracy loss for the accuracy rule, with the part a horizontal offset within noise
+    explains taken out (issue 28: the stretch's flaw on the accuracy axis).
+
+    Without an eval function the accuracy loss is the relative increase of the final windowed loss.
+    Where the reference still descends steeply at the end of a short run, a small horizontal offset
+    (the run a few percent of its steps behind or ahead, which its stretch interval shows is within
+    noise) is a large vertical one: on issue 28's second transformer, uniform fp16 (error 0.0002,
+    stretch 1.00 with interval 0.92-1.10) ended 2.3% above the reference and the rule excluded every
+    compressed plan. So a run may be shifted by up to its stretch interval's half-width ``h`` (in
+    log-steps, centred on 1: the offset it cannot be told apart from none) before its gap counts:
+    ``allowance = slope x h / |final reference loss|`` (``slope``: :func:`end_slope`), and the
+    accuracy loss is the raw one moved towards 0 by the allowance (never past it). A run slower
+    beyond noise keeps the rest of its gap; where the reference has flattened the slope, and so the
+    allowance, is ~0; a censored run (no level reached: its offset is unknown) or a run with an eval
+    metric (measured once, at the end) gets none.
+
+    Returns ``accuracy_loss`` (what the rule uses), ``accuracy_loss_raw`` and ``accuracy_allowance``."""
+    raw = _accuracy_loss(ref, losses, metric)
+    allow = 0.0
+    by_metric = ref.get("metric") is not None and metric is not None
+    if (st is not None and not by_metric and math.isfinite(raw) and not st.censored and st.levels > 0
+            and st.lo > 0 and math.isfinite(st.hi)):
+        half = (math.log(st.hi) - math.log(st.lo)) / 2
+        r = final_loss(ref["losses"])
+        if math.isfinite(r) and r != 0:
+            allow = max(0.0, slope) * half / abs(r)
+    adj = math.copysign(max(0.0, abs(raw) - allow), raw) if math.isfinite(raw) else raw
+    return {"accuracy_loss": adj, "accuracy_loss_raw": raw, "accuracy_allowance": allow}
 
 
 def reference_sigma(refs: Sequence[Mapping[str, Any]]) -> float:

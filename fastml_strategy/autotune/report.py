@@ -1014,7 +1014,12 @@ def _stretch_text(result: "AutotuneResult") -> str:
             f"a bound (the fit may pass above it, never is pulled above it), and each run pulls the fit "
             f"by 1 / (its standard error^2 + {FIT_SE_FLOOR:g}^2). Fit: g(e) = 1 + {conv.k:.3g} e^{conv.gamma:.2g}. "
             f"In the table, 'levels' counts the levels a run was measured at (where the reference "
-            f"still descends) and 'reached' those it got to before its run ended.")
+            f"still descends) and 'reached' those it got to before its run ended. Accuracy loss: the "
+            f"relative increase of the final windowed loss (or the eval metric's drop), less what a "
+            f"horizontal offset within the run's stretch interval explains where the reference still "
+            f"descends at the end (the reference's drop per log-step there times the interval's "
+            f"half-width): a run a few steps behind within noise is not counted as less accurate; "
+            f"the figure at the end is shown beside it when the two differ.")
 
 
 def _stretch_table(result: "AutotuneResult") -> pd.DataFrame:
@@ -1030,9 +1035,13 @@ def _stretch_table(result: "AutotuneResult") -> pd.DataFrame:
         else:
             said = st.verdict()
         acc = p["accuracy_loss"]
+        raw, allow = p.get("accuracy_loss_raw"), p.get("accuracy_allowance") or 0.0
+        acc_words = f"{acc:+.3g}" if math.isfinite(acc) else "n/a"
+        if raw is not None and math.isfinite(raw) and allow > 0:
+            acc_words += f" ({raw:+.3g} at the end; an offset within its interval explains {allow:.3g})"
         rows.append({"run": _plan_words(p["choice"]), "seed": int(p.get("seed", 0)),
                      "error": f"{p['error']:.3g}",
-                     "accuracy loss": f"{acc:+.3g}" if math.isfinite(acc) else "n/a",
+                     "accuracy loss": acc_words,
                      "stretch (95% interval)": st.interval_words() if st is not None else f"{p['ratio']:.3g}x",
                      "g(e) of the fit": f"{result.convergence.g(p['error']):.3g}" if math.isfinite(p["error"]) else "n/a",
                      "what it says": said})
@@ -1215,7 +1224,9 @@ def html_report(result: "AutotuneResult", s: "Settings", t: Mapping[str, pd.Data
         img("calibration", "calibration"),
         _html_table(_stretch_table(result)) if result.calibration else "",
         "<p>calibration.csv has every figure of each run (the stretch's interval: ratio_lo, ratio_hi; "
-        "its standard error in log units: ratio_se) and its per-group codec choice.</p>",
+        "its standard error in log units: ratio_se; the accuracy loss the rule used, accuracy_loss, "
+        "the one at the end of the run, accuracy_loss_raw, and the offset allowance between them, "
+        "accuracy_allowance) and its per-group codec choice.</p>",
         "</body></html>",
     ]
     return "\n".join(parts)
