@@ -32,8 +32,11 @@ from fastml_strategy._io import atomic_open, atomic_write_text
 from fastml_strategy.autotune.costmodel import CANDIDATES, FIT_SE_FLOOR
 from fastml_strategy.config import Codec, CodecConfig
 
+from fastml_strategy.autotune.result import TARGET_STEPS_SOURCES, uses_local_steps
+
 if TYPE_CHECKING:
-    from fastml_strategy.autotune._run import AutotuneResult, Settings
+    from fastml_strategy.autotune._settings import Settings
+    from fastml_strategy.autotune.result import AutotuneResult
 
 __all__ = ["write_outputs", "bits_per_element", "headline", "winner_line", "human_time", "human_money",
            "phase_words",
@@ -122,8 +125,6 @@ def _best_compressed(result: "AutotuneResult", name: str) -> dict[str, Any] | No
 
 
 def _steps_words(result: "AutotuneResult") -> str:
-    from fastml_strategy.autotune._run import TARGET_STEPS_SOURCES
-
     return (f"{result.target_steps:,.0f} steps of uncompressed training "
             f"({TARGET_STEPS_SOURCES.get(result.target_steps_source, result.target_steps_source)})")
 
@@ -152,8 +153,6 @@ def _saving(result: "AutotuneResult", name: str, win: Mapping[str, Any], lose: M
 
 def winner_line(result: "AutotuneResult") -> str:
     """One line: per-step compression or local steps on plan.json's option, and by how much."""
-    from fastml_strategy.autotune._run import uses_local_steps
-
     name = result.option
     b, lb = result.best[name], result.local_best.get(name)
     priced = _option(result, name).price_per_hour > 0
@@ -380,8 +379,6 @@ def _sharded_row(result: "AutotuneResult", o: Any) -> dict[str, Any]:
 def _local_rows(result: "AutotuneResult") -> pd.DataFrame:
     """local_steps.csv: per option, per-step compression against the best local-steps configuration
     (plain numbers: hours, USD; ``saves_*``: what the winner saves against the other mode)."""
-    from fastml_strategy.autotune._run import uses_local_steps
-
     rows = []
     for o in result.options:
         b, lb = result.best[o.name], result.local_best.get(o.name)
@@ -411,8 +408,6 @@ def _local_rows(result: "AutotuneResult") -> pd.DataFrame:
 
 def _local_table(result: "AutotuneResult") -> pd.DataFrame:
     """The comparison in human units, one row per option."""
-    from fastml_strategy.autotune._run import uses_local_steps
-
     rows = []
     for o in result.options:
         b, lb = result.best[o.name], result.local_best.get(o.name)
