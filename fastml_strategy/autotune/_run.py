@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 from fastml_strategy.autotune.catalog import HardwareOption, Link
 from fastml_strategy.autotune.costmodel import (CANDIDATES, BUCKET_MB_CHOICES, AccuracyRule, Convergence,
-                                                LocalCalibration, Profile, Sharding, accuracy_rule, evaluate,
+                                                LocalCalibration, Profile, Sharding, Trial, accuracy_rule, evaluate,
                                                 family, fit_alpha_beta, fit_codec_scale, fit_collective_overhead,
                                                 fit_convergence, objective, pareto_front, step_time)
 # the inputs and the result, defined in their own modules, are this module's public names too
@@ -179,9 +179,9 @@ def _option_plan(profile: Profile, groups: Mapping[str, list[str]], result: "Aut
     # Plain DDP: every layer and the default are fp32 (``none``) and the file says not to register a
     # hook. Registered anyway, such a plan runs one plain all-reduce per bucket (DDP's own arithmetic,
     # one collective per bucket: the hook skips its status exchange on steps of plain buckets only).
-    meta["hook"] = bool(w.get("use_hook", True)) or uses_local_steps(w)
+    meta["hook"] = w.use_hook or uses_local_steps(w)
     if not s.sharding.sharded and not uses_local_steps(w):
-        mb = w.get("bucket_mb")
+        mb = w.bucket_mb
         meta["ddp"] = {"bucket_cap_mb": mb, "how": (
             "DDP's default buckets (bucket_cap_mb=None)" if mb is None else
             f"DistributedDataParallel(model, bucket_cap_mb={mb}); Lightning/Fabric: "
@@ -200,7 +200,7 @@ def _option_plan(profile: Profile, groups: Mapping[str, list[str]], result: "Aut
                                  "confidence": f(rule.confidence), "sigma": f(rule.sigma),
                                  "runs": rule.trials, "repeats": rule.repeats, "paired": rule.paired}
     return _plan_from_choice(
-        profile, search.expand(groups, w["choice"]), f"autotuned-{option}", meta=meta,
+        profile, search.expand(groups, w.choice), f"autotuned-{option}", meta=meta,
         local_steps=_local_steps_of(w, result.local_calibration))
 
 
@@ -381,7 +381,7 @@ def _time_plans(s: Settings, profile: Profile, groups: Mapping[str, list[str]],
     tuned = found.best[found.chosen]
     choices: dict[str, Mapping[str, str] | None] = {
         base_label: None,
-        f"tuned ({found.chosen})": search.expand(groups, tuned["choice"]) if tuned["use_hook"] else None}
+        f"tuned ({found.chosen})": search.expand(groups, tuned.choice) if tuned.use_hook else None}
     # Distributed, the baseline and the recipes were timed before the search (step 1b); the tuned
     # plan is timed now, side by side with the uniform plans the check compared it with (the same
     # rounds, so that load on a shared machine hits them alike: _recheck_measured compares them).
@@ -394,7 +394,7 @@ def _time_plans(s: Settings, profile: Profile, groups: Mapping[str, list[str]],
         profile = _broadcast(profile if s.rank == 0 else None, True)  # with rank 0's codec scales
         local = {o.name: o for o in options}[LOCAL]
         # the tuned plan runs with the bucket size chosen for it (plan.json meta.ddp), as users will
-        buckets = {f"tuned ({found.chosen})": tuned.get("bucket_mb")}
+        buckets = {f"tuned ({found.chosen})": tuned.bucket_mb}
         rows, side = _time_distributed(s, profile, local, choices, recipe_choices, measured_pre, buckets,
                                        beside)
         if found.check is not None:
@@ -464,7 +464,7 @@ def _scaling(profile: Profile, options: list[HardwareOption], groups: Mapping[st
     base_label = baseline_label(sh)
     rows = []
     for opt in options:
-        c = search.expand(groups, best[opt.name]["choice"]) if best[opt.name]["use_hook"] else None
+        c = search.expand(groups, best[opt.name].choice) if best[opt.name].use_hook else None
         for n in SCALING_NODES:
             for label, ch in (("tuned", c), (base_label, None)):
                 br = step_time(profile, ch or {}, opt, nodes=n, hook=ch is not None, sharding=sh)
@@ -623,9 +623,9 @@ def _recheck_measured(s: Settings, profile: Profile, groups: Mapping[str, list[s
         return
     e = best[1]
     chosen = c["option"]
-    row = next(r for r in found.rows if r["option"] == chosen and r.get("kind") == "fastml"
-               and int(r.get("every", 1)) == 1 and r["choice"] == e["choice"])
-    new = dict(row, use_hook=True, checked_over=dict(c["tuned"]))
+    row = next(t for t in map(Trial.of, found.rows) if t.option == chosen and t.kind == "fastml"
+               and t.every == 1 and t.choice == e["choice"])
+    new = row.replace(use_hook=True, checked_over=dict(c["tuned"]))
     opt = next(o for o in options if o.name == chosen)
     if not s.sharding.sharded:
         new = _best_bucket(profile, groups, opt, found.conv, float(s.target_steps), new, search)
@@ -640,32 +640,32 @@ def _ms_text(seconds: float) -> str:
     return f"{1e3 * seconds:.4g} ms" if seconds < 1 else f"{seconds:.3g} s"
 
 
-def _uniform_alternatives(rows: list[dict[str, Any]], option: str, tuned: Mapping[str, Any],
-                          groups: Mapping[str, list[str]]) -> list[tuple[dict[str, Any], str]]:
+def _uniform_alternatives(rows: list[Mapping[str, Any]], option: str, tuned: Mapping[str, Any],
+                          groups: Mapping[str, list[str]]) -> list[tuple[Trial, str]]:
     """The obvious alternatives to the tuned plan on ``option``: the feasible uniform per-step plan
     (every group on one codec) of the lowest predicted step time and the one of the lowest predicted
     objective, each with why it was picked; the tuned plan itself is not its own alternative."""
-    uni: dict[str, dict[str, Any]] = {}
-    for r in rows:
-        vals = set(r["choice"].values())
-        if (r["option"] != option or r.get("kind") != "fastml" or int(r.get("every", 1)) != 1
-                or len(vals) != 1 or len(r["choice"]) != len(groups) or not r["feasible"]
-                or vals == {"none"} or not math.isfinite(r["objective"])):
+    tuned = Trial.of(tuned)
+    uni: dict[str, Trial] = {}
+    for t in map(Trial.of, rows):
+        o = t.uniform
+        if (t.option != option or t.kind != "fastml" or t.every != 1 or o is None
+                or len(t.choice) != len(groups) or not t.feasible or o == "none"
+                or not math.isfinite(t.objective)):
             continue
-        o = next(iter(vals))
-        if o not in uni or r["objective"] < uni[o]["objective"]:
-            uni[o] = r
-    out: list[tuple[dict[str, Any], str]] = []
+        if o not in uni or t.objective < uni[o].objective:
+            uni[o] = t
+    out: list[tuple[Trial, str]] = []
     if not uni:
         return out
-    fast = min(uni.values(), key=lambda r: (r["step_s"], r["objective"]))
-    best = min(uni.values(), key=lambda r: (r["objective"], r["step_s"]))
-    for r, why in ((fast, "the fastest uniform plan within the accuracy limit by predicted step time"),
+    fast = min(uni.values(), key=lambda t: (t.step_s, t.objective))
+    best = min(uni.values(), key=lambda t: (t.objective, t.step_s))
+    for t, why in ((fast, "the fastest uniform plan within the accuracy limit by predicted step time"),
                    (best, "the best uniform plan by the cost model")):
-        if r["choice"] != tuned["choice"] and all(r["choice"] != q["choice"] for q, _ in out):
-            out.append((r, why))
-        elif r["choice"] != tuned["choice"]:  # the same plan for both reasons
-            out = [(q, w if q["choice"] != r["choice"] else f"{w}, and {why}") for q, w in out]
+        if t.choice != tuned.choice and all(t.choice != q.choice for q, _ in out):
+            out.append((t, why))
+        elif t.choice != tuned.choice:  # the same plan for both reasons
+            out = [(q, w if q.choice != t.choice else f"{w}, and {why}") for q, w in out]
     return out
 
 
@@ -705,42 +705,42 @@ def _check(s: Settings, profile: Profile, groups: Mapping[str, list[str]], optio
     why the choice stands (None: nothing to check, e.g. plain DDP or local steps won)."""
     from fastml_strategy.autotune import calibrate, search
 
-    tuned = found.best[chosen]
-    if not tuned.get("use_hook", True) or uses_local_steps(_winner(tuned, found.local_best.get(chosen))):
+    tuned = Trial.of(found.best[chosen])
+    if not tuned.use_hook or uses_local_steps(_winner(tuned, found.local_best.get(chosen))):
         return None
     alts = _uniform_alternatives(found.rows, chosen, tuned, groups)
     record: dict[str, Any] = {"option": chosen, "steps": s.calibration_steps, "seed": s.seed,
-                              "paired": cal.ref.get("paired"), "tuned": dict(tuned["choice"]),
-                              "tuned_step_s": tuned["step_s"], "alternatives": [], "replaced": None}
+                              "paired": cal.ref.get("paired"), "tuned": dict(tuned.choice),
+                              "tuned_step_s": tuned.step_s, "alternatives": [], "replaced": None}
     if not alts:
         record["verdict"] = ("nothing to compare: the tuned plan is itself the fastest and the best "
                              "uniform plan within the accuracy limit, or no other uniform plan is within it")
         return record
     todo = [a for a in [tuned] + [r for r, _ in alts]
-            if not any(p["choice"] == a["choice"] and int(p.get("seed", s.seed)) == s.seed and p.get("losses")
+            if not any(p["choice"] == a.choice and int(p.get("seed", s.seed)) == s.seed and p.get("losses")
                        for p in cal.points)]
     if not _fits(deadline, cal.run_s * len(todo)):  # it runs all the same: say what it cost
         notes.append(f"--budget: the check against uniform plans ({len(todo)} runs of about "
                      f"{cal.run_s:.0f} s) ran past the budget (it always runs; its time was reserved, "
                      f"but the runs before it took longer than estimated)")
     bar.phase("checking the tuned plan against uniform plans", max(1, len(todo)), "run")
-    t_losses, _ = _check_curve(s, profile, groups, tuned["choice"], cal, cal_name)
+    t_losses, _ = _check_curve(s, profile, groups, tuned.choice, cal, cal_name)
     bar.update(1)
     ref = cal.ref.get("references", {}).get(s.seed) or cal.ref
     slope = calibrate.end_slope([v["losses"] for v in (cal.ref.get("references") or {0: ref}).values()
                                  if v.get("losses")])
     best_alt: tuple[float, dict[str, Any]] | None = None
     for row, why in alts:
-        losses, metric = _check_curve(s, profile, groups, row["choice"], cal, cal_name)
+        losses, metric = _check_curve(s, profile, groups, row.choice, cal, cal_name)
         bar.update(1)
-        cmp = calibrate.time_to_same_loss(t_losses, losses, cal.ref.get("noise"), tuned["step_s"], row["step_s"])
+        cmp = calibrate.time_to_same_loss(t_losses, losses, cal.ref.get("noise"), tuned.step_s, row.step_s)
         # the accuracy rule's measure: the gap a horizontal offset within noise does not explain
         acc = calibrate.accuracy_within_noise(
             ref, losses, metric, calibrate.stretch(ref["losses"], losses, cal.ref.get("noise")),
             slope)["accuracy_loss"]
         within = bool(acc <= s.max_accuracy_loss + 1e-12)
-        entry = {"plan": f"uniform {next(iter(row['choice'].values()))}", "why": why,
-                 "choice": dict(row["choice"]), "step_s": row["step_s"], "accuracy_loss": acc,
+        entry = {"plan": f"uniform {row.uniform}", "why": why,
+                 "choice": dict(row.choice), "step_s": row.step_s, "accuracy_loss": acc,
                  "within_limit": within, **{k: v for k, v in cmp.items()}}
         record["alternatives"].append(entry)
         if cmp["sooner"] and within and (best_alt is None or cmp["time_ratio"] < best_alt[0]):
@@ -751,12 +751,12 @@ def _check(s: Settings, profile: Profile, groups: Mapping[str, list[str]], optio
         record["verdict"] = "the tuned plan stands (" + "; ".join(why_not) + ")"
         return record
     row = best_alt[1]
-    new = dict(row, use_hook=True, checked_over=dict(tuned["choice"]))
+    new = row.replace(use_hook=True, checked_over=dict(tuned.choice))
     if not s.sharding.sharded:
         new = _best_bucket(profile, groups, options[[o.name for o in options].index(chosen)], conv,
                            float(s.target_steps), new, search)
     found.best[chosen] = new
-    record["replaced"] = f"uniform {next(iter(row['choice'].values()))}"
+    record["replaced"] = f"uniform {row.uniform}"
     record["verdict"] = (f"{record['replaced']} reached the tuned plan's losses in {best_alt[0]:.3g}x its "
                          f"time, within the accuracy limit: plan.json holds {record['replaced']} instead")
     return record
@@ -881,18 +881,18 @@ def _search_options(s: Settings, profile: Profile, groups: Mapping[str, list[str
                               study_name=f"fastml-{fp}-search-{opt.name}-{key}", trials=trials, seed=s.seed,
                               progress=bar, sharding=sh, max_residual_bytes=s.max_residual_bytes,
                               local=local_cal, fragments=s.local_fragments)
-        found.rows.extend(dict(x, kind="local-steps" if x["every"] > 1 else "fastml") for x in r)
+        found.rows.extend(x.replace(kind="local-steps" if x.every > 1 else "fastml") for x in r)
         base = _baseline_row(profile, groups, opt, conv, target_steps, sh)
         found.baseline[opt.name] = base
-        found.rows.append(dict(base, trial=-1, kind="plain-ddp" if not sh.sharded else f"{sh.kind}-own"))
+        found.rows.append(base.replace(trial=-1, kind="plain-ddp" if not sh.sharded else f"{sh.kind}-own"))
         # Plain DDP is a candidate too: where no compression pays (a fast link), say so.
         b = search.best_row(r)
-        best = dict(b, use_hook=True) if b["objective"] < base["objective"] else dict(base)
+        best = b.replace(use_hook=True) if b.objective < base.objective else base.replace()
         if not sh.sharded:  # DDP's bucket size for the chosen plan (plain DDP's too)
             best = _best_bucket(profile, groups, opt, conv, target_steps, best, search)
         found.best[opt.name] = best
         try:
-            found.local_best[opt.name] = dict(search.best_row(r, local=True), use_hook=False)
+            found.local_best[opt.name] = search.best_row(r, local=True).replace(use_hook=False)
         except ValueError:  # local steps off, or no H within the accuracy limit
             found.local_best[opt.name] = None
     return found
@@ -913,7 +913,7 @@ def _search_key(s: Settings, profile: Profile, opt: HardwareOption, conv: Conver
 
 
 def _baseline_row(profile: Profile, groups: Mapping[str, list[str]], opt: HardwareOption, conv: Convergence,
-                  target_steps: float, sh: Sharding) -> dict[str, Any]:
+                  target_steps: float, sh: Sharding) -> Trial:
     """The option's uncompressed row: plain DDP (or FSDP/HSDP's own collectives), no hook."""
     none_choice = {n: "none" for names in groups.values() for n in names}
     base = evaluate(profile, none_choice, opt, conv, target_steps, hook=False, sharding=sh)
@@ -928,7 +928,7 @@ def _untried_plans(best: Mapping[str, Mapping[str, Any]], points: list[dict[str,
     tried = [p["choice"] for p in points]
     new: list[Any] = []
     for b in best.values():
-        c = b["choice"]
+        c = b.choice
         if c not in tried and c not in new and any(o != "none" for o in c.values()):
             new.append(c)
     return new
@@ -938,8 +938,8 @@ def _pareto(rows: list[dict[str, Any]], options: list[HardwareOption]) -> list[i
     """Mark each row's ``pareto`` and return the front's indices: time against cost over the feasible
     rows of priced options (a cluster you already have costs nothing here)."""
     priced = {o.name for o in options if o.price_per_hour > 0}
-    feas = [i for i, r in enumerate(rows) if r["feasible"] and r["option"] in priced]
-    front = [feas[i] for i in pareto_front([(rows[i]["tta_s"], rows[i]["cost_usd"]) for i in feas])]
+    feas = [i for i, r in enumerate(rows) if r.feasible and r.option in priced]
+    front = [feas[i] for i in pareto_front([(rows[i].tta_s, rows[i].cost_usd) for i in feas])]
     for i, r in enumerate(rows):
         r["pareto"] = i in front
     return front
@@ -953,7 +953,7 @@ def _chosen_option(options: list[HardwareOption], found: _OptionSearch) -> str:
 
     def cost_then_time(name: str) -> tuple[float, float]:
         w = _winner(found.best[name], found.local_best.get(name))
-        return w["cost_usd"], w["tta_s"]
+        return w.cost_usd, w.tta_s
 
     return min((o.name for o in options), key=cost_then_time)
 
@@ -962,13 +962,14 @@ def _best_bucket(profile: Profile, groups: Mapping[str, list[str]], opt: Hardwar
                  target_steps: float, row: Mapping[str, Any], search: Any) -> dict[str, Any]:
     """The row with the bucket cap (``bucket_mb``: DDP's ``bucket_cap_mb``; None: DDP's default) of
     :data:`BUCKET_MB_CHOICES` that minimises the option's objective for the row's plan."""
-    choice = search.expand(groups, row["choice"])
-    hook = bool(row.get("use_hook", True))
-    out = dict(row, bucket_mb=None)
+    row = Trial.of(row)
+    choice = search.expand(groups, row.choice)
+    hook = row.use_hook
+    out = row.replace(bucket_mb=None)
     for mb in BUCKET_MB_CHOICES[1:]:
         r = evaluate(profile, choice, opt, conv, target_steps, hook=hook, bucket_mb=mb)
         obj = objective(r, opt)
-        if obj < out["objective"] * (1 - 1e-9):
+        if obj < out.objective * (1 - 1e-9):
             out.update({k: r[k] for k in ("step_s", "exposed_s", "tta_s", "cost_usd", "wire_s")},
                        objective=obj, bucket_mb=mb)
     return out
@@ -994,8 +995,8 @@ def _whatif(profile: Profile, options: list[HardwareOption], groups: Mapping[str
     own collectives on the same shape: step time, bytes per rank and memory per rank."""
     rows = []
     for opt in options:
-        c = search.expand(groups, best[opt.name]["choice"])
-        hook = bool(best[opt.name]["use_hook"])
+        c = search.expand(groups, best[opt.name].choice)
+        hook = best[opt.name].use_hook
         for n in WHATIF_NODES:
             for a in WHATIF_RANKS_PER_NODE:
                 o = dataclasses.replace(opt, nodes=n, accelerators_per_node=a)
@@ -1026,11 +1027,11 @@ def _meta(s: Settings, option: str, best: Mapping[str, Any], base: Mapping[str, 
         advice = ("local steps: fastml_strategy.LocalSGD.from_plan(model, inner_optimizer, this file) "
                   "on a model not wrapped in DDP; the codecs compress the pseudo-gradients")
     elif not sh.sharded:
-        advice = ("register the hook with this plan" if best.get("use_hook", True) else
+        advice = ("register the hook with this plan" if Trial.of(best).use_hook else
                   "plain DDP: no compression pays on this option (this plan is fp32 throughout)")
     else:
         advice = (f"fastml_strategy.fsdp.register(model, plan=this file) after fully_shard ({sh.kind})"
-                  if best.get("use_hook", True) else
+                  if Trial.of(best).use_hook else
                   f"{sh.kind.upper()}'s own collectives: no compression pays on this option (this plan "
                   f"is fp32 throughout; do not register FastML)")
     meta = {

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from fastml_strategy.autotune.catalog import HardwareOption
-from fastml_strategy.autotune.costmodel import AccuracyRule, Convergence, LocalCalibration, Profile, Sharding
+from fastml_strategy.autotune.costmodel import (AccuracyRule, Convergence, LocalCalibration, Profile, Sharding,
+                                                Trial)
 from fastml_strategy.config import Plan
 
 __all__ = ["AutotuneResult", "ASSUMED_TARGET_STEPS", "TARGET_STEPS_SOURCES", "uses_local_steps", "winning_row"]
@@ -34,12 +35,12 @@ class AutotuneResult:
     plan: Plan
     option: str  # the hardware option plan.json was tuned for
     options: list[HardwareOption]
-    best: dict[str, dict[str, Any]]  # option -> best trial row
-    baseline: dict[str, dict[str, Any]]  # option -> uncompressed DDP row
+    best: dict[str, Trial]  # option -> best per-step trial (plain DDP where nothing pays)
+    baseline: dict[str, Trial]  # option -> uncompressed DDP (or FSDP/HSDP's own) row
     profile: Profile
     convergence: Convergence
     calibration: list[dict[str, Any]]
-    trials: list[dict[str, Any]]
+    trials: list[Trial]  # every search trial of every option, and each option's baseline row
     step_times: list[dict[str, Any]]
     scaling: list[dict[str, Any]]
     pareto: list[int] = field(default_factory=list)
@@ -51,7 +52,7 @@ class AutotuneResult:
     # Set when the measured link is not a network (every rank on one machine): the report flags it.
     link_warning: str | None = None
     # Local steps: option -> best feasible LocalSGD row (None: none feasible), and the calibration.
-    local_best: dict[str, dict[str, Any] | None] = field(default_factory=dict)
+    local_best: dict[str, Trial | None] = field(default_factory=dict)
     local_calibration: LocalCalibration | None = None
     # How the accuracy limit was decided (fit, band, noise, pairing): costmodel.accuracy_rule
     accuracy_rule: AccuracyRule | None = None
@@ -69,15 +70,16 @@ class AutotuneResult:
         w = self.winner(self.option)
         return bool(w.get("use_hook", True)) or uses_local_steps(w)
 
-    def winner(self, option: str) -> dict[str, Any]:
+    def winner(self, option: str) -> Trial:
         """The row the option should use: its local-steps row when that beats per-step compression
         (or plain DDP) on the objective, else ``best[option]``."""
         return winning_row(self.best[option], self.local_best.get(option))
 
 
-def winning_row(best: Mapping[str, Any], local: Mapping[str, Any] | None) -> Mapping[str, Any]:
+def winning_row(best: Mapping[str, Any], local: Mapping[str, Any] | None) -> Trial:
     """The local-steps row when there is one and it beats the per-step row on the objective."""
-    return local if local is not None and local["objective"] < best["objective"] else best
+    best = Trial.of(best)
+    return Trial.of(local) if local is not None and local["objective"] < best.objective else best
 
 
 def uses_local_steps(row: Mapping[str, Any]) -> bool:

@@ -42,7 +42,7 @@ from fastml_strategy.autotune.costmodel.ddp import (  # noqa: F401
     BUCKET_BYTES, BUCKET_MB_CHOICES, FIRST_BUCKET_BYTES, _layer_cost, ddp_buckets, ddp_node_net_bytes,
     ddp_topology, step_time)
 from fastml_strategy.autotune.costmodel.evaluate import (  # noqa: F401
-    cost_usd, evaluate, fit_alpha_beta, fit_codec_scale, objective, pareto_front)
+    Trial, cost_usd, evaluate, fit_alpha_beta, fit_codec_scale, objective, pareto_front)
 from fastml_strategy.autotune.costmodel.local_steps import evaluate_local, local_step_time  # noqa: F401
 from fastml_strategy.autotune.costmodel.accuracy import (  # noqa: F401
     BAND_Z, FIT_SE_FLOOR, MEDIAN_SE, NOISE_NEAR, AccuracyRule, accuracy_rule, fit_convergence, json_key)
@@ -70,6 +70,7 @@ __all__ = [
     "ddp_topology",
     "ddp_node_net_bytes",
     "evaluate",
+    "Trial",
     "objective",
     "cost_usd",
     "fit_alpha_beta",

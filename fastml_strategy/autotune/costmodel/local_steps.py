@@ -26,13 +26,13 @@ fragment's outer update applied ``d`` inner steps after its all-reduce started (
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Mapping
 
 from fastml_strategy.autotune.catalog import HardwareOption
 from fastml_strategy.autotune.costmodel.base import (Convergence, LocalCalibration, Profile, StepBreakdown,
                                                      plan_error)
 from fastml_strategy.autotune.costmodel.ddp import _layer_cost
-from fastml_strategy.autotune.costmodel.evaluate import cost_usd
+from fastml_strategy.autotune.costmodel.evaluate import Trial
 
 def local_step_time(profile: Profile, choice: Mapping[str, str], option: HardwareOption, every: int,
                     fragments: int = 1, delay: int = 0, nodes: int | None = None) -> StepBreakdown:
@@ -60,7 +60,7 @@ def local_step_time(profile: Profile, choice: Mapping[str, str], option: Hardwar
 
 def evaluate_local(profile: Profile, choice: Mapping[str, str], option: HardwareOption,
                    conv: Convergence, local: LocalCalibration, target_steps: float, every: int,
-                   fragments: int = 1) -> dict[str, Any]:
+                   fragments: int = 1) -> Trial:
     """The numbers of one (plan, H, F, option) with local steps, as :func:`evaluate` gives them for
     per-step compression, plus ``every``, ``fragments``, the chosen ``delay``, ``stretch`` and the
     bytes of one whole-model synchronisation. The delay is the one in ``[0, H // F)`` with the lowest
@@ -83,22 +83,6 @@ def evaluate_local(profile: Profile, choice: Mapping[str, str], option: Hardware
     steps = target_steps * stretch * g_rel * every / (every - d)
     feasible = (local.feasible(every) and fragments <= len(profile.layers)
                 and e <= max(conv.e_max, local.e_cal) + 1e-12)
-    return {
-        "error": e,
-        "feasible": feasible,
-        "g": steps / target_steps if target_steps > 0 else math.nan,
-        "steps": steps,
-        "step_s": br.step_s,
-        "compute_s": br.compute_s,
-        "codec_s": br.codec_s,
-        "wire_s": br.wire_s,
-        "exposed_s": br.exposed_s,
-        "bytes_per_rank": br.bytes_per_rank,
-        "tta_s": tta,
-        "cost_usd": cost_usd(tta, option),
-        "every": every,
-        "fragments": fragments,
-        "delay": d,
-        "stretch": stretch,
-        "sync_bytes": br.bytes_per_rank * every,
-    }
+    return Trial.predicted(error=e, feasible=feasible, g=steps / target_steps if target_steps > 0 else math.nan,
+                           steps=steps, br=br, tta_s=tta, option=option, every=every, fragments=fragments,
+                           delay=d, stretch=stretch, sync_bytes=br.bytes_per_rank * every)
