@@ -34,6 +34,7 @@ from fastml_strategy.autotune.costmodel.base import (Convergence, LocalCalibrati
 from fastml_strategy.autotune.costmodel.ddp import _layer_cost
 from fastml_strategy.autotune.costmodel.evaluate import Trial
 
+
 def local_step_time(profile: Profile, choice: Mapping[str, str], option: HardwareOption, every: int,
                     fragments: int = 1, delay: int = 0, nodes: int | None = None) -> StepBreakdown:
     """Predicted time per inner step of LocalSGD (``every`` = H, ``fragments`` = F, ``delay`` = d) with

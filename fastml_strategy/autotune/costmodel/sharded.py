@@ -40,6 +40,7 @@ from fastml_strategy.autotune.costmodel.base import (CANDIDATES, DTYPE_BYTES, La
                                                      family)
 from fastml_strategy.config import Codec, CodecConfig
 
+
 # -- sharded training (FSDP2 / HSDP) ---------------------------------------------------------------------
 def _unit_of(lp: LayerProfile) -> str:
     if lp.unit is not None:
