@@ -196,7 +196,7 @@ def _option_plan(profile: Profile, groups: Mapping[str, list[str]], result: "Aut
     rule = result.accuracy_rule
     if rule is not None:
         f = (lambda v: None if isinstance(v, float) and not math.isfinite(v) else v)
-        meta["accuracy_rule"] = {"e_max": rule.e_max, "e_sure": rule.e_sure,
+        meta["accuracy_rule"] = {"e_max": rule.e_max, "e_noise": rule.e_noise, "e_sure": rule.e_sure,
                                  "confidence": f(rule.confidence), "sigma": f(rule.sigma),
                                  "runs": rule.trials, "repeats": rule.repeats, "paired": rule.paired}
     return _plan_from_choice(
