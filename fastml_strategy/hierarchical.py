@@ -133,10 +133,24 @@ class HierarchicalAllReduce:
         self.cross = CompressedAllReduce(plan, cross, topo.node_rank, topo.nodes)
         self.cross.report_rank = rank
         self.world = CompressedAllReduce(plan, group, rank, world_size)  # sparse buckets, agreement
+        # How every collective of the bucket is waited for: ``work.wait()``, or (:meth:`use_channel`)
+        # through a failure channel, so that a rank failing in a group this rank is not in stops this
+        # rank's wait at once instead of at the process-group timeout.
+        self.wait = CompressedAllReduce.wait
         self.hier_layouts: dict[tuple, HierLayout] = {}
         # statistics
         self.bytes_sent_intra = 0  # steps 2 and 4 (the machine's own link)
         self.bytes_uncompressed = 0.0  # a flat fp32 ring all-reduce over all W ranks, as the flat path
+
+    def use_channel(self, channel) -> None:
+        """Wait for every collective (inside the machine, across machines, the end-of-step
+        agreement) through ``channel`` (:class:`fastml_strategy._peers.FailureChannel`). Ranks here
+        meet in three kinds of groups that do not all hold one another: when rank 2 of two machines
+        of two dies, rank 0 (its cross-machine peer) and rank 3 (its machine peer) see the closed
+        connection, but rank 1 next meets rank 0 in an intra-machine collective that rank 0, having
+        raised, never issues; without the channel rank 1 waits for the whole process-group timeout.
+        CPU tensors only: NCCL's ``wait()`` does not block the host."""
+        self.wait = self.cross.wait = self.world.wait = channel.wait
 
     # -- what the hook reads -------------------------------------------------------------------------
     @property
@@ -211,7 +225,7 @@ class HierarchicalAllReduce:
         stage, recv, row = lay.stage, lay.recv, lay.row
         for j, roff, boff, m in lay.copies:
             stage[j, roff: roff + m].copy_(buf[boff: boff + m])
-        dist.all_to_all_single(recv.view(-1), stage.view(-1), group=self.intra)
+        self.wait(dist.all_to_all_single(recv.view(-1), stage.view(-1), group=self.intra, async_op=True))
         self.bytes_sent_intra += (R - 1) * lay.P * stage.element_size()
         row.copy_(recv[0])
         for j in range(1, R):  # in rank order: the same sum on every machine's local rank l
@@ -231,7 +245,7 @@ class HierarchicalAllReduce:
             if cross_tail is not None:
                 cross_tail()
             outs = list(lay.gathered.unbind(0))
-            dist.all_gather(outs, row, group=self.intra_gather)
+            self.wait(dist.all_gather(outs, row, group=self.intra_gather, async_op=True))
             self.bytes_sent_intra += (R - 1) * lay.P * row.element_size()
             g = lay.gathered
             for j, roff, boff, m in lay.copies:
@@ -269,7 +283,8 @@ class HierarchicalAllReduce:
         self.world._write_header(mine, error)
         mine[HEADER] = 1 if finite else 0
         out = torch.zeros(W * (HEADER + 8), dtype=torch.uint8, device=dev)
-        dist.all_gather(list(out.view(W, HEADER + 8).unbind(0)), mine, group=self.group)
+        self.wait(dist.all_gather(list(out.view(W, HEADER + 8).unbind(0)), mine, group=self.group,
+                                  async_op=True))
         got = _host(out.view(W, HEADER + 8))
         status = got[:, :4].contiguous().view(torch.int32)[:, 0].tolist()
         failed = [r for r, s in enumerate(status) if s != 0]
