@@ -42,8 +42,14 @@ flag): an error on any rank raises the same :class:`CompressionError` on every r
 anywhere (it reaches the parts of one local rank through step 3 and every rank through step 4) skips
 the step's residual commit on every rank alike.
 
-Sparse gradients (their own bucket) take the exact flat sparse all-reduce. Not done: a codec for the
-intra-machine hop (step 2 and 4 are always fp32; the hop is the fast link).
+The hop inside the machine (steps 2 and 4) is exact by default. ``Plan.intra_node`` = fp16 or bf16
+sends both steps in that dtype (half the bytes, for GPUs that share PCIe without NVLink): step 2's
+copies are summed in fp32, and step 4 all-gathers the 16-bit rounding of each reduced row, which every
+rank of the machine, the row's owner included, copies into its bucket (so replicas stay identical).
+That rounding comes after error feedback (step 3) and is not corrected by it, which is why the hop
+takes no lossier code (:data:`fastml_strategy.config.INTRA_NODE_CODECS`).
+
+Sparse gradients (their own bucket) take the exact flat sparse all-reduce.
 """
 
 from __future__ import annotations
@@ -104,9 +110,15 @@ class HierLayout:
         self.shard = (cross.layout_for(mine[0], mine[1], mine[2], device, self.dtype, plan_numels=mine[3])
                       if mine[0] else None)
         self.uncompressed = self.shard is None or self.shard.uncompressed
-        self.stage = torch.zeros(R, self.P, dtype=self.dtype, device=device)  # rows to send (step 2)
-        self.recv = torch.zeros(R, self.P, dtype=self.dtype, device=device)  # the R copies of my row
+        # steps 2 and 4 travel in the plan's intra_node dtype (fp16/bf16), else in the summing dtype
+        self.wire = plan.intra_node_dtype or self.dtype
+        self.stage = torch.zeros(R, self.P, dtype=self.wire, device=device)  # rows to send (step 2)
+        self.recv = torch.zeros(R, self.P, dtype=self.wire, device=device)  # the R copies of my row
         self.row = torch.zeros(self.P, dtype=self.dtype, device=device)  # my reduced row
+        # my row as it travels in step 4 (a 16-bit intra_node: its rounding, which every rank of the
+        # machine, this one included, takes from the gathered rows)
+        self.row_wire = self.row if self.wire == self.dtype else torch.zeros(self.P, dtype=self.wire,
+                                                                             device=device)
         # every row (step 4): recv's memory, free again once step 2's copies are summed into ``row``
         self.gathered = self.recv
 
@@ -228,7 +240,7 @@ class HierarchicalAllReduce:
         self.wait(dist.all_to_all_single(recv.view(-1), stage.view(-1), group=self.intra, async_op=True))
         self.bytes_sent_intra += (R - 1) * lay.P * stage.element_size()
         row.copy_(recv[0])
-        for j in range(1, R):  # in rank order: the same sum on every machine's local rank l
+        for j in range(1, R):  # in rank order, in fp32: the same sum on every machine's local rank l
             row.add_(recv[j])
         row.div_(R)
         n_row = lay.row_len[self.topo.local_rank]
@@ -245,8 +257,10 @@ class HierarchicalAllReduce:
             if cross_tail is not None:
                 cross_tail()
             outs = list(lay.gathered.unbind(0))
-            self.wait(dist.all_gather(outs, row, group=self.intra_gather, async_op=True))
-            self.bytes_sent_intra += (R - 1) * lay.P * row.element_size()
+            if lay.row_wire is not row:
+                lay.row_wire.copy_(row)
+            self.wait(dist.all_gather(outs, lay.row_wire, group=self.intra_gather, async_op=True))
+            self.bytes_sent_intra += (R - 1) * lay.P * lay.row_wire.element_size()
             g = lay.gathered
             for j, roff, boff, m in lay.copies:
                 buf[boff: boff + m].copy_(g[j, roff: roff + m])
