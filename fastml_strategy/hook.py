@@ -1065,10 +1065,9 @@ def register_hook(
                         topology=topo, node_groups=groups)
     state._own_group = own_group
     state._own_node_groups = bool(groups)
-    if groups:  # (a collective: rank 0 draws the channel's key)
-        channel = FailureChannel(process_group, rank)
-        if not any(p.is_cuda for p in module.parameters()):  # NCCL's wait does not block the host
-            state.use_channel(channel)
+    # CPU (gloo) only: NCCL's wait does not block the host. (A collective: rank 0 draws the key.)
+    if groups and not any(p.is_cuda for p in module.parameters()):
+        state.use_channel(FailureChannel(process_group, rank))
     if rank == 0:
         log.info("FastML: %s", plan_summary(plan_obj, dict(module.named_parameters()), world_size))
         if not getattr(model, "gradient_as_bucket_view", True):
