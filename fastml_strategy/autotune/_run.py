@@ -8,9 +8,12 @@ losses sooner (measured stretch x step time: predicted, then, launched distribut
 noisy runs can be wrong in ways no refit shows; the alternative a user would try first is the test.
 
 The inputs are validated by :func:`~fastml_strategy.autotune._settings.prepare` before any profiling
-and before anything is written; outputs are written only at the end, each atomically. The Optuna storage (an SQLite file in the output folder by default) is the
-only thing written while the run is in progress: it is what lets a stopped run resume (the profile is
-cached in it too), and it is what several machines share when given an RDB URL.
+and before anything is written; outputs are written only at the end, each atomically. The Optuna
+storage (an SQLite file in the output folder by default) is the only thing written while the run is
+in progress: it is what lets a stopped run resume (the profile is cached in it too), and it is what
+several machines share when given an RDB URL. What a run produced is an
+:class:`~fastml_strategy.autotune.result.AutotuneResult`; its rows are
+:class:`~fastml_strategy.autotune.costmodel.Trial` records.
 """
 
 from __future__ import annotations
