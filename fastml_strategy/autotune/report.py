@@ -1011,10 +1011,10 @@ def _stretch_text(result: "AutotuneResult") -> str:
             f"In the table, 'levels' counts the levels a run was measured at (where the reference "
             f"still descends) and 'reached' those it got to before its run ended. Accuracy loss: the "
             f"relative increase of the final windowed loss (or the eval metric's drop), less what a "
-            f"horizontal offset within the run's stretch interval explains where the reference still "
-            f"descends at the end (the reference's drop per log-step there times the interval's "
-            f"half-width): a run a few steps behind within noise is not counted as less accurate; "
-            f"the figure at the end is shown beside it when the two differ.")
+            f"delay within the run's stretch interval explains where the reference still descends at "
+            f"the end (the reference's drop per log-step there times the log-delay): a run that is "
+            f"only behind is charged as steps by g(e), not again as lost accuracy; the figure at the "
+            f"end is shown beside it when the two differ.")
 
 
 def _stretch_table(result: "AutotuneResult") -> pd.DataFrame:
@@ -1033,7 +1033,7 @@ def _stretch_table(result: "AutotuneResult") -> pd.DataFrame:
         raw, allow = p.get("accuracy_loss_raw"), p.get("accuracy_allowance") or 0.0
         acc_words = f"{acc:+.3g}" if math.isfinite(acc) else "n/a"
         if raw is not None and math.isfinite(raw) and allow > 0:
-            acc_words += f" ({raw:+.3g} at the end; an offset within its interval explains {allow:.3g})"
+            acc_words += f" ({raw:+.3g} at the end; a delay within its interval explains {allow:.3g})"
         rows.append({"run": _plan_words(p["choice"]), "seed": int(p.get("seed", 0)),
                      "error": f"{p['error']:.3g}",
                      "accuracy loss": acc_words,

@@ -257,7 +257,7 @@ def test_the_check_runs_whatever_the_budget_left():
 def _acc_points(seed=0):
     """Calibration points as run_calibration makes them: references of two seeds (the second 5%
     behind: the horizontal jitter a seed makes), and runs (error, speed) against the first: fp16
-    3.5% and int4 3% of their steps behind, int2 truly 1.5x slower."""
+    3.5% and int4 3% of their steps behind, int2 truly 1.5x slower (a pure delay)."""
     from fastml_strategy.autotune.calibrate import accuracy_within_noise, end_slope
 
     refs = {0: {"losses": curve(60, noise=0.01, seed=seed, k=0.03, floor=1.0), "metric": None},
@@ -274,23 +274,39 @@ def _acc_points(seed=0):
     return pts
 
 
-def test_a_run_behind_within_noise_where_the_loss_still_falls_steeply_passes_the_accuracy_rule():
-    # issue 28, gpt2: the loss still fell steeply at the end of a 60-step run, so uniform fp16 (error
+def test_a_delayed_run_where_the_loss_still_falls_steeply_passes_the_accuracy_rule():
+    # issue 28: where the loss still fell steeply at the end of a 60-step run, uniform fp16 (error
     # 0.0002, stretch interval containing 1) ended 2.3% above the reference and the rule, limit 1%,
-    # chose plain DDP
+    # chose plain DDP on gpt2; on gpt uniform int2, 1.13x slow, ended 11% above and was excluded,
+    # though it reached the target in training at 1.16x the steps: the delay was charged twice
     from fastml_strategy.autotune.costmodel import accuracy_rule
 
     old_excluded = 0
     for seed in range(0, 30, 3):
         fp16, int4, int2 = pts = _acc_points(seed=seed)
-        assert fp16["stretch"].contains(1.0) and int4["stretch"].contains(1.0)
+        assert fp16["stretch"].contains(1.0) and int4["stretch"].contains(1.0) and int2["stretch"].lo > 1.3
         raw = accuracy_rule([dict(p, accuracy_loss=p["accuracy_loss_raw"]) for p in pts], 0.01, paired=True)
         old_excluded += raw.e_max == 0.0  # the final loss alone: no compressed plan within the limit
-        rule = accuracy_rule(pts, 0.01, paired=True)
-        assert rule.e_max == 0.15  # within noise: fp16 and int4 pass; int2, slower beyond it, does not
-        assert fp16["accuracy_loss"] <= 0.01 and int4["accuracy_loss"] <= 0.01
-        assert int2["accuracy_loss"] > 0.1 and int2["accuracy_loss"] > int2["accuracy_loss_raw"] - 0.03
+        # the delays explain the gaps: every plan is within the limit, int2's 1.5x is g(e)'s to charge
+        assert accuracy_rule(pts, 0.01, paired=True).e_max == 0.5
+        assert all(abs(p["accuracy_loss"]) <= 0.01 for p in pts) and int2["accuracy_loss_raw"] > 0.15
     assert old_excluded >= 8
+
+
+def test_a_higher_plateau_keeps_its_gap():
+    # a run that follows the reference, then levels off above it: the early levels say it is not
+    # delayed, so no delay within its interval explains its final gap
+    from fastml_strategy.autotune.calibrate import accuracy_within_noise, end_slope
+
+    for plateau, least in ((1.45, 0.03), (1.6, 0.1)):
+        for seed in range(3):
+            refs = {s: {"losses": curve(60, noise=0.01, seed=3 * seed + s, k=0.03, floor=1.0), "metric": None}
+                    for s in (0, 1)}
+            rng = np.random.default_rng(3 * seed + 2)
+            c = list(np.maximum(curve(60, k=0.03, floor=1.0), plateau) + 0.01 * rng.standard_normal(60))
+            st = stretch(refs[0]["losses"], c, stretch_noise(refs))
+            acc = accuracy_within_noise(refs[0], c, None, st, end_slope([r["losses"] for r in refs.values()]))
+            assert acc["accuracy_loss"] > least and acc["accuracy_loss"] > 0.75 * acc["accuracy_loss_raw"]
 
 
 def test_a_vertical_offset_where_the_reference_has_flattened_counts_in_full():
