@@ -156,6 +156,26 @@ def test_the_alternatives_are_the_fastest_and_the_best_feasible_uniform_plans():
     assert len(alts) == 1 and alts[0][0]["choice"]["a"] == "int4"
 
 
+
+def test_the_uniform_plan_its_calibration_measured_fastest_is_an_alternative_too():
+    # issue 28, gpt seed 1: the fit of g(e) charged a top-k mix ~1.3x the steps where its calibration
+    # run measured 1.8x; the model's own fastest and best uniform plans were top-k too, so the check
+    # never met uniform int2 (measured 1.13x), which reached the target sooner in training
+    from fastml_strategy.autotune._run import _uniform_alternatives
+
+    groups = {"a": ["a"], "b": ["b"]}
+
+    def row(o, step_s, objective):
+        return {"option": "x", "kind": "fastml", "every": 1, "choice": {"a": o, "b": o}, "step_s": step_s,
+                "objective": objective, "feasible": True}
+
+    rows = [row("topk1-int4", 0.50, 1.3), row("int2", 0.59, 1.5), row("int4", 0.83, 1.7)]
+    tuned = {"choice": {"a": "topk1", "b": "topk1-int4"}}
+    assert [a.uniform for a, _ in _uniform_alternatives(rows, "x", tuned, groups)] == ["topk1-int4"]
+    alts = _uniform_alternatives(rows, "x", tuned, groups, {"topk1-int4": 1.8, "int2": 1.13, "int4": 1.0})
+    assert [a.uniform for a, _ in alts] == ["topk1-int4", "int2"]  # 1.13 x 0.59 < 1.8 x 0.50 < 1.0 x 0.83
+    assert "calibration run" in alts[1][1]
+
 def test_measured_step_times_can_overturn_the_check():
     from types import SimpleNamespace
 
