@@ -329,6 +329,23 @@ def test_a_higher_plateau_keeps_its_gap():
             assert acc["accuracy_loss"] > least and acc["accuracy_loss"] > 0.75 * acc["accuracy_loss_raw"]
 
 
+
+def test_a_run_ahead_of_the_reference_is_never_charged_more_than_its_gap():
+    # gpt2 seed 0: int2 measured 0.83x (0.76-0.90) the reference's steps and ended 3.7% above it;
+    # shifting it by a delay of its interval would have charged it 11%
+    from fastml_strategy.autotune.calibrate import Stretch, accuracy_within_noise
+
+    ref = {"losses": curve(60, k=0.03, floor=1.0), "metric": None}
+    ahead = Stretch(0.83, 0.76, 0.90, 0.04, False, 15, 15, 0.01)
+    behind = Stretch(1.2, 1.1, 1.3, 0.04, False, 15, 15, 0.01)
+    worse = list(np.asarray(ref["losses"]) * 1.037)
+    better = list(np.asarray(ref["losses"]) * 0.97)
+    assert accuracy_within_noise(ref, worse, None, ahead, 0.5)["accuracy_loss"] == pytest.approx(0.037, rel=1e-6)
+    assert accuracy_within_noise(ref, better, None, behind, 0.5)["accuracy_loss"] == pytest.approx(-0.03, rel=1e-6)
+    # a run behind that ends above, or ahead that ends below, is shifted towards no gap
+    assert abs(accuracy_within_noise(ref, worse, None, behind, 0.5)["accuracy_loss"]) < 0.037
+    assert abs(accuracy_within_noise(ref, better, None, ahead, 0.5)["accuracy_loss"]) < 0.03
+
 def test_a_vertical_offset_where_the_reference_has_flattened_counts_in_full():
     from fastml_strategy.autotune.calibrate import accuracy_within_noise, end_slope
 
