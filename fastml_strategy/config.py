@@ -100,26 +100,13 @@ class CodecConfig:
 
     # -- validation ----------------------------------------------------------------------------------
     def validate(self, where: str = "codec") -> None:
-        """Raise ValueError naming the field and the fix if a setting is out of range."""
+        """Raise ValueError naming the field and the fix if a setting is out of range (the codec's own
+        fields are checked by its class, :meth:`fastml_strategy.codecs.WireCodec.check`)."""
 
         def fail(fieldname: str, problem: str, fix: str) -> None:
             raise ValueError(f"{where}: {fieldname} {problem}; {fix}")
 
-        if self.codec is Codec.QUANTIZE:
-            if not _is_int(self.bits) or not 1 <= self.bits <= 8:
-                fail("bits", f"is {self.bits!r}, outside 1-8", "quantization takes 1 to 8 bits per element")
-        if self.codec is Codec.TOPK:
-            if self.topk_count is None and self.topk is None:
-                fail("topk", "is not set", "give a fraction in (0, 1] (topk=0.01 keeps 1%) or topk_count")
-            if self.topk_count is not None and (not _is_int(self.topk_count) or self.topk_count < 1):
-                fail("topk_count", f"is {self.topk_count!r}", "give a whole number >= 1")
-            if self.topk is not None and (
-                isinstance(self.topk, bool) or not isinstance(self.topk, (int, float))
-                or not 0.0 < float(self.topk) <= 1.0
-            ):
-                fail("topk", f"is {self.topk!r}, outside (0, 1]", "give the kept fraction, e.g. topk=0.01 for 1%")
-            if self.bits is not None and (not _is_int(self.bits) or not 1 <= self.bits <= 8):
-                fail("bits", f"is {self.bits!r}, outside 1-8", "quantized top-k values take 1 to 8 bits (None: fp32)")
+        self._codec_class().check(self, fail)
         if self.fallback_bits is not None and (
             not _is_int(self.fallback_bits) or not 1 <= self.fallback_bits <= 8
         ):
@@ -135,17 +122,24 @@ class CodecConfig:
             fail("residual_dtype", f"is {self.residual_dtype!r}",
                  f"use one of {sorted(RESIDUAL_DTYPES)} (bf16 halves the residual's memory)")
 
+    def _codec_class(self):
+        # The codec classes live in fastml_strategy.codecs (torch and the kernels), which imports this
+        # module; the package imports this module first, so by the time a config is checked both exist.
+        from fastml_strategy.codecs import codec_class
+
+        return codec_class(self.codec)
+
     @property
     def lossy(self) -> bool:
         """Whether the plan compresses this tensor (every codec but fp32). A layer that is not lossy
         travels uncompressed, batched with the bucket's other such tensors (in fp16/bf16 when the
         gradients already are: exact either way)."""
-        return self.codec is not Codec.FP32
+        return self._codec_class().lossy
 
     @property
     def uses_residual(self) -> bool:
         """Whether this codec keeps an error-feedback residual (fp16/bf16 casts do not need one)."""
-        return self.error_feedback and self.codec in (Codec.QUANTIZE, Codec.TOPK)
+        return self.error_feedback and self._codec_class().error_feedback
 
     @property
     def residual_torch_dtype(self) -> "torch.dtype":
@@ -163,17 +157,8 @@ class CodecConfig:
         return max(1, min(numel, int(-(-numel * float(self.topk) // 1))))
 
     def describe(self) -> str:
-        """A short human name: ``int4``, ``topk1%-int4``, ``fp16``..."""
-        if self.codec is Codec.QUANTIZE:
-            name = f"int{self.bits}" + ("-sr" if self.stochastic else "")
-        elif self.codec is Codec.TOPK:
-            amount = f"{self.topk_count}" if self.topk_count is not None else f"{self.topk * 100:g}%"
-            name = f"topk{amount}" + (f"-int{self.bits}" if self.bits else "")
-        else:
-            return self.codec.value
-        if not self.error_feedback:
-            return name + "-noef"
-        return name + ("-rbf16" if self.residual_dtype == "bf16" else "")
+        """A short human name: ``int4``, ``topk1%-int4``, ``fp16``... (the codec class's)."""
+        return self._codec_class().describe(self)
 
     # -- JSON ----------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
