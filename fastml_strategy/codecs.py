@@ -369,6 +369,11 @@ class QuantizeCodec(WireCodec):
         return _all_finite(self.split(buf, numel)[0].view(torch.float32))
 
     # -- segment tables: every chunk of many layers of this config in one launch (Triton) ------------
+    def table_key(self) -> tuple:
+        """Codecs with equal keys share a table: what the launch reads of the config."""
+        c = self.cfg
+        return (c.bits, c.block_size, c.stochastic, c.uses_residual)
+
     def encode_table(self, chunks, device) -> tuple[torch.Tensor, int]:
         """The table of an :meth:`encode_segments` launch; ``chunks``: ``(x_off, r_off, rout_off,
         msg_off, numel)`` per chunk (:func:`fastml_strategy.kernels.encode_table`, seeds 0)."""

@@ -7,7 +7,7 @@ HSDP (shard inside a node, replicate across nodes) then all-reduces every shard 
 over the slow link. :func:`register` swaps in FastML's collectives:
 
 - **FSDP** (1-D mesh): the unit's reduce-scatter becomes FastML's compressed reduce-scatter
-  (:meth:`fastml_strategy.collective.CompressedAllReduce.reduce_scatter`): each rank encodes the W
+  (:class:`fastml_strategy._reduce_scatter.CompressedReduceScatter`): each rank encodes the W
   chunks of every gradient with the layer's codec and error feedback, one all_to_all, and each rank
   decodes and sums its own chunk. Bytes per rank: (W-1)/W of the compressed size.
 - **HSDP**: the cross-replica all-reduce of each reduced shard becomes FastML's scatter-reduce-
@@ -58,7 +58,9 @@ import torch.distributed as dist
 from fastml_strategy import codecs
 from fastml_strategy._peers import FailureChannel
 from fastml_strategy._validate import whole_number
-from fastml_strategy.collective import CompressedAllReduce, CompressionError, ShardedTensor
+from fastml_strategy._layouts import ShardedTensor
+from fastml_strategy._reduce_scatter import CompressedReduceScatter
+from fastml_strategy.collective import CompressedAllReduce, CompressionError
 from fastml_strategy.config import Plan, resolve_plan
 from fastml_strategy.hook import (agreed_plan, check_saved_state, check_state_kind, fitting_residuals,
                                   model_names, own_rank_state)
@@ -192,7 +194,7 @@ class FSDPState:
         self._restore = restore  # callables that undo what register changed (close)
         rs_plan = shard_plan if replicate_group is not None else plan
         # the reduce-scatter engine: its process group is FSDP's own shard group, passed per call
-        self._rs = CompressedAllReduce(rs_plan, None, shard_rank, shard_size) if rs_plan else None
+        self._rs = CompressedReduceScatter(rs_plan, None, shard_rank, shard_size) if rs_plan else None
         self._ar = (CompressedAllReduce(plan, replicate_group, self.replicate_rank, self.replicate_size)
                     if replicate_group is not None else None)
         self._ag: Optional[_AllGatherCounter] = None  # register(all_gather_bits=...)
@@ -225,9 +227,8 @@ class FSDPState:
                     cfg = eng.plan.for_parameter(name, numel)  # (the wire dtype keeps no residual)
                     if eng is self._ar:
                         cfg = codecs.effective_config(cfg, n, eng.world_size)
-                    if cfg.uses_residual and name not in eng.pending_residuals:
-                        eng.pending_residuals[name] = torch.zeros(
-                            n, dtype=cfg.residual_torch_dtype, device=fp.sharded_param.device)
+                    if cfg.uses_residual:
+                        eng.reserve_residual(name, n, cfg.residual_torch_dtype, fp.sharded_param.device)
 
     # -- the step counter: one step per backward that reduces gradients ----------------------------------
     def _begin(self) -> None:
@@ -276,7 +277,7 @@ class FSDPState:
         eng = self._rs
         eng.group = group
         try:
-            lay = eng.shard_layout_for(unit.tensors(self.shard_size), inp.device, inp.dtype)
+            lay = eng.layout_for(unit.tensors(self.shard_size), inp.device, inp.dtype)
             finite = eng.reduce_scatter(lay, inp.view(-1), out.view(-1), self.step,
                                         scale=_scale_of(op, self.shard_size, unit.group),
                                         layer_stats=self._layer_stats_now())
