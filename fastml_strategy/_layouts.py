@@ -287,15 +287,14 @@ class BucketLayout(_Messages):
         self.names = tuple(names)
         self.total_numel = int(sum(numels))
         self.world_size, self.rank = world_size, rank
-        W = world_size
-        dense: dict[tuple, list[_Param]] = {}
         self.topk: list[_TopkParam] = []
         self.configs: dict[str, CodecConfig] = {}
         # plan_numels: the parameters' own sizes, when the bucket holds only a shard of them (HSDP):
         # whether a tensor is small enough to travel uncompressed is a property of the parameter.
         self.uncompressed = True  # every tensor fp32 in the plan: a plain all-reduce does it
+        dense: dict[tuple, list[_Param]] = {}
         for name, off, n, pn in zip(names, offsets, numels, plan_numels or numels):
-            planned = codecs.effective_config(plan.for_parameter(name, pn), n, W)
+            planned = codecs.effective_config(plan.for_parameter(name, pn), n, world_size)
             self.uncompressed = self.uncompressed and not planned.lossy
             cfg = codecs.wire_config(planned, dtype)
             self.configs[name] = cfg
@@ -306,23 +305,33 @@ class BucketLayout(_Messages):
                 dense.setdefault(("batch", cfg), []).append(p)  # uncompressed: one batched segment
             else:
                 dense.setdefault((name, cfg), []).append(p)  # one segment per compressed layer
-        self.dense: list[_DenseGroup] = []
-        fp32_buffer = dtype == torch.float32
-        for (_, cfg), params in dense.items():
-            pos = 0
-            for p in params:
-                p.goff = pos
-                pos += p.numel
-            length = pos
-            bounds = chunk_bounds(length, codecs.chunk_unit(cfg), W)
-            nbytes = [codecs.chunk_nbytes(bounds[j + 1] - bounds[j], cfg) for j in range(W)]
-            direct = fp32_buffer and len(params) == 1
-            g = _DenseGroup(cfg, params, length, bounds, nbytes,
-                            pieces=[(p.boff, p.goff, p.numel) for p in params], direct=direct,
-                            chunk_base=[params[0].boff + bounds[j] for j in range(W)] if direct else [])
-            self.dense.append(g)
-        # Residuals: fp32 ones of a double-buffered layout are views of two flat buffers, swapped
-        # together at commit, so that one kernel launch (a segment table) reaches every layer's.
+        self.dense = [self._group(cfg, params, dtype == torch.float32) for (_, cfg), params in dense.items()]
+        self._alloc_residuals(double_buffer)
+        self.pieces = self._pipeline(max(1, int(piece_numel)))
+        self.send = self.recv = self.gsend = self.grecv = None
+        self.topk_acc: dict[str, torch.Tensor] = {}
+        if persistent and not self.uncompressed:
+            self._alloc()
+
+    def _group(self, cfg: CodecConfig, params: list[_Param], fp32_buffer: bool) -> _DenseGroup:
+        """The group of ``params`` (one compressed layer, or the batched uncompressed tensors), cut
+        into W chunks on its codec's unit; read straight from the buffer when it is one fp32 layer."""
+        W = self.world_size
+        pos = 0
+        for p in params:
+            p.goff = pos
+            pos += p.numel
+        bounds = chunk_bounds(pos, codecs.chunk_unit(cfg), W)
+        nbytes = [codecs.chunk_nbytes(bounds[j + 1] - bounds[j], cfg) for j in range(W)]
+        direct = fp32_buffer and len(params) == 1
+        return _DenseGroup(cfg, params, pos, bounds, nbytes,
+                           pieces=[(p.boff, p.goff, p.numel) for p in params], direct=direct,
+                           chunk_base=[params[0].boff + bounds[j] for j in range(W)] if direct else [])
+
+    def _alloc_residuals(self, double_buffer: bool) -> None:
+        """The residuals: fp32 ones of a double-buffered layout are views of two flat buffers, swapped
+        together at commit, so that one kernel launch (a segment table) reaches every layer's."""
+        device = self.device
         self.res_flat: list[torch.Tensor] | None = None
         flat = [g for g in self.dense if g.ef and double_buffer and g.cfg.residual_torch_dtype == torch.float32]
         if flat:
@@ -338,24 +347,22 @@ class BucketLayout(_Messages):
                 g.alloc_residual(device, double_buffer)
         for t in self.topk:
             t.residual = torch.zeros(t.param.numel, dtype=t.cfg.residual_torch_dtype, device=device)
-        # The pipeline: segments in bucket order, packed into pieces of about piece_numel elements (a
-        # small segment joins its neighbours rather than costing a collective of its own).
-        piece_numel = max(1, int(piece_numel))
+
+    def _pipeline(self, piece_numel: int) -> list[_Piece]:
+        """The pieces: segments in bucket order, packed into pieces of about ``piece_numel`` elements
+        (a small segment joins its neighbours rather than costing a collective of its own); the
+        bucket's top-k messages travel in the last piece's all_gather."""
         runs: list[list[_DenseGroup]] = [[]]
         filled = 0
         for g in self.dense:
-            for seg in _segments(g, W, piece_numel):
+            for seg in _segments(g, self.world_size, piece_numel):
                 if runs[-1] and filled + seg.length > piece_numel and 4 * filled >= piece_numel:
                     runs.append([])
                     filled = 0
                 runs[-1].append(seg)
                 filled += seg.length
-        self.pieces = [_Piece(segs, self.topk if i == len(runs) - 1 else [], W, rank, device)
-                       for i, segs in enumerate(runs)]
-        self.send = self.recv = self.gsend = self.grecv = None
-        self.topk_acc: dict[str, torch.Tensor] = {}
-        if persistent and not self.uncompressed:
-            self._alloc()
+        return [_Piece(segs, self.topk if i == len(runs) - 1 else [], self.world_size, self.rank, self.device)
+                for i, segs in enumerate(runs)]
 
     @property
     def segments(self) -> list[_DenseGroup]:
@@ -528,6 +535,3 @@ class ShardLayout(_Messages):
         return {n: (cfg, by_name[n].numel,
                     codecs.reduce_scatter_bytes(list(by_name[n].chunk_numels), cfg, rank))
                 for n, cfg in self.configs.items()}
-
-
-_chunk_bounds = chunk_bounds  # the name tests/kernels/test_segment_table.py's docstring cites

@@ -671,7 +671,8 @@ def topk_nbytes(numel: int, cfg: CodecConfig) -> int:
     return _topk(cfg).nbytes(numel)
 
 
-def encode_topk(v: torch.Tensor, cfg: CodecConfig, out: torch.Tensor, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_topk(v: torch.Tensor, cfg: CodecConfig, out: torch.Tensor,
+                seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """:meth:`TopkCodec.select`."""
     return _topk(cfg).select(v, out, seed)
 

@@ -11,7 +11,7 @@ The profile says what each plan's error is; this module measures what that error
    error does not capture every codec family equally (top-k with error feedback and quantization
    of the same per-step error train differently), so the plan that will be used is always trained
    once, and the fit and the feasible limit include it.
-3. Stretch (:func:`stretch`, issue 28). Both loss curves are smoothed (exponential moving average)
+3. Stretch (:func:`stretch`). Both loss curves are smoothed (exponential moving average)
    and made monotone (running minimum). At 15 levels, the reference's smoothed loss at 20% to 90% of
    the run, the candidate's crossing step (interpolated, lag-corrected) is divided by the
    reference's. Each level's log-ratio has the standard error ``sigma / |d ref / d log t|``: the
