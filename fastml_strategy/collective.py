@@ -68,12 +68,8 @@ from fastml_strategy._layouts import PIECE_NUMEL, BucketLayout, _DenseGroup, _Pi
 from fastml_strategy._status import StepChecks, all_finite, host, resolve
 from fastml_strategy.config import Plan
 
-# Moved to the modules named here; imported under their old names for the callers that use them.
-from fastml_strategy._layouts import ShardedTensor, ShardLayout, chunk_bounds as _chunk_bounds  # noqa: E402,F401
-from fastml_strategy._reduce_scatter import CompressedReduceScatter  # noqa: E402,F401
-from fastml_strategy._status import HEADER, CompressionError, DecodeError, host_reads  # noqa: E402,F401
-from fastml_strategy._status import all_finite as _finite_t  # noqa: E402,F401
-from fastml_strategy._status import host as _host  # noqa: E402,F401
+# The errors and the header size users and callers know from here (defined with the header protocol).
+from fastml_strategy._status import HEADER, CompressionError, DecodeError, host_reads  # noqa: F401
 
 __all__ = ["BucketLayout", "CompressedAllReduce", "CompressionError", "DecodeError", "StepChecks", "host_reads",
            "PIECE_NUMEL", "HEADER"]

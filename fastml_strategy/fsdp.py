@@ -697,7 +697,7 @@ def _check_arguments(model, all_gather_bits, layer_stats_every) -> None:
                          f"returned, or call its close() first")
 
 
-def _fsdp_units(model, names: dict) -> tuple[list, bool]:
+def _fsdp_units(model) -> tuple[list, bool]:
     """The FSDP units of an FSDP2 model (one per ``fully_shard`` module), checked against FastML's
     layout rule, and whether they sit on a 2-D HSDP mesh; raises naming the fix for a model FastML
     cannot take (FSDP1, not sharded, several parameter groups or meshes, an SPMD mesh)."""
@@ -713,6 +713,7 @@ def _fsdp_units(model, names: dict) -> tuple[list, bool]:
         raise TypeError(f"{_OWNER}: the model ({type(model).__name__}) is not an FSDP2 module; apply "
                         f"fully_shard first (each block, then the root: fully_shard(model)) and register "
                         f"afterwards, on every rank")
+    names = {id(p): n for n, p in model.named_parameters()}
     units, mesh_infos = [], set()
     for mod in model.modules():
         if not isinstance(mod, FSDPModule):
@@ -753,8 +754,7 @@ def _inspect(model, replicate_group, shard_plan, all_gather_bits, layer_stats_ev
     fills ``found`` (the model's names, aliases and frozen parameters, its units, the mesh, the
     replicate group, the shard plan) and adds the mesh to the ``settings`` ranks must share."""
     _check_arguments(model, all_gather_bits, layer_stats_every)
-    names = {id(p): n for n, p in model.named_parameters()}
-    units, native_hsdp = _fsdp_units(model, names)
+    units, native_hsdp = _fsdp_units(model)
     trainable, al, fr = model_names(model)
     found["names"].extend(trainable)
     found["aliases"].update(al)

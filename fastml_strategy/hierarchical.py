@@ -58,8 +58,10 @@ import torch
 import torch.distributed as dist
 
 from fastml_strategy import codecs
-from fastml_strategy.collective import (HEADER, CompressedAllReduce, CompressionError, StepChecks,
-                                        _chunk_bounds, _host)
+from fastml_strategy._layouts import chunk_bounds as _chunk_bounds
+from fastml_strategy._status import HEADER, CompressionError, StepChecks
+from fastml_strategy._status import host as _host
+from fastml_strategy.collective import CompressedAllReduce
 from fastml_strategy.config import Codec, CodecConfig, Plan
 from fastml_strategy.topology import Topology
 
