@@ -82,7 +82,8 @@ class _DenseGroup:
 
     @property
     def ef(self) -> bool:
-        return self.cfg.uses_residual
+        """Whether the group keeps an error-feedback residual (``cfg.uses_residual``)."""
+        return self.cfg.error_feedback and self.codec.error_feedback
 
     @property
     def key(self) -> int:

@@ -276,6 +276,9 @@ class Fp32Codec(_PlainCodec):
     dtype = torch.float32
     __slots__ = ()
 
+    def encode(self, x, out, residual=None, residual_out=None, seed=0) -> None:
+        out.view(torch.float32).copy_(x)  # ``out`` is exactly 4 bytes per element: no slice to take
+
 
 @register_codec(Codec.FP16)
 class Fp16Codec(_PlainCodec):
