@@ -369,7 +369,7 @@ class QuantizeCodec(WireCodec):
     def finite(self, buf, numel) -> torch.Tensor:
         if numel == 0:
             return torch.ones((), dtype=torch.bool, device=buf.device)
-        return _all_finite(self.split(buf, numel)[0].view(torch.float32))
+        return _all_finite(buf[: self.layout(numel).meta].view(torch.float32))  # the blocks' (min, scale)
 
     # -- segment tables: every chunk of many layers of this config in one launch (Triton) ------------
     def table_key(self) -> tuple:

@@ -48,6 +48,7 @@ masks unless a block is non-finite): about 2x the naive version's speed; the com
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -92,6 +93,7 @@ class ChunkLayout(NamedTuple):
     nbytes: int
 
 
+@functools.lru_cache(maxsize=1 << 12)  # asked per chunk and stage; a model has few distinct chunk sizes
 def chunk_layout(numel: int, bits: int, block_size: int) -> ChunkLayout:
     """The layout of a quantized chunk of ``numel`` elements (format step 9)."""
     meta = 8 * num_blocks(numel, block_size)
