@@ -5,7 +5,10 @@ plain Trainer DDP vs the integration with plan `none` (10 steps); int4 (replicas
 gradient accumulation (only the syncing micro-batch is compressed); bf16 + gradient checkpointing; a PEFT
 LoRA model (plan names as model.named_parameters() shows them); resume bit-exact from checkpoint-N (and
 not bit-exact without FastML's state); TRL's SFTTrainer with the same line; bad plans (before any step,
-on every rank). Each rank writes its findings to OUT.rank<R>.json for tests/integrations/test_transformers.py.
+on every rank); torch_compile=True (aot_eager backend); FSDP2 through fsdp/fsdp_config (setup switches
+Accelerate to its FSDP2 path on CPU): plan `none` against plain DDP, int4, resume from Trainer's FSDP
+checkpoint, accumulation with bf16. Each rank writes its findings to OUT.rank<R>.json for
+tests/integrations/test_transformers.py.
 """
 
 from __future__ import annotations
@@ -205,7 +208,9 @@ def main() -> None:
     r["t_compile"] = time.monotonic() - t
 
     # 11. FSDP2 through fsdp/fsdp_config on CPU (setup switches Accelerate to its FSDP2 path)
+    t = time.monotonic()
     fsdp_contracts(r, plain)
+    r["t_fsdp"] = time.monotonic() - t
 
     r["seconds"] = time.monotonic() - t0
     with open(f"{OUT}.rank{RANK}.json", "w") as f:
