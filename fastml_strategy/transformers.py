@@ -349,6 +349,8 @@ def _shard_on_cpu(trainer: Any, every: int | None) -> bool:
         return False  # GPUs (Accelerate shards), DeepSpeed, one process
     if plugin_args.get("fsdp_version") != 2:
         return False  # FSDP1: on CPU, Trainer(...) already raised (Accelerate's FSDP1 plugin needs a GPU)
+    if trainer.model_wrapped is not trainer.model:
+        return False  # trained before setup: the model is in DDP already (the callback warns at train begin)
     where = "fastml_strategy.transformers.setup"
     if every is not None:
         raise ValueError(f"{where}: LocalSGD (every={every}) needs Trainer's DDP model, and TrainingArguments "

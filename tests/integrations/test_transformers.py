@@ -178,3 +178,45 @@ def test_bucket_advice_names_the_training_argument(caplog):
         assert caplog.text == ""
         cb._advise_buckets(types.SimpleNamespace(ddp_bucket_cap_mb=None, should_log=True), ddp)
     assert f"TrainingArguments(ddp_bucket_cap_mb={suggest_bucket_cap_mb(ddp.module):.2f})" in caplog.text
+
+
+def test_cpu_fsdp2_switch_refuses_what_trainer_refuses_with_fsdp():
+    """Before switching Accelerate to FSDP2 on CPU, setup applies the checks Trainer makes when it builds an
+    FSDP Accelerator (it skipped them: on CPU it built none), each one line naming the fix."""
+    import types
+
+    from accelerate.utils import DistributedType
+
+    from fastml_strategy.transformers import _shard_on_cpu
+
+    def trainer(**args):
+        base = dict(fsdp=True, fsdp_plugin_args={"fsdp_version": 2}, save_only_model=False,
+                    load_best_model_at_end=False, activation_checkpointing=False, should_log=False)
+        model = object()
+        return types.SimpleNamespace(
+            args=types.SimpleNamespace(**{**base, **args}), model=model, model_wrapped=model, optimizer=None,
+            lr_scheduler=None, accelerator=types.SimpleNamespace(distributed_type=DistributedType.MULTI_CPU,
+                                                                 state=types.SimpleNamespace()))
+
+    for t, needle in ((trainer(activation_checkpointing=True,
+                               fsdp_plugin_args={"fsdp_version": 2, "activation_checkpointing": True}),
+                       "can't both be True"),
+                      (trainer(save_only_model=True, load_best_model_at_end=True), "save_only_model=True"),
+                      (trainer(save_only_model=True, fsdp_plugin_args={"fsdp_version": 2,
+                                                                       "state_dict_type": "SHARDED_STATE_DICT"}),
+                       "state_dict_type FULL_STATE_DICT")):
+        with pytest.raises(ValueError) as e:
+            _shard_on_cpu(t, None)
+        assert needle in str(e.value) and "\n" not in str(e.value)
+    opt = trainer()
+    opt.optimizer = object()
+    with pytest.raises(ValueError, match=r"Trainer\(optimizers=...\) is not allowed with FSDP"):
+        _shard_on_cpu(opt, None)
+    with pytest.raises(ValueError, match=r"LocalSGD \(every=5\) needs Trainer's DDP model"):
+        _shard_on_cpu(trainer(), 5)
+    # nothing to switch: no FSDP asked for, FSDP1, a model that training already wrapped in DDP
+    assert _shard_on_cpu(trainer(fsdp=False), None) is False
+    assert _shard_on_cpu(trainer(fsdp_plugin_args={"fsdp_version": 1}), None) is False
+    wrapped = trainer()
+    wrapped.model_wrapped = object()
+    assert _shard_on_cpu(wrapped, None) is False
