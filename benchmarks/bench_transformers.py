@@ -18,7 +18,8 @@ The tuned plan: unless ``--tuned PLAN`` names one, ``fastml-autotune
 recipes/autotune_transformers.py:workload_bench`` (this model, a ``Trainer`` target) runs first, in one
 process outside the namespaces, with ``--link`` ``--tune-link`` (default 100mbit, the slow link) and
 ``--world-size 2``, plus ``--tune-args`` (default: short calibration, no local steps); its plan.json is kept
-under ``benchmarks/out/bench_transformers_tune/``, and every link runs that one plan.
+under ``benchmarks/out/bench_transformers_tune/`` (and copied beside the CSV as ``<csv>_plan.json``);
+every link runs that one plan.
 
 The link: as root, each link setting gets a private network namespace (``fm24b-<pid>``) whose loopback is
 rate-limited with ``tc qdisc add dev lo root tbf rate R burst 512kb latency 100ms``; both ranks run
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -201,7 +203,7 @@ def main() -> None:
                              "compute_floor_ms": floor, "wire_ms": wire_ms, "bound_ms": bound,
                              "x_bound": med / bound if bound else float("nan"), "loss_after": res["loss"],
                              "steps": args.warmup + args.steps, "params": res["params"],
-                             "plan": plan if method == "fastml-tuned" else method,
+                             "plan": os.path.relpath(plan, REPO) if method == "fastml-tuned" else method,
                              "bucket_cap_mb": res.get("bucket_cap_mb"),
                              "grad_mb": res["grad_bytes"] / 1e6, "load_avg_1m": os.getloadavg()[0],
                              "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())})
@@ -212,6 +214,9 @@ def main() -> None:
             subprocess.run(["ip", "netns", "del", ns], stderr=subprocess.DEVNULL)
     _bench.write_csv(args.csv, rows, env0)
     print(f"wrote {args.csv}")
+    if plan is not None and not args.tuned:  # tuned by this run: keep the plan its fastml-tuned rows ran
+        shutil.copyfile(plan, args.csv[:-len(".csv")] + "_plan.json")
+        print(f"wrote {args.csv[:-len('.csv')]}_plan.json (the tuned plan)")
 
 
 if __name__ == "__main__":
