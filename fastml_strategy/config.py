@@ -55,6 +55,8 @@ class Codec(str, enum.Enum):
 
 
 RESIDUAL_DTYPES = frozenset({"fp32", "bf16"})
+# Codecs of the hop inside a machine (Plan.intra_node): exact or a 16-bit cast
+INTRA_NODE_CODECS = frozenset({Codec.FP32, Codec.FP16, Codec.BF16})
 
 
 @dataclass(frozen=True)
@@ -302,6 +304,11 @@ class Plan:
     name: str = "custom"
     # Local steps (LocalSGD: synchronise every H steps) instead of every step; None: every step.
     local_steps: LocalSteps | None = None
+    # The hop inside a machine of the hierarchical all-reduce (several machines of several ranks):
+    # None or fp32 sends it exact; fp16/bf16 halve its bytes (for GPUs that share PCIe without NVLink)
+    # at one rounding of the machine's reduced gradient, which error feedback does not see. A recipe
+    # name ("bf16") or a CodecConfig; quantization is refused (see INTRA_NODE_CODECS).
+    intra_node: CodecConfig | None = None
 
     def __post_init__(self) -> None:
         layers = self.layers
@@ -319,6 +326,11 @@ class Plan:
                 raise ValueError(f"plan.layers: {bad[0]!r} is not a (name, CodecConfig) pair; give pairs, "
                                  f"or a dict of name -> CodecConfig")
         object.__setattr__(self, "layers", layers)
+        if isinstance(self.intra_node, str):
+            if self.intra_node not in RECIPES:
+                raise ValueError(f"plan.intra_node is {self.intra_node!r}; use one of "
+                                 f"{sorted(c.value for c in INTRA_NODE_CODECS)} (or 'none' for fp32)")
+            object.__setattr__(self, "intra_node", RECIPES[self.intra_node])
         self.validate()
 
     # -- constructors ----------------------------------------------------------------------------------
@@ -357,7 +369,7 @@ class Plan:
             raise ValueError(
                 f"unknown recipe {name!r}; use one of {sorted(RECIPES)}, a plan JSON path, or a Plan"
             )
-        allowed = ("layers", "min_numel", "seed")
+        allowed = ("layers", "min_numel", "seed", "intra_node")
         unknown = sorted(set(overrides) - set(allowed))
         if unknown:
             raise ValueError(f"Plan.from_recipe: unknown override(s) {unknown}; a recipe's plan takes "
@@ -381,7 +393,8 @@ class Plan:
                 f"{PLAN_FORMAT_VERSION}); re-create the plan with this version's fastml-autotune or "
                 f"Plan.save, or upgrade FastML"
             )
-        known = {"format_version", "default", "layers", "min_numel", "seed", "name", "meta", "local_steps"}
+        known = {"format_version", "default", "layers", "min_numel", "seed", "name", "meta", "local_steps",
+                 "intra_node"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"{where}: unknown field(s) {unknown}; known fields are {sorted(known)}")
@@ -398,9 +411,11 @@ class Plan:
         name = d.get("name", "custom")
         local = d.get("local_steps")
         local = None if local is None else LocalSteps.from_dict(local, f"{where}.local_steps")
+        intra = d.get("intra_node")
+        intra = None if intra is None else CodecConfig.from_dict(intra, f"{where}.intra_node")
         try:
             return cls(default=default, layers=layers, min_numel=min_numel, seed=seed, name=str(name),
-                       local_steps=local)
+                       local_steps=local, intra_node=intra)
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
 
@@ -441,6 +456,8 @@ class Plan:
         }
         if self.local_steps is not None:  # only when set: per-step plans keep their files and digests
             d["local_steps"] = self.local_steps.kwargs()
+        if self.intra_node is not None:  # likewise
+            d["intra_node"] = self.intra_node.to_dict()
         return d
 
     def to_json(self) -> str:
@@ -506,6 +523,24 @@ class Plan:
         if self.local_steps is not None and not isinstance(self.local_steps, LocalSteps):
             raise ValueError(f"plan.local_steps is a {type(self.local_steps).__name__}; use "
                              f"fastml_strategy.LocalSteps(every=H, ...) or None (synchronise every step)")
+        if self.intra_node is not None:
+            if not isinstance(self.intra_node, CodecConfig):
+                raise ValueError(f"plan.intra_node is a {type(self.intra_node).__name__}; use a recipe name "
+                                 f"('bf16', 'fp16', 'none') or a CodecConfig")
+            if self.intra_node.codec not in INTRA_NODE_CODECS:
+                raise ValueError(
+                    f"plan.intra_node is {self.intra_node.describe()}; the hop inside a machine takes "
+                    f"{sorted(c.value for c in INTRA_NODE_CODECS)} only: it carries the machine's summed "
+                    f"gradient back to every rank after the compressed cross-machine stage, where no error "
+                    f"feedback corrects a lossy code, and it runs on the fast link (use 'bf16' to halve it)")
+
+    @property
+    def intra_node_dtype(self) -> "torch.dtype | None":
+        """The dtype the hop inside a machine travels in (None: the bucket's, summed in fp32)."""
+        import torch
+
+        c = None if self.intra_node is None else self.intra_node.codec
+        return {Codec.FP16: torch.float16, Codec.BF16: torch.bfloat16}.get(c)
 
     def check_parameters(self, names: Iterable[str], aliases: Mapping[str, str] | None = None,
                          frozen: Iterable[str] = ()) -> None:

@@ -42,8 +42,14 @@ flag): an error on any rank raises the same :class:`CompressionError` on every r
 anywhere (it reaches the parts of one local rank through step 3 and every rank through step 4) skips
 the step's residual commit on every rank alike.
 
-Sparse gradients (their own bucket) take the exact flat sparse all-reduce. Not done: a codec for the
-intra-machine hop (step 2 and 4 are always fp32; the hop is the fast link).
+The hop inside the machine (steps 2 and 4) is exact by default. ``Plan.intra_node`` = fp16 or bf16
+sends both steps in that dtype (half the bytes, for GPUs that share PCIe without NVLink): step 2's
+copies are summed in fp32, and step 4 all-gathers the 16-bit rounding of each reduced row, which every
+rank of the machine, the row's owner included, copies into its bucket (so replicas stay identical).
+That rounding comes after error feedback (step 3) and is not corrected by it, which is why the hop
+takes no lossier code (:data:`fastml_strategy.config.INTRA_NODE_CODECS`).
+
+Sparse gradients (their own bucket) take the exact flat sparse all-reduce.
 """
 
 from __future__ import annotations
@@ -104,9 +110,15 @@ class HierLayout:
         self.shard = (cross.layout_for(mine[0], mine[1], mine[2], device, self.dtype, plan_numels=mine[3])
                       if mine[0] else None)
         self.uncompressed = self.shard is None or self.shard.uncompressed
-        self.stage = torch.zeros(R, self.P, dtype=self.dtype, device=device)  # rows to send (step 2)
-        self.recv = torch.zeros(R, self.P, dtype=self.dtype, device=device)  # the R copies of my row
+        # steps 2 and 4 travel in the plan's intra_node dtype (fp16/bf16), else in the summing dtype
+        self.wire = plan.intra_node_dtype or self.dtype
+        self.stage = torch.zeros(R, self.P, dtype=self.wire, device=device)  # rows to send (step 2)
+        self.recv = torch.zeros(R, self.P, dtype=self.wire, device=device)  # the R copies of my row
         self.row = torch.zeros(self.P, dtype=self.dtype, device=device)  # my reduced row
+        # my row as it travels in step 4 (a 16-bit intra_node: its rounding, which every rank of the
+        # machine, this one included, takes from the gathered rows)
+        self.row_wire = self.row if self.wire == self.dtype else torch.zeros(self.P, dtype=self.wire,
+                                                                             device=device)
         # every row (step 4): recv's memory, free again once step 2's copies are summed into ``row``
         self.gathered = self.recv
 
@@ -133,10 +145,24 @@ class HierarchicalAllReduce:
         self.cross = CompressedAllReduce(plan, cross, topo.node_rank, topo.nodes)
         self.cross.report_rank = rank
         self.world = CompressedAllReduce(plan, group, rank, world_size)  # sparse buckets, agreement
+        # How every collective of the bucket is waited for: ``work.wait()``, or (:meth:`use_channel`)
+        # through a failure channel, so that a rank failing in a group this rank is not in stops this
+        # rank's wait at once instead of at the process-group timeout.
+        self.wait = CompressedAllReduce.wait
         self.hier_layouts: dict[tuple, HierLayout] = {}
         # statistics
         self.bytes_sent_intra = 0  # steps 2 and 4 (the machine's own link)
         self.bytes_uncompressed = 0.0  # a flat fp32 ring all-reduce over all W ranks, as the flat path
+
+    def use_channel(self, channel) -> None:
+        """Wait for every collective (inside the machine, across machines, the end-of-step
+        agreement) through ``channel`` (:class:`fastml_strategy._peers.FailureChannel`). Ranks here
+        meet in three kinds of groups that do not all hold one another: when rank 2 of two machines
+        of two dies, rank 0 (its cross-machine peer) and rank 3 (its machine peer) see the closed
+        connection, but rank 1 next meets rank 0 in an intra-machine collective that rank 0, having
+        raised, never issues; without the channel rank 1 waits for the whole process-group timeout.
+        CPU tensors only: NCCL's ``wait()`` does not block the host."""
+        self.wait = self.cross.wait = self.world.wait = channel.wait
 
     # -- what the hook reads -------------------------------------------------------------------------
     @property
@@ -211,10 +237,10 @@ class HierarchicalAllReduce:
         stage, recv, row = lay.stage, lay.recv, lay.row
         for j, roff, boff, m in lay.copies:
             stage[j, roff: roff + m].copy_(buf[boff: boff + m])
-        dist.all_to_all_single(recv.view(-1), stage.view(-1), group=self.intra)
+        self.wait(dist.all_to_all_single(recv.view(-1), stage.view(-1), group=self.intra, async_op=True))
         self.bytes_sent_intra += (R - 1) * lay.P * stage.element_size()
         row.copy_(recv[0])
-        for j in range(1, R):  # in rank order: the same sum on every machine's local rank l
+        for j in range(1, R):  # in rank order, in fp32: the same sum on every machine's local rank l
             row.add_(recv[j])
         row.div_(R)
         n_row = lay.row_len[self.topo.local_rank]
@@ -231,8 +257,10 @@ class HierarchicalAllReduce:
             if cross_tail is not None:
                 cross_tail()
             outs = list(lay.gathered.unbind(0))
-            dist.all_gather(outs, row, group=self.intra_gather)
-            self.bytes_sent_intra += (R - 1) * lay.P * row.element_size()
+            if lay.row_wire is not row:
+                lay.row_wire.copy_(row)
+            self.wait(dist.all_gather(outs, lay.row_wire, group=self.intra_gather, async_op=True))
+            self.bytes_sent_intra += (R - 1) * lay.P * lay.row_wire.element_size()
             g = lay.gathered
             for j, roff, boff, m in lay.copies:
                 buf[boff: boff + m].copy_(g[j, roff: roff + m])
@@ -269,7 +297,8 @@ class HierarchicalAllReduce:
         self.world._write_header(mine, error)
         mine[HEADER] = 1 if finite else 0
         out = torch.zeros(W * (HEADER + 8), dtype=torch.uint8, device=dev)
-        dist.all_gather(list(out.view(W, HEADER + 8).unbind(0)), mine, group=self.group)
+        self.wait(dist.all_gather(list(out.view(W, HEADER + 8).unbind(0)), mine, group=self.group,
+                                  async_op=True))
         got = _host(out.view(W, HEADER + 8))
         status = got[:, :4].contiguous().view(torch.int32)[:, 0].tolist()
         failed = [r for r, s in enumerate(status) if s != 0]

@@ -57,6 +57,7 @@ import torch.distributed as dist
 from fastml_strategy._validate import whole_number
 from fastml_strategy.collective import CompressedAllReduce, CompressionError, StepChecks
 from fastml_strategy.config import Plan, resolve_plan
+from fastml_strategy._peers import FailureChannel
 from fastml_strategy.topology import Topology, agreed_topology, node_groups
 
 __all__ = ["FastMLState", "register_hook", "suggest_bucket_cap_mb", "ReplicaDriftError", "CompressionError"]
@@ -300,6 +301,9 @@ class FastMLState:
         self.topology = topology
         self._node_groups = node_groups or ()
         self._own_node_groups = False  # register_hook made them: close() destroys them
+        # the hierarchical path on CPU: a rank's failure reaches ranks of other groups through the
+        # job's store (:meth:`use_channel`); None: a dead peer is noticed by the group it shares
+        self._channel = None
         if node_groups:
             from fastml_strategy.hierarchical import HierarchicalAllReduce
 
@@ -325,6 +329,14 @@ class FastMLState:
         # (logged once, at the end of step 1, after DDP's bucket rebuild).
         self._step_buckets = 0
         self._step_numel = 0
+
+    def use_channel(self, channel) -> None:
+        """Publish this rank's failure in ``channel`` (:class:`fastml_strategy._peers.FailureChannel`)
+        and wait for the hierarchical path's collectives through it (see
+        :meth:`~fastml_strategy.hierarchical.HierarchicalAllReduce.use_channel`)."""
+        self._channel = channel
+        if self.hierarchical:
+            self._engine.use_channel(channel)
 
     @property
     def hierarchical(self) -> bool:
@@ -382,6 +394,8 @@ class FastMLState:
 
     # -- the work of one bucket (on the runner's thread) ----------------------------------------------
     def _explain(self, e: BaseException, index: int) -> BaseException:
+        if self._channel is not None:  # ranks of other groups stop waiting for this one
+            self._channel.publish(f"{type(e).__name__}: {e}")
         if isinstance(e, (CompressionError, ReplicaDriftError, ValueError)):
             return e
         err = CompressionError(
@@ -632,7 +646,7 @@ class FastMLState:
         self._node_groups, self._own_node_groups = (), False
         self._detached_R = d.get("ranks_per_node", 1)
         self._names, self._params, self._param_names = {}, [], d["param_names"]
-        self._engine, self._runner = None, None
+        self._engine, self._runner, self._channel = None, None, None
         self._commit = StepCommit(None)
         self._direct, self._pending = False, []
         self._saved = d["state_dict"]
@@ -1051,6 +1065,9 @@ def register_hook(
                         topology=topo, node_groups=groups)
     state._own_group = own_group
     state._own_node_groups = bool(groups)
+    # CPU (gloo) only: NCCL's wait does not block the host. (A collective: rank 0 draws the key.)
+    if groups and not any(p.is_cuda for p in module.parameters()):
+        state.use_channel(FailureChannel(process_group, rank))
     if rank == 0:
         log.info("FastML: %s", plan_summary(plan_obj, dict(module.named_parameters()), world_size))
         if not getattr(model, "gradient_as_bucket_view", True):

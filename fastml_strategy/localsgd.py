@@ -49,6 +49,20 @@ pseudo-gradient, compressed, with its counterparts on the other machines (R grou
 feedback on the part), and the machine all-gathers the parts. Every rank of every machine then holds
 the same shared parameters. Plan names are the module's (``ddp.module``), as for a plain model.
 
+An island may be sharded instead (FSDP2 over the ranks of one machine, for a model one device cannot
+hold)::
+
+    mesh = DeviceMesh.from_group(fastml_strategy.localsgd.machine_group(), "cuda")
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    local = fastml_strategy.LocalSGD(model, inner, every=50, plan="int4")
+
+Each rank then holds shard l of every parameter, and so does local rank l of every other machine: the
+synchronisation is the compressed all-reduce of each rank's shards with its counterparts across
+machines (R groups in parallel, error feedback on the shard), with nothing to reduce or gather inside
+the machine; the shared parameters (and ``state_dict()``'s) are this rank's shards.
+
 Checkpoints: ``local.state_dict()`` holds the shared (last-synchronised) parameters, the outer
 optimizer's state, the residuals, the counters and any fragment update still waiting for its delay;
 save it with the model's and the inner optimizer's state dicts, and ``load_state_dict`` resumes exactly.
@@ -75,6 +89,33 @@ __all__ = ["LocalSGD", "machine_group", "island_model", "check_arguments", "reso
            "SETTINGS"]
 
 log = logging.getLogger(__name__)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter (or optimizer state): the local shard of an FSDP2 DTensor, a plain
+    tensor itself. Writing into it writes into the parameter."""
+    return t.to_local() if hasattr(t, "to_local") and hasattr(t, "device_mesh") else t
+
+
+def _fsdp_island(model: torch.nn.Module) -> Optional[list]:
+    """The ranks an FSDP2-sharded model is sharded over (its parameters' one mesh), or None for a model
+    FSDP2 does not shard. ValueError for a mesh that is not one flat group (HSDP, several meshes)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return None
+    if not isinstance(model, FSDPModule):
+        return None
+    meshes = {tuple(p.device_mesh.mesh.flatten().tolist()) + (p.device_mesh.ndim,)
+              for p in model.parameters() if p.requires_grad and hasattr(p, "device_mesh")}
+    plain = [n for n, p in model.named_parameters() if p.requires_grad and not hasattr(p, "device_mesh")]
+    if plain or len(meshes) != 1 or next(iter(meshes))[-1] != 1:
+        raise ValueError(
+            "LocalSGD: an FSDP2 island must shard every trainable parameter over one 1-D mesh of one "
+            f"machine's ranks (found {len(meshes)} mesh(es){', unsharded ' + str(plain[:3]) if plain else ''}); "
+            "apply fully_shard(..., mesh=DeviceMesh.from_group(fastml_strategy.localsgd.machine_group(), "
+            "device_type)) to every block and the root")
+    return list(next(iter(meshes))[:-1])
 
 STATE_FORMAT_VERSION = 1
 OUTER = ("nesterov", "sgd")
@@ -198,10 +239,12 @@ class _Fragment:
         self.index = index
         self.names = names
         self.params = params
-        self.numels = [p.numel() for p in params]
+        self.numels = [_local(p).numel() for p in params]  # this rank's (its shards' on an FSDP2 island)
+        self.full_numels = [p.numel() for p in params]
         self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
         self.offset = offset  # its first synchronisation step (staggered by fragment)
         self.numel = sum(self.numels)
+        self.full_numel = sum(self.full_numels)
         self.pending: Optional[tuple] = None  # (apply at inner step, future of the averaged delta)
 
 
@@ -234,7 +277,24 @@ class LocalSGD:
             raise RuntimeError("LocalSGD: torch.distributed is not initialised; call dist.init_process_group "
                                "(torchrun sets the environment) first")
         island = None  # DDP over the ranks of this machine: an island (see the module docstring)
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        island_error: Optional[ValueError] = None  # raised on every rank alike, in check()
+        try:
+            sharded = _fsdp_island(model)  # or FSDP2 over them
+        except ValueError as e:
+            sharded, island_error = None, e
+        if sharded is not None:
+            island = sharded
+            if len(island) == dist.get_world_size():
+                raise TypeError(
+                    "LocalSGD: the model is sharded with FSDP2 over every rank, which reduce-scatters "
+                    "every step across machines; shard it over the ranks of one machine "
+                    "(fully_shard(..., mesh=DeviceMesh.from_group(fastml_strategy.localsgd.machine_group(), "
+                    "device_type))), or train one replica per process")
+            if process_group is not None:
+                raise ValueError("LocalSGD: process_group is for plain models; with an FSDP2 island the outer "
+                                 "synchronisation runs over every rank (each shard with its counterparts "
+                                 "across machines): drop process_group")
+        elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
             island = dist.get_process_group_ranks(model.process_group)
             if len(island) == dist.get_world_size():
                 raise TypeError(
@@ -247,8 +307,9 @@ class LocalSGD:
                                  "synchronisation runs over every rank (one part per local rank across "
                                  "machines): drop process_group")
         self.model = model
-        self._ddp = model if island is not None else None
-        module = model.module if island is not None else model
+        self._ddp = model if island is not None and sharded is None else None
+        self._sharded = sharded is not None  # an FSDP2 island: this rank holds shards
+        module = model.module if self._ddp is not None else model
         self.inner_optimizer = inner_optimizer
         self.every = every
         self.outer, self.outer_lr, self.outer_momentum = outer, outer_lr, outer_momentum
@@ -267,13 +328,18 @@ class LocalSGD:
         world = dist.get_world_size()
 
         def check() -> None:
+            if island_error is not None:
+                raise island_error
             if island is not None:
                 node = dist.get_rank() // R
                 if world % R or island != list(range(node * R, (node + 1) * R)):
                     raise ValueError(
-                        f"LocalSGD: the DDP model's process group holds ranks {island}, which are not the "
-                        f"ranks of one machine (machines hold contiguous ranks; {world} ranks): wrap it as "
-                        f"DDP(model, process_group=fastml_strategy.localsgd.machine_group())")
+                        f"LocalSGD: the {'FSDP2 mesh' if sharded else 'DDP model' + chr(39) + 's process group'} "
+                        f"holds ranks {island}, which are not the ranks of one machine (machines hold "
+                        f"contiguous ranks; {world} ranks): " + (
+                            "shard it with fully_shard(..., mesh=DeviceMesh.from_group("
+                            "fastml_strategy.localsgd.machine_group(), device_type))" if sharded else
+                            "wrap it as DDP(model, process_group=fastml_strategy.localsgd.machine_group())"))
             check_arguments(self.every, self.outer, self.outer_lr, self.outer_momentum, self.fragments,
                             self.delay, self.mix, self.layer_stats_every)
             if not named:
@@ -289,7 +355,8 @@ class LocalSGD:
         # every setting that moves the synchronisations or changes the outer step: a rank with another
         # value would issue its collectives at other steps (a hang) or drift from the others silently
         shared = {"every": every, "fragments": fragments, "delay": delay, "outer": outer,
-                  "outer_lr": outer_lr, "outer_momentum": outer_momentum, "mix": mix, "island_ranks": R}
+                  "outer_lr": outer_lr, "outer_momentum": outer_momentum, "mix": mix, "island_ranks": R,
+                  "island_sharded": self._sharded}
         try:
             self.plan: Plan = agreed_plan(plan, trainable, process_group, self.world_size, check=check,
                                           aliases=aliases, frozen=frozen, local_steps=True,
@@ -298,14 +365,27 @@ class LocalSGD:
             if self._own_group:  # refused on every rank alike: leave no group behind
                 dist.destroy_process_group(process_group)
             raise
-        # Start identical: rank 0's parameters and buffers everywhere.
+        topo, groups = None, ()
+        if island is not None:
+            from fastml_strategy.hook import _agreed_machines
+
+            topo, groups = _agreed_machines(process_group, self.rank, self.world_size, R)
+        # Start identical: rank 0's parameters and buffers everywhere (an FSDP2 island: each shard from
+        # its counterpart on machine 0).
         src = dist.get_global_rank(process_group, 0) if process_group is not dist.group.WORLD else 0
         with torch.no_grad():
-            for t in list(module.parameters()) + list(module.buffers()):
+            for p in module.parameters():
+                if self._sharded and groups:
+                    dist.broadcast(_local(p.data), src=topo.local_rank, group=groups[2])
+                elif not self._sharded:
+                    dist.broadcast(p.data, src=src, group=process_group)
+            for t in module.buffers():
                 dist.broadcast(t.data, src=src, group=process_group)
         self._named = named
-        # the shared parameters (the last synchronisation's result), fp32, and the outer optimizer on them
-        self._anchor = {n: p.detach().to(torch.float32, copy=True).requires_grad_(True) for n, p in named}
+        # the shared parameters (the last synchronisation's result; this rank's shards of an FSDP2
+        # island), fp32, and the outer optimizer on them
+        self._anchor = {n: _local(p.detach()).to(torch.float32, copy=True).requires_grad_(True)
+                        for n, p in named}
         params = list(self._anchor.values())
         if outer == "nesterov":
             self._outer = torch.optim.SGD(params, lr=outer_lr, momentum=outer_momentum, nesterov=True)
@@ -316,11 +396,10 @@ class LocalSGD:
         if island is not None:
             # islands: local rank l of every machine reduces part l of each fragment across machines
             # (the hierarchical all-reduce of the DDP hook; inside a machine the pseudo-gradients are
-            # equal, DDP having kept the island's replicas equal)
+            # equal, DDP having kept the island's replicas equal; an FSDP2 island's part l is the shard
+            # rank l holds, and only the cross-machine stage runs)
             from fastml_strategy.hierarchical import HierarchicalAllReduce
-            from fastml_strategy.hook import _agreed_machines
 
-            topo, groups = _agreed_machines(process_group, self.rank, self.world_size, R)
             if not groups:  # one machine: nothing crosses machines, and DDP already averages it all
                 self._engine = CompressedAllReduce(self.plan, process_group, self.rank, self.world_size)
             else:
@@ -387,7 +466,7 @@ class LocalSGD:
         out = torch.empty(frag.numel, dtype=torch.float32, device=frag.params[0].device)
         with torch.no_grad():
             for n, p, off, k in zip(frag.names, frag.params, frag.offsets, frag.numels):
-                torch.sub(self._anchor[n].detach().reshape(-1), p.detach().reshape(-1).to(torch.float32),
+                torch.sub(self._anchor[n].detach().reshape(-1), _local(p.detach()).reshape(-1).to(torch.float32),
                           out=out[off: off + k])
         return out
 
@@ -396,9 +475,27 @@ class LocalSGD:
         eng = self._engine
         if delta.is_cuda:
             torch.cuda.set_device(delta.device)  # the current device is per thread
-        lay = eng.layout_for(frag.names, frag.offsets, frag.numels, delta.device, delta.dtype)
         every = self.layer_stats_every
         stats_now = every > 0 and outer_step % every == 0
+        if self._hier and self._sharded:  # the shards across machines, then every rank's one check
+            keep = [i for i, k in enumerate(frag.numels) if k > 0]  # (a shard may be empty)
+            checks = StepChecks()
+            if keep:
+                lay = eng.cross.layout_for([frag.names[i] for i in keep], [frag.offsets[i] for i in keep],
+                                           [frag.numels[i] for i in keep], delta.device, delta.dtype,
+                                           plan_numels=[frag.full_numels[i] for i in keep])
+                tail = eng.cross.start(lay, delta, outer_step, stats_now, checks)
+                if tail is not None:
+                    tail()
+            finite = eng.finish(checks, delta.device, exchange=True)
+            if finite and keep:
+                eng.cross.commit(lay)
+            W = self.world_size  # against a flat fp32 all-reduce of the whole fragment, as elsewhere
+            eng.bytes_uncompressed += 2.0 * (W - 1) / W * 4 * frag.full_numel
+            if delta.is_cuda:
+                torch.cuda.current_stream(delta.device).synchronize()
+            return delta, finite
+        lay = eng.layout_for(frag.names, frag.offsets, frag.numels, delta.device, delta.dtype)
         if self._hier:  # one check of every rank of the world at the end (errors and finiteness)
             checks = StepChecks()
             tail = eng.start(lay, delta, outer_step, stats_now, checks)
@@ -438,6 +535,7 @@ class LocalSGD:
                 self._restore_rank()
             mix = self.mix if finite else 1.0
             for n, p in zip(frag.names, frag.params):
+                p = _local(p)
                 shared = self._anchor[n].detach().to(p.dtype)
                 if mix == 1.0:
                     p.copy_(shared)
@@ -453,13 +551,13 @@ class LocalSGD:
         and each fragment's synchronisation only ever cleans itself (replicas would never agree
         again). Ranks whose model is finite keep their local progress on the other fragments."""
         params = [p for _, p in self._named]
-        bad_params = not all(bool(torch.isfinite(p).all()) for p in params)
+        bad_params = not all(bool(torch.isfinite(_local(p)).all()) for p in params)
         opt = self.inner_optimizer
         bad_state = []
         if opt is not None:
             for p in params:
                 st = opt.state.get(p)
-                if st and not all(bool(torch.isfinite(v).all()) for v in st.values()
+                if st and not all(bool(torch.isfinite(_local(v)).all()) for v in st.values()
                                   if isinstance(v, torch.Tensor) and v.is_floating_point()):
                     bad_state.append(p)
         if not bad_params and not bad_state:
@@ -467,7 +565,7 @@ class LocalSGD:
         with torch.no_grad():
             if bad_params:
                 for n, p in self._named:
-                    p.copy_(self._anchor[n].detach().to(p.dtype))
+                    _local(p).copy_(self._anchor[n].detach().to(p.dtype))
             for p in bad_state:
                 del opt.state[p]
         log.warning("FastML LocalSGD: rank %d held non-finite %s at inner step %d; restored %s from the "
@@ -537,7 +635,7 @@ class LocalSGD:
         eng = self._engine
         sent = eng.bytes_sent
         W = self.world_size
-        numel = sum(f.numel for f in self._fragments)
+        numel = sum(f.full_numel for f in self._fragments)
         ddp = 2.0 * (W - 1) / W * 4 * numel * self.inner_steps if W > 1 else 0.0
         unc = eng.bytes_uncompressed
         steps = max(1, self.inner_steps)
@@ -614,8 +712,8 @@ class LocalSGD:
         if missing or any(shared[n].shape != a.shape for n, a in self._anchor.items() if n in shared):
             raise ValueError(f"LocalSGD.load_state_dict: the saved shared parameters do not fit this model "
                              f"(missing or of another shape: {missing or 'shapes differ'}); resume the same model")
-        sizes = {n: p.numel() for n, p in self._named}
-        if self._hier:  # this rank's part of each parameter
+        sizes = {n: _local(p).numel() for n, p in self._named}  # (an FSDP2 island's: its shards)
+        if self._hier and not self._sharded:  # this rank's part of each parameter
             sizes = self._engine.part_sizes(sizes)
         residuals = fitting_residuals(sd.get("residuals", {}), sizes, strict, "LocalSGD")
         with torch.no_grad():

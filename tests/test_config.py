@@ -71,6 +71,26 @@ def test_save_load_roundtrip(tmp_path):
     assert not list(tmp_path.glob(".*tmp")), "no temporary file left behind"
 
 
+def test_intra_node_codec_round_trips_and_refuses_lossy_codes(tmp_path):
+    plan = Plan.from_recipe("int4", intra_node="bf16")
+    assert plan.intra_node == RECIPES["bf16"] and plan.intra_node_dtype == torch.bfloat16
+    assert Plan.from_recipe("int4", intra_node="fp16").intra_node_dtype == torch.float16
+    assert Plan.from_recipe("int4", intra_node="none").intra_node_dtype is None
+    plan.save(tmp_path / "p.json")
+    back = Plan.load(tmp_path / "p.json")
+    assert back == plan and back.digest() == plan.digest()
+    # it shapes the wire: ranks with and without it disagree on the digest; unset, the file is as before
+    assert plan.digest() != Plan.from_recipe("int4").digest()
+    assert "intra_node" not in Plan.from_recipe("int4").to_dict()
+    for bad in ("int8", RECIPES["topk1"]):
+        with pytest.raises(ValueError, match=r"intra_node is (int8|topk).*takes \['bf16', 'fp16', 'fp32'\] only"):
+            Plan.from_recipe("int4", intra_node=bad)
+    with pytest.raises(ValueError, match="intra_node is 'int5'"):
+        Plan.from_recipe("int4", intra_node="int5")
+    with pytest.raises(ValueError, match=r"plan.intra_node: bits"):
+        Plan.from_dict({"format_version": 1, "intra_node": {"codec": "quantize", "bits": 0}})
+
+
 @pytest.mark.parametrize(
     "cfg,field",
     [

@@ -72,6 +72,17 @@ def _contracts(rank, world_size):
     model, _, state, _ = _run("int4", rank, 20, ranks_per_node=1)  # flat, for the bytes across machines
     out["flat_int4_bytes"] = state.stats()["bytes_sent"]
     state.close()
+    # 1b. the hop inside the machine in bf16 (Plan.intra_node): replicas still bit-identical, the same
+    # bytes across machines, half the bytes inside, and close to the exact hop's model
+    ref_model, _, ref_state, _ = _run("int4", rank, 20)
+    model, _, state, _ = _run(fm.Plan.from_recipe("int4", intra_node="bf16"), rank, 20)
+    s, r = state.stats(), ref_state.stats()
+    out["intra_bf16"] = {"identical": _identical(model, world_size),
+                         "inter": (s["bytes_sent_inter"], r["bytes_sent_inter"]),
+                         "intra": (s["bytes_sent_intra"], r["bytes_sent_intra"]),
+                         "rel_diff": float((_flat(model) - _flat(ref_model)).norm() / _flat(ref_model).norm())}
+    state.close()
+    ref_state.close()
 
     # 2. `none` through the hierarchy is DDP's all-reduce (within 1e-6 after 10 steps)
     model, _, state, _ = _run("none", rank, 10)
@@ -135,6 +146,10 @@ def test_hierarchical_contracts():
     inter = sum(res[r]["int4"]["split"][0] for r in range(W))
     flat = sum(res[r]["flat_int4_bytes"] for r in range(W))
     assert inter < 0.45 * flat, (inter, flat)
+    for r in range(W):
+        c = res[r]["intra_bf16"]
+        assert c["identical"] and c["inter"][0] == c["inter"][1] and 2 * c["intra"][0] == c["intra"][1], c
+        assert 0 < c["rel_diff"] < 1e-2, c  # one bf16 rounding of each step's gradient apart
     assert all(res[r]["none_hier"] for r in range(W))
     assert max(res[r]["none_vs_ddp"] for r in range(W)) < 1e-6, [res[r]["none_vs_ddp"] for r in range(W)]
     assert all(res[r]["resume_exact"] for r in range(W)), [res[r]["resume_exact"] for r in range(W)]

@@ -335,6 +335,76 @@ def test_settings_that_differ_between_ranks_fail_on_every_rank():
         assert "a DDP FastML state" in r["ddp_state"] and "FastMLState.load_state_dict" in r["ddp_state"]
 
 
+def _fsdp_islands(rank, island):
+    """LocalSGD over FSDP2 islands (part of the islands launch): ``none`` with every=1 and outer SGD lr 1
+    equals DDP over all 4 ranks; int4 keeps local rank l's shards identical across machines."""
+    import torch.distributed as dist
+
+    import fastml_strategy as fm
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(island, "cpu")
+
+    def sharded(seed):
+        m = _mlp(seed=seed)
+        for layer in m:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        return fully_shard(m, mesh=mesh)
+
+    def full(m):
+        return torch.cat([p.full_tensor().detach().reshape(-1) for p in m.parameters()])
+
+    out = {}
+    world_mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    try:  # FSDP2 over every rank reduce-scatters across machines every step: refused
+        fm.LocalSGD(fully_shard(_mlp(), mesh=world_mesh), None, every=2).close()
+        out["all"] = None
+    except TypeError as e:
+        out["all"] = str(e)
+    ref = DDP(_mlp())
+    model = sharded(0 if rank < 2 else rank + 9)  # machine 1's shards come from machine 0's
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, model)]
+    local = fm.LocalSGD(model, opts[1], every=1, outer="sgd", outer_lr=1.0, outer_momentum=0.0, plan="none")
+    for step in range(10):
+        for m, opt in zip((ref, model), opts):
+            x, y = _batch(rank, step)
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        local.step()
+    out["ddp_diff"] = float((full(model) - torch.cat([p.detach().reshape(-1) for p in ref.parameters()]))
+                            .abs().max())
+    local.close()
+    model = sharded(3)
+    inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    plan = fm.Plan.from_recipe("int4", min_numel=0)
+    local = fm.LocalSGD(model, inner, every=3, fragments=2, plan=plan)
+    for step in range(12):
+        x, y = _batch(rank, step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        inner.step()
+        inner.zero_grad()
+        local.step()
+    local.synchronize()
+    out["shards"] = torch.cat([a.detach().reshape(-1) for a in local._anchor.values()]).tolist()
+    synced = set(local._fragments[0].names)  # synchronised at step 12 (fragment 1 at step 10)
+    out["full"] = torch.cat([p.full_tensor().detach().reshape(-1) for n, p in model.named_parameters()
+                             if n in synced]).tolist()
+    s = local.stats()
+    out["stats"] = {k: s[k] for k in ("outer_steps", "ranks_per_node", "bytes_sent_inter", "compression_ratio")}
+    sd = local.state_dict()
+    out["res_numel"] = {n: v.numel() for n, v in sd["residuals"].items()}
+    out["shard_numel"] = {n: p.to_local().numel() for n, p in model.named_parameters()}
+    again = fm.LocalSGD(model, inner, every=3, fragments=2, plan=plan)
+    again.load_state_dict(sd)
+    out["reloaded"] = all(torch.equal(again._engine.residuals()[n], v) for n, v in sd["residuals"].items())
+    again.close()
+    local.close()
+    return out
+
+
 def _islands(rank, world_size):
     """4 ranks as 2 machines x 2: DDP inside each machine, LocalSGD across machines."""
     import fastml_strategy as fm
@@ -393,7 +463,9 @@ def _islands(rank, world_size):
             out[key] = None
         except (TypeError, ValueError) as e:
             out[key] = (type(e).__name__, str(e))
-    # 4. the Accelerate helper builds the islands itself when torchrun says 2 machines x 2
+    # 4. FSDP2 islands: the model sharded over its machine's 2 ranks, LocalSGD across machines
+    out["fsdp"] = _fsdp_islands(rank, island)
+    # 5. the Accelerate helper builds the islands itself when torchrun says 2 machines x 2
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % 2),
                       LOCAL_WORLD_SIZE="2", GROUP_RANK=str(rank // 2))
     from accelerate import Accelerator
@@ -417,7 +489,7 @@ def _islands(rank, world_size):
                          "diff": max(abs(a - b) for a, b in zip(_flat(ref.module), _flat(model.module))),
                          "ranks_per_node": acc.fastml_localsgd.stats()["ranks_per_node"]}
     acc.fastml_localsgd.close()
-    # 5. Fabric's local-steps strategy on num_nodes=2 x devices=2 builds the islands too
+    # 6. Fabric's local-steps strategy on num_nodes=2 x devices=2 builds the islands too
     import lightning.fabric as LF
 
     from fastml_strategy.lightning import FastMLLocalSGDFabricStrategy
@@ -442,12 +514,58 @@ def _islands(rank, world_size):
                      "diff": max(abs(a - b) for a, b in zip(_flat(ref.module), _flat(inner.module))),
                      "ranks_per_node": fabric.strategy.localsgd.stats()["ranks_per_node"]}
     fabric.strategy.teardown()
+    # 7. the Trainer's local-steps strategy on num_nodes=2 x devices=2: the same islands
+    import lightning.pytorch as pl
+
+    from fastml_strategy.lightning import FastMLLocalSGDStrategy
+
+    class Net(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _mlp()
+
+        def training_step(self, batch, i):
+            return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):  # this rank's batches, in order
+            xs, ys = zip(*(_batch(rank, step) for step in range(5)))
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.cat(xs), torch.cat(ys)),
+                                               batch_size=8)
+
+    ref = DDP(_mlp())
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(5):
+        x, y = _batch(rank, step)
+        torch.nn.functional.cross_entropy(ref(x), y).backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+    seen = {}
+
+    class Look(pl.Callback):  # what LocalSGD synchronises, while it lives (fit's teardown closes it)
+        def on_train_end(self, trainer, pl_module):
+            inner = trainer.strategy.localsgd.model
+            seen.update(wrapped=type(inner).__name__, island=dist.get_process_group_ranks(inner.process_group),
+                        ranks_per_node=trainer.strategy.localsgd.stats()["ranks_per_node"])
+
+    lm = Net()
+    trainer = pl.Trainer(accelerator="cpu", devices=2, num_nodes=2, max_epochs=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         use_distributed_sampler=False, callbacks=[Look()],
+                         strategy=FastMLLocalSGDStrategy(plan="none", every=1, outer="sgd", outer_lr=1.0,
+                                                         outer_momentum=0.0))
+    trainer.fit(lm)
+    out["trainer"] = {**seen, "steps": trainer.global_step,
+                      "diff": max(abs(a - b) for a, b in zip(_flat(ref.module), _flat(lm.net)))}
     return out
 
 
 @pytest.mark.timeout(330)
 def test_diloco_islands_ddp_inside_a_machine_local_steps_across():
-    """LocalSGD islands on 2 machines x 2 ranks (own processes: Accelerate keeps a per-process state)."""
+    """LocalSGD islands on 2 machines x 2 ranks, DDP or FSDP2 inside a machine, built by hand and by the
+    Accelerate helper, Fabric and the Trainer (own processes: Accelerate keeps a per-process state)."""
     res = run_workers(_islands, 4, timeout=300, fresh=True)
     for r in res:
         assert r["ddp_diff"] < 1e-6, r["ddp_diff"]
@@ -466,7 +584,21 @@ def test_diloco_islands_ddp_inside_a_machine_local_steps_across():
         fab = out["fabric"]
         assert fab["wrapped"] == "DistributedDataParallel" and fab["island"] == acc["island"], fab
         assert fab["ranks_per_node"] == 2 and fab["diff"] < 1e-6, fab
+        tr = out["trainer"]
+        assert tr["wrapped"] == "DistributedDataParallel" and tr["island"] == acc["island"], tr
+        assert tr["ranks_per_node"] == 2 and tr["steps"] == 5 and tr["diff"] < 1e-6, tr
     assert res[0]["across"] == res[1]["across"]
+    # FSDP2 islands: DDP's result for `none`; local rank l's shards equal across machines, so every
+    # rank of every machine holds the same full model; error feedback on the shard
+    for r, out in enumerate(res):
+        f = out["fsdp"]
+        assert f["ddp_diff"] < 1e-6, f["ddp_diff"]
+        assert f["shards"] == res[r % 2]["fsdp"]["shards"] and f["shards"] != res[1 - r % 2]["fsdp"]["shards"]
+        assert f["full"] == res[0]["fsdp"]["full"]
+        assert f["stats"]["outer_steps"] == 8 and f["stats"]["ranks_per_node"] == 2, f["stats"]
+        assert f["stats"]["bytes_sent_inter"] > 0 and f["stats"]["compression_ratio"] > 4, f["stats"]
+        assert f["res_numel"] == f["shard_numel"] and f["reloaded"], f
+        assert "sharded with FSDP2 over every rank" in f["all"] and "machine_group()" in f["all"], f["all"]
     # error feedback on this rank's part only: the two local ranks' parts of each parameter add up to it
     for machine in (0, 2):
         mine, peer = res[machine]["res_numel"], res[machine + 1]["res_numel"]

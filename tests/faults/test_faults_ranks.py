@@ -29,14 +29,14 @@ PG_TIMEOUT = 60
 COMM_TIMEOUT = 5
 
 
-def _setup(plan="int4", check_replicas_every=0, ranks_per_node=None):
+def _setup(plan="int4", check_replicas_every=0, ranks_per_node=None, comm_timeout=COMM_TIMEOUT):
     from datetime import timedelta
 
     import fastml_strategy as fm
 
     model = mlp()
     ddp = DDP(model, bucket_cap_mb=0.02)
-    group = dist.new_group(list(range(dist.get_world_size())), timeout=timedelta(seconds=COMM_TIMEOUT))
+    group = dist.new_group(list(range(dist.get_world_size())), timeout=timedelta(seconds=comm_timeout))
     state = fm.register_hook(ddp, plan=plan, check_replicas_every=check_replicas_every,
                              process_group=group, ranks_per_node=ranks_per_node)
     assert state.hierarchical == (ranks_per_node is not None and ranks_per_node > 1)
@@ -50,10 +50,14 @@ def _error_report(e: BaseException, t0: float) -> dict:
 
 
 # -- a rank dies or stalls at step 3 -------------------------------------------------------------------
-def _rank_fault(rank, world_size, how, victim, plan="int4", ranks_per_node=None):
+def _rank_fault(rank, world_size, how, victim, plan="int4", ranks_per_node=None, comm_timeout=COMM_TIMEOUT,
+                marks=None):
+    """``marks`` (a folder): a survivor that raised notes it there and stays alive (as a process that
+    logs and waits would) until every survivor has raised, so that none learns of the failure from
+    another one's exit."""
     import fastml_strategy.codecs as codecs
 
-    model, ddp, state, opt = _setup(plan, ranks_per_node=ranks_per_node)
+    model, ddp, state, opt = _setup(plan, ranks_per_node=ranks_per_node, comm_timeout=comm_timeout)
     t0 = time.monotonic()
     for step in range(6):
         if step == 3:
@@ -73,7 +77,13 @@ def _rank_fault(rank, world_size, how, victim, plan="int4", ranks_per_node=None)
         try:
             loss_of(ddp, rank, step).backward()
         except Exception as e:  # noqa: BLE001
-            return {"step": step, **_error_report(e, t0)}
+            report = {"step": step, **_error_report(e, t0)}
+            if marks is not None:
+                open(os.path.join(marks, str(rank)), "w").close()
+                deadline = time.monotonic() + 60
+                while len(os.listdir(marks)) < world_size - 1 and time.monotonic() < deadline:
+                    time.sleep(0.1)
+            return report
         opt.step()
         opt.zero_grad()
     return {"step": None}
@@ -90,7 +100,7 @@ def test_dead_or_stalled_rank_fails_every_other_rank_fast(world_size, how, plan,
     _check_fault_results(results, world_size, how, victim)
 
 
-def _check_fault_results(results, world_size, how, victim):
+def _check_fault_results(results, world_size, how, victim, within=COMM_TIMEOUT + 4):
     if how == "stall":
         assert results[victim][0] == "ok"  # it wakes up to a broken group and fails too
         assert results[victim][1]["type"] == "CompressionError", results[victim]
@@ -110,31 +120,41 @@ def _check_fault_results(results, world_size, how, victim):
         assert "callback" not in res["cause"], res  # gloo's own error, not a future's wrapper
         # "within the process group's timeout": a dead peer is noticed at once, a stalled one at the
         # timeout; allow a little slack for the 2-core machine.
-        assert res["elapsed"] < COMM_TIMEOUT + 4, res
+        assert res["elapsed"] < within, res
+
+
+# the death phase's group timeout: a survivor that waited for it instead of hearing of the failure
+# through the job's store (fastml_strategy._peers) would take this long
+DEATH_TIMEOUT = 30
 
 
 def _hier_faults(rank, world_size, path):
     """Two machines of two ranks (hierarchical path), two faults in one launch (to keep CI time
-    down): rank 3 stalls at step 3 (rank 2 is its machine peer), then, with a fresh hook and groups,
-    rank 2 dies at step 3 (ranks 0 and 1, on the other machine, share only rank 0's cross-machine
-    group with it)."""
+    down): rank 3 stalls at step 3 (rank 2 is its machine peer), then, with a fresh hook and groups
+    whose timeout is long, rank 2 dies at step 3. Rank 1 shares no group with it but the world's:
+    rank 0 (its cross-machine peer) and rank 3 (its machine peer) see the closed connection, and
+    rank 1, waiting on rank 0 inside machine 0, must hear of it through the failure channel."""
     import json
 
     t0 = time.monotonic()
     stall = _rank_fault(rank, world_size, "stall", 3, "int4", 2)
     with open(os.path.join(path, f"stall{rank}.json"), "w") as f:
         json.dump({**stall, "phase_s": time.monotonic() - t0}, f)
+    marks = os.path.join(path, "marks")
+    os.makedirs(marks, exist_ok=True)
     t0 = time.monotonic()
-    return {**_rank_fault(rank, world_size, "exit", 2, "int4", 2), "phase_s": time.monotonic() - t0}
+    return {**_rank_fault(rank, world_size, "exit", 2, "int4", 2, comm_timeout=DEATH_TIMEOUT, marks=marks),
+            "phase_s": time.monotonic() - t0}
 
 
 def test_hierarchical_dead_or_stalled_rank_fails_every_other_rank_fast(tmp_path):
     import json
 
-    results = run_workers(_hier_faults, 4, str(tmp_path), timeout=120, pg_timeout=PG_TIMEOUT, allow_deaths=True)
+    results = run_workers(_hier_faults, 4, str(tmp_path), timeout=150, pg_timeout=PG_TIMEOUT, allow_deaths=True)
     stall = [("ok", json.loads((tmp_path / f"stall{r}.json").read_text())) for r in range(4)]
     _check_fault_results(stall, 4, "stall", 3)
-    _check_fault_results(results, 4, "exit", 2)
+    # every survivor, rank 1 included, raised long before the groups' timeout (alive until all had)
+    _check_fault_results(results, 4, "exit", 2, within=DEATH_TIMEOUT / 3)
 
 
 # -- an exception inside compression on one rank only -------------------------------------------------------
