@@ -212,3 +212,33 @@ def test_unbound_callback_and_missing_callback_list_are_explained(tmp_path, capl
     with caplog.at_level(logging.WARNING, logger="fastml_strategy.transformers"):
         cb = fmt.FastMLCallback("int4").bind(stub)
     assert stub.added == [cb] and "callback_handler.callbacks is not a list" in caplog.text
+
+
+def test_accelerate_and_trainer_fields_the_cpu_fsdp2_switch_writes(tmp_path):
+    """On CPU, setup(trainer) makes fsdp_config (version 2) shard (transformers._shard_on_cpu) by writing
+    AcceleratorState().distributed_type and .fsdp_plugin, PartialState().distributed_type and
+    Trainer.is_fsdp_enabled, from TrainingArguments.fsdp_plugin_args. What each must mean for that to work:
+    Accelerate's is_fsdp2 (which prepare, no_sync and the checkpoint helpers branch on) is computed from the
+    two state fields, both states keep their fields in shared dicts (so every Accelerator and PartialState()
+    sees the switch), and Trainer keeps is_fsdp_enabled as a plain attribute. The launch in
+    tests/integrations/test_transformers.py trains through it and checks that Accelerate still ignores
+    the plugin on CPU (when it stops, the switch does nothing and that test says so)."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    transformers = pytest.importorskip("transformers")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", fsdp=True,
+                                          fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["X"]})
+    assert args.fsdp and args.fsdp_plugin_args["fsdp_version"] == 2
+    assert args.fsdp_plugin_args["transformer_cls_names_to_wrap"] == "X"
+    is_fsdp2 = AcceleratorState.is_fsdp2.fget
+    plugin2 = types.SimpleNamespace(fsdp_version=2)
+    assert is_fsdp2(types.SimpleNamespace(distributed_type=DistributedType.FSDP, fsdp_plugin=plugin2))
+    assert not is_fsdp2(types.SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, fsdp_plugin=plugin2))
+    state = PartialState()  # one process: initialises the shared state (TrainingArguments resets it)
+    assert state.__dict__ is PartialState._shared_state and "distributed_type" in state.__dict__
+    trainer = _tiny_trainer(tmp_path)
+    assert trainer.is_fsdp_enabled is False and "is_fsdp_enabled" in vars(trainer)
+    acc_state = trainer.accelerator.state
+    assert acc_state.__dict__ is AcceleratorState._shared_state and "distributed_type" in acc_state.__dict__
+    assert AcceleratorState._shared_state is not PartialState._shared_state  # hence both are written
