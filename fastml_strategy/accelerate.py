@@ -103,11 +103,11 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 import torch.distributed as dist
 
-from fastml_strategy._validate import env_whole_number
+from fastml_strategy._checkpoint import STATE_FORMAT_VERSION, gather_to_rank_zero, own_rank_state
+from fastml_strategy._validate import LAYER_STATS_EVERY, LAYER_STATS_EVERY_LOCALSGD, env_whole_number
 from fastml_strategy.config import Plan, resolve_plan
-from fastml_strategy.hook import FastMLState, own_rank_state, register_hook
-from fastml_strategy.localsgd import STATE_FORMAT_VERSION as LOCALSGD_FORMAT_VERSION
-from fastml_strategy.localsgd import LocalSGD, gather_to_rank_zero, island_model, resolve_settings
+from fastml_strategy.hook import FastMLState, register_hook
+from fastml_strategy.localsgd import LocalSGD, island_model, resolve_settings
 
 if TYPE_CHECKING:
     from fastml_strategy.fsdp import FSDPState
@@ -206,7 +206,7 @@ def setup(
     """
     resolved = resolve_plan(plan)  # a bad FASTML_PLAN fails here, on every process, naming it
     check_every = env_whole_number("FASTML_CHECK_REPLICAS_EVERY", check_replicas_every, 0, owner=_SETUP)
-    layer_every = env_whole_number("FASTML_LAYER_STATS_EVERY", layer_stats_every, 10, owner=_SETUP)
+    layer_every = env_whole_number("FASTML_LAYER_STATS_EVERY", layer_stats_every, LAYER_STATS_EVERY, owner=_SETUP)
     _reject_fsdp1(model)
     ddp = _find_ddp(model)
     fsdp = _find_fsdp2(model) if ddp is None else None
@@ -292,7 +292,7 @@ class LocalSGDCheckpoint:
         return gather_to_rank_zero(own) or {}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        own = own_rank_state(state_dict, self.local.rank, self.local.world_size, LOCALSGD_FORMAT_VERSION,
+        own = own_rank_state(state_dict, self.local.rank, self.local.world_size, STATE_FORMAT_VERSION,
                              "fastml_strategy.accelerate.LocalSGDCheckpoint")
         if len(own["optimizers"]) != len(self.optimizers):
             raise ValueError(f"the checkpoint holds {len(own['optimizers'])} optimizer states, local_sgd() was "
@@ -330,7 +330,7 @@ def local_sgd(
     """
     resolved, settings = resolve_settings(plan, every=every, outer=outer, outer_lr=outer_lr,
                                           outer_momentum=outer_momentum, fragments=fragments, delay=delay)
-    layer_every = env_whole_number("FASTML_LAYER_STATS_EVERY", layer_stats_every, 1,
+    layer_every = env_whole_number("FASTML_LAYER_STATS_EVERY", layer_stats_every, LAYER_STATS_EVERY_LOCALSGD,
                                    owner="fastml_strategy.accelerate.local_sgd")
     ddp = _find_ddp(model)
     island = (ddp is not None and dist.is_initialized()

@@ -3,7 +3,7 @@
 Why: the flat scatter-reduce-allgather (:mod:`fastml_strategy.collective`) runs over all W = N x R
 ranks, so each rank sends its share of every chunk to ranks on other machines, and a machine's network
 link carries about 2 R (N-1)/N x S_c per step (S_c: the compressed gradient; measured 1.76 x S_c at
-R = 2 and 2.89 x at R = 4 on two emulated machines, DESIGN.md). Reducing inside the machine first
+R = 2 and 2.89 x at R = 4 on two emulated machines, README). Reducing inside the machine first
 leaves 2 (N-1)/N x S_c per machine, what a ring all-reduce of S_c between N machines costs.
 
 Algorithm (per bucket, on every rank; this rank is local rank ``l`` of machine ``n``)
@@ -28,8 +28,8 @@ Algorithm (per bucket, on every rank; this rank is local rank ``l`` of machine `
 Replicas stay bit-identical: after step 3 every rank with local rank ``l`` holds the same decoded
 bytes of row ``l`` (collective.py's rule), and step 4 hands exactly those to the machine.
 
-Ordering (gloo matches collectives by order of issue, DESIGN.md): all collectives of a bucket run on
-the hook's communication thread. Step 2 and 3 are issued in bucket order. Step 4 is the bucket's
+Ordering (gloo matches collectives by order of issue: :mod:`fastml_strategy.hook`): all collectives
+of a bucket run on the hook's communication thread. Step 2 and 3 are issued in bucket order. Step 4 is the bucket's
 *tail*, which the thread runs once the next bucket's first cross-machine message is on the wire, so
 that the slow link does not idle while one bucket is decoded and all-gathered; it runs on a group of
 its own, where only tails issue collectives, always in bucket order. A tail always waits for the next
@@ -58,8 +58,10 @@ import torch
 import torch.distributed as dist
 
 from fastml_strategy import codecs
-from fastml_strategy.collective import (HEADER, CompressedAllReduce, CompressionError, StepChecks,
-                                        _chunk_bounds, _host)
+from fastml_strategy._layouts import chunk_bounds as _chunk_bounds
+from fastml_strategy._status import HEADER, CompressionError, StepChecks
+from fastml_strategy._status import host as _host
+from fastml_strategy.collective import CompressedAllReduce
 from fastml_strategy.config import Codec, CodecConfig, Plan
 from fastml_strategy.topology import Topology
 

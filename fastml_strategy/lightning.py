@@ -144,7 +144,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
-from fastml_strategy._validate import env_whole_number, renamed, whole_number
+from fastml_strategy._validate import (LAYER_STATS_EVERY, LAYER_STATS_EVERY_LOCALSGD, env_whole_number, renamed,
+                                       whole_number)
 from fastml_strategy.config import Plan, resolve_plan
 from fastml_strategy.hook import own_rank_state, register_hook
 from fastml_strategy.localsgd import STATE_FORMAT_VERSION as LOCALSGD_FORMAT_VERSION
@@ -244,8 +245,11 @@ _KWARGS_FIX = {
 
 
 def _lightning_private(package: str, module: str, name: str) -> Any:
-    """A private helper of Lightning (``<fabric package>.utilities.<module>.<name>``), the one place this file
-    reaches into Lightning's internals; fails naming the Lightning version FastML was tested with."""
+    """A private helper function of Lightning (``<fabric package>.utilities.<module>.<name>``); fails
+    naming the Lightning version FastML was tested with. (The other internals this file touches: the
+    private attributes of :func:`_set_private`, and the private methods ``_setup_distributed`` and
+    ``_convert_stateful_objects_in_state`` of Lightning's strategies, which the subclasses here call;
+    tests/test_upstream_internals.py checks them all.)"""
     fabric = _FRAMEWORKS[package][2]
     try:
         return getattr(importlib.import_module(f"{fabric}.utilities.{module}"), name)
@@ -577,8 +581,8 @@ class _FabricStrategy(_FastMLStateHolder):
     ) -> None:
         _reject_kwargs(type(self).__name__, ddp_kwargs, _HOOK_KWARGS, "registers FastML's own DDP comm hook")
         self._fastml_init(plan, check_replicas_every)
-        self._fastml_layer_every = env_whole_number("FASTML_LAYER_STATS_EVERY", layer_stats_every, 10,
-                                                    owner=type(self).__name__)
+        self._fastml_layer_every = env_whole_number("FASTML_LAYER_STATS_EVERY", layer_stats_every,
+                                                    LAYER_STATS_EVERY, owner=type(self).__name__)
         ddp_kwargs.setdefault("gradient_as_bucket_view", True)
         super().__init__(**ddp_kwargs)
 
@@ -1014,8 +1018,8 @@ class _FabricFSDPStrategy(_FSDPMixin, _FastMLStateHolder):
         self._fastml_fsdp_init(auto_wrap_policy, replicate_size, hybrid, shard_plan, all_gather_bits,
                                fully_shard_kwargs, kwargs)
         self._fastml_parallelize = parallelize_fn
-        self._fastml_layer_every = env_whole_number("FASTML_LAYER_STATS_EVERY", layer_stats_every, 10,
-                                                    owner=type(self).__name__)
+        self._fastml_layer_every = env_whole_number("FASTML_LAYER_STATS_EVERY", layer_stats_every,
+                                                    LAYER_STATS_EVERY, owner=type(self).__name__)
         super().__init__(parallelize_fn=_keep, **kwargs)
 
     def setup_module_and_optimizers(self, module: Any, optimizers: list, scheduler: Any = None) -> Any:
@@ -1111,7 +1115,7 @@ class _LocalSGDMixin:
 
         return island_model(module, _ranks_per_node(self), owner=type(self).__name__)
 
-    def _fastml_build(self, module: torch.nn.Module, layer_stats_every: int = 1) -> Any:
+    def _fastml_build(self, module: torch.nn.Module, layer_stats_every: int = LAYER_STATS_EVERY_LOCALSGD) -> Any:
         log.debug(f"{type(self).__name__}: LocalSGD on the unwrapped model, {self._fastml_settings}")
         # A collective: checks the plan against the model on every rank, broadcasts rank 0's weights.
         return self._fastml_adopt(lambda: LocalSGD(module, None, plan=self._fastml_plan,
@@ -1317,8 +1321,8 @@ class _FabricLocalSGDStrategy(_LocalSGDMixin, _FastMLStateHolder):
         self._fastml_localsgd_init(plan, dict(every=every, outer=outer, outer_lr=outer_lr,
                                               outer_momentum=outer_momentum, fragments=fragments, delay=delay),
                                    kwargs)
-        self._fastml_layer_every = env_whole_number("FASTML_LAYER_STATS_EVERY", layer_stats_every, 1,
-                                                    owner=type(self).__name__)
+        self._fastml_layer_every = env_whole_number("FASTML_LAYER_STATS_EVERY", layer_stats_every,
+                                                    LAYER_STATS_EVERY_LOCALSGD, owner=type(self).__name__)
         self._fastml_objects: dict[str, Any] = {}  # what fabric.load restores into: each rank's own goes back
         self._fastml_reject_ddp_kwargs(kwargs)
         super().__init__(**kwargs)

@@ -72,18 +72,18 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import math
 import os
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from fastml_strategy._validate import env_whole_number, whole_number
+from fastml_strategy._checkpoint import (STATE_FORMAT_VERSION, check_saved_state, check_state_kind,
+                                         fitting_residuals, gather_states, gather_to_rank_zero, own_rank_state)
+from fastml_strategy._distributed import agreed_machines, agreed_plan, default_group_timeout, model_names
+from fastml_strategy._validate import LAYER_STATS_EVERY_LOCALSGD, env_whole_number, whole_number
 from fastml_strategy.collective import CompressedAllReduce, CompressionError, DecodeError, StepChecks
-from fastml_strategy.config import Plan
-from fastml_strategy.hook import (_default_group_timeout, agreed_plan, check_saved_state, check_state_kind,
-                                  fitting_residuals, model_names, own_rank_state)
+from fastml_strategy.config import OUTER_OPTIMIZERS, LocalSteps, Plan, check_local_steps
 
 __all__ = ["LocalSGD", "machine_group", "island_model", "check_arguments", "resolve_settings", "gather_to_rank_zero",
            "SETTINGS"]
@@ -117,37 +117,23 @@ def _fsdp_island(model: torch.nn.Module) -> Optional[list]:
             "device_type)) to every block and the root")
     return list(next(iter(meshes))[:-1])
 
-STATE_FORMAT_VERSION = 1
-OUTER = ("nesterov", "sgd")
-# The settings the framework adapters take by name (Lightning, Fabric, Accelerate), with LocalSGD's
-# defaults (DiLoCo's outer step); FASTML_LOCALSGD_<NAME> supplies one when the argument is None.
-SETTINGS: dict[str, Any] = {"every": 50, "outer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.9,
-                            "fragments": 1, "delay": 0}
+OUTER = OUTER_OPTIMIZERS
+# LocalSGD's defaults (DiLoCo's outer step), from LocalSteps: the settings the framework adapters take by
+# name (Lightning, Fabric, Accelerate); FASTML_LOCALSGD_<NAME> supplies one when the argument is None.
+_DEFAULT = LocalSteps()
+SETTINGS: dict[str, Any] = _DEFAULT.kwargs()
 
 
 def check_arguments(every: int, outer: str, outer_lr: float, outer_momentum: float, fragments: int = 1,
-                    delay: int = 0, mix: float = 1.0, layer_stats_every: int = 1) -> None:
-    """Raise ValueError, naming the argument and what to use, for settings no model can take. The
-    constructor calls it on every rank; the framework adapters call it when they are built, before any
-    process group exists."""
-    whole_number("every", every, owner="LocalSGD")
-    whole_number("fragments", fragments, owner="LocalSGD")
-    whole_number("delay", delay, 0, owner="LocalSGD")
+                    delay: int = 0, mix: float = 1.0, layer_stats_every: int = LAYER_STATS_EVERY_LOCALSGD) -> None:
+    """Raise ValueError, naming the argument and what to use, for settings no model can take (the local
+    steps' through :func:`fastml_strategy.config.check_local_steps`, as :class:`LocalSteps` checks
+    them). The constructor calls it on every rank; the framework adapters call it when they are built,
+    before any process group exists."""
     whole_number("layer_stats_every", layer_stats_every, 0, owner="LocalSGD")
-    if outer not in OUTER:
-        raise ValueError(f"LocalSGD: outer={outer!r}; use one of {list(OUTER)}")
-    for name, v, lo in (("outer_lr", outer_lr, 0.0), ("outer_momentum", outer_momentum, 0.0)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo:
-            raise ValueError(f"LocalSGD: {name}={v!r}; use a finite number >= {lo}")
-    if outer == "nesterov" and outer_momentum <= 0:
-        raise ValueError("LocalSGD: outer='nesterov' needs outer_momentum > 0 (0.9 in DiLoCo); "
-                         "use outer='sgd' for no momentum")
+    check_local_steps(every, fragments, delay, outer, outer_lr, outer_momentum, owner="LocalSGD")
     if isinstance(mix, bool) or not isinstance(mix, (int, float)) or not 0 < mix <= 1:
         raise ValueError(f"LocalSGD: mix={mix!r}; use a number in (0, 1] (1: replicas identical)")
-    if delay > 0 and delay >= max(1, every // fragments):
-        raise ValueError(
-            f"LocalSGD: delay={delay} must be shorter than the gap between two fragments' "
-            f"synchronisations (every // fragments = {every // fragments}); lower delay or raise every")
 
 
 # The least value of each whole-number setting (as check_arguments requires it).
@@ -203,7 +189,7 @@ def machine_group(ranks_per_node: Optional[int] = None) -> Any:
     from fastml_strategy.topology import agreed_topology, node_groups
 
     topo = agreed_topology(dist.group.WORLD, dist.get_rank(), dist.get_world_size(), ranks_per_node)
-    intra, _ = node_groups(topo, timeout=_default_group_timeout(), cross=False)
+    intra, _ = node_groups(topo, timeout=default_group_timeout(), cross=False)
     return intra
 
 
@@ -223,7 +209,7 @@ def island_model(module: torch.nn.Module, ranks_per_node: Optional[int] = None, 
                 f"machine(s) x {topo.ranks_per_node} ({topo.source}). Set FASTML_RANKS_PER_NODE or launch "
                 f"one torchrun per machine, or train one replica per process")
         return module
-    intra, _ = node_groups(topo, timeout=_default_group_timeout(), cross=False)
+    intra, _ = node_groups(topo, timeout=default_group_timeout(), cross=False)
     dev = next(module.parameters()).device
     if dist.get_rank() == 0:
         log.info("%s: DiLoCo islands, %d machines x %d ranks (%s): DDP inside each machine, local steps "
@@ -267,9 +253,10 @@ class LocalSGD:
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: Optional[torch.optim.Optimizer] = None, *,
-                 every: int = 50, outer: str = "nesterov", outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, plan: Any = None, fragments: int = 1, delay: int = 0,
-                 mix: float = 1.0, process_group: Any = None, layer_stats_every: int = 1) -> None:
+                 every: int = _DEFAULT.every, outer: str = _DEFAULT.outer, outer_lr: float = _DEFAULT.outer_lr,
+                 outer_momentum: float = _DEFAULT.outer_momentum, plan: Any = None,
+                 fragments: int = _DEFAULT.fragments, delay: int = _DEFAULT.delay, mix: float = 1.0,
+                 process_group: Any = None, layer_stats_every: int = LAYER_STATS_EVERY_LOCALSGD) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"LocalSGD: model is a {type(model).__name__}; pass the torch.nn.Module every "
                             f"rank trains")
@@ -318,7 +305,7 @@ class LocalSGD:
         self._own_group = process_group is None  # made here: close() destroys it (a re-fit must not leak it)
         if process_group is None:
             process_group = dist.new_group(ranks=list(range(dist.get_world_size())),
-                                           timeout=_default_group_timeout())
+                                           timeout=default_group_timeout())
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
@@ -367,9 +354,7 @@ class LocalSGD:
             raise
         topo, groups = None, ()
         if island is not None:
-            from fastml_strategy.hook import _agreed_machines
-
-            topo, groups = _agreed_machines(process_group, self.rank, self.world_size, R)
+            topo, groups = agreed_machines(process_group, self.rank, self.world_size, R)
         # Start identical: rank 0's parameters and buffers everywhere (an FSDP2 island: each shard from
         # its counterpart on machine 0).
         src = dist.get_global_rank(process_group, 0) if process_group is not dist.group.WORLD else 0
@@ -668,9 +653,7 @@ class LocalSGD:
         own = self._own_state()
         if not all_ranks:
             return own
-        gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, own, group=self.process_group)
-        return {"format_version": STATE_FORMAT_VERSION, "per_rank": gathered}
+        return gather_states(own, self.process_group, self.world_size)
 
     def _own_state(self) -> dict:
         pending = {f.index: {"at": at, "mean": mean.detach().cpu().clone(), "finite": finite}
@@ -785,29 +768,3 @@ def _done(mean: torch.Tensor, finite: bool) -> concurrent.futures.Future:
     fut: concurrent.futures.Future = concurrent.futures.Future()
     fut.set_result((mean, finite))
     return fut
-
-
-
-def _to_cpu(obj: Any) -> Any:
-    """A copy of a (nested) state with every tensor on the CPU, to gather and save."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
-
-
-def gather_to_rank_zero(own: dict) -> Optional[dict]:
-    """Every rank's part of a checkpoint that rank 0 alone writes (the framework adapters: between two
-    synchronisations each rank's model, inner optimizer and LocalSGD state are its own). A collective of
-    the default group: call it on every rank. Rank 0 gets ``{"format_version", "per_rank": [...]}``,
-    indexed by rank, the other ranks None; ``own`` is copied to the CPU first."""
-    own = _to_cpu(own)
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return {"format_version": STATE_FORMAT_VERSION, "per_rank": [own]}
-    rank = dist.get_rank()
-    gathered: Optional[list] = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(own, gathered, dst=0)
-    return {"format_version": STATE_FORMAT_VERSION, "per_rank": gathered} if rank == 0 else None

@@ -84,7 +84,7 @@ except ImportError as e:  # pragma: no cover - the extra is missing
                       "'fastml-strategy[transformers]' (or pip install transformers)") from e
 
 from fastml_strategy._io import atomic_open
-from fastml_strategy._validate import env_whole_number
+from fastml_strategy._validate import LAYER_STATS_EVERY_LOCALSGD, env_whole_number
 from fastml_strategy.accelerate import LocalSGDCheckpoint, _find_ddp
 from fastml_strategy.accelerate import setup as accelerate_setup
 from fastml_strategy.config import Plan, resolve_plan
@@ -198,8 +198,8 @@ class FastMLCallback(TrainerCallback):
             self.plan.check_parameters([n for n, p in trainer.model.named_parameters() if p.requires_grad])
             return None
         ddp.register_comm_hook(None, _local_gradients_hook)
-        layer_every = env_whole_number("FASTML_LAYER_STATS_EVERY", self.layer_stats_every, 1,
-                                       owner="fastml_strategy.transformers")
+        layer_every = env_whole_number("FASTML_LAYER_STATS_EVERY", self.layer_stats_every,
+                                       LAYER_STATS_EVERY_LOCALSGD, owner="fastml_strategy.transformers")
         inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # under Accelerate's wrapper
         local = LocalSGD(ddp.module, inner, plan=self.plan, layer_stats_every=layer_every, **self.localsgd)
         self._local_ckpt = LocalSGDCheckpoint(local, ddp.module, [trainer.optimizer])

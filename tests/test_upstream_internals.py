@@ -1,10 +1,16 @@
 """Every private torch / Lightning name FastML reads, checked on the installed versions.
 
-FastML touches a private attribute only where upstream offers no public way (the timeout given to
-``init_process_group``, whether a DDP model has a comm hook, what ``torch.compile`` wraps, FSDP's
-unsharded parameter, two attributes Lightning's own strategies set). Each sits behind one function
-that logs a warning at run time when the name is gone; these tests fail loudly instead, so that an
-upgrade of torch or Lightning that renames one is caught here, not by a run that silently stops
+FastML touches a private attribute where upstream offers no public way: the timeout given to
+``init_process_group`` and whether a DDP model has a comm hook (each behind one function that logs a
+warning when the name is gone), what ``torch.compile`` wraps, FSDP2's unit internals, two attributes
+Lightning's own strategies set. ``fastml_strategy.fsdp.register`` reads and sets FSDP2's internals in
+place rather than behind one function: each unit's parameter group (``_get_fsdp_state()
+._fsdp_param_groups``, its ``fsdp_params`` with their sizes and placement), its flags
+(``reduce_scatter_unused_params``, ``all_reduce_grads``, ``gradient_divide_factor``), and, for HSDP on a
+2-D mesh, it replaces the group's ``mesh_info`` (and ``post_forward_mesh_info``) by a 1-D shard mesh,
+restoring them and the custom hooks (``_reduce_scatter_comm``, ``_all_gather_comm``,
+``_all_reduce_hook``) on ``close()``. These tests fail loudly when one of these names changes, so that
+an upgrade of torch or Lightning that renames one is caught here, not by a run that silently stops
 compressing or waiting on the user's timeout.
 """
 
@@ -22,7 +28,8 @@ from _dist import run_workers
 
 # -- torch.distributed: the default group's timeout, DDP's comm hooks ----------------------------------------
 def _torch_internals(rank, world_size):
-    from fastml_strategy.hook import _default_group_timeout, _has_comm_hook
+    from fastml_strategy._distributed import default_group_timeout
+    from fastml_strategy.hook import _has_comm_hook
 
     pg = dist.distributed_c10d._get_default_group()
     assert isinstance(pg, dist.ProcessGroup)
@@ -30,7 +37,7 @@ def _torch_internals(rank, world_size):
     ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
     hooks_before = type(ddp._comm_hooks).__name__, len(ddp._comm_hooks), _has_comm_hook(ddp)
     ddp.register_comm_hook(None, lambda state, bucket: torch.futures.Future())
-    return {"timeout": timeout.total_seconds(), "fastml_timeout": _default_group_timeout().total_seconds(),
+    return {"timeout": timeout.total_seconds(), "fastml_timeout": default_group_timeout().total_seconds(),
             "hooks_before": hooks_before, "hooks_after": (len(ddp._comm_hooks), _has_comm_hook(ddp))}
 
 
@@ -42,11 +49,12 @@ def test_torch_distributed_internals_exist_and_hold_what_fastml_reads():
 
 
 def test_unreadable_internals_log_a_warning(caplog):
-    from fastml_strategy.hook import _default_group_timeout, _has_comm_hook
+    from fastml_strategy._distributed import default_group_timeout
+    from fastml_strategy.hook import _has_comm_hook
 
     assert not dist.is_initialized()
-    with caplog.at_level(logging.WARNING, logger="fastml_strategy.hook"):
-        assert _default_group_timeout() is None  # no default group: the read fails
+    with caplog.at_level(logging.WARNING, logger="fastml_strategy"):
+        assert default_group_timeout() is None  # no default group: the read fails
         assert _has_comm_hook(types.SimpleNamespace()) is False  # a DDP without _comm_hooks
     text = caplog.text
     assert "cannot read the default process group" in text and "30 minutes" in text

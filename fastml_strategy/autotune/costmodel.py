@@ -919,9 +919,11 @@ def _backward_end(rows: list[dict[str, Any]], links: _LinkQueue, ag_link: str, r
 
 
 def family(cfg: CodecConfig) -> str:
-    """The codec family whose time scale applies: fp32, cast (fp16/bf16), quantize or topk."""
-    return {Codec.FP32: "fp32", Codec.FP16: "cast", Codec.BF16: "cast", Codec.QUANTIZE: "quantize",
-            Codec.TOPK: "topk"}[cfg.codec]
+    """The codec family whose time scale applies: the codec class's ``family`` (fp32, cast for
+    fp16/bf16, quantize, topk)."""
+    from fastml_strategy.codecs import codec_for
+
+    return codec_for(cfg).family
 
 
 def fit_codec_scale(profile: Profile, option: HardwareOption, measured: Mapping[str, float],

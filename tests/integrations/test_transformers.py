@@ -1,7 +1,8 @@
 """fastml_strategy.transformers on real processes: ONE torchrun launch (2 CPU ranks) in which
 tests/integrations/jobs/transformers_job.py trains a tiny Llama (built from a config) through
-transformers.Trainer and TRL's SFTTrainer under every contract of issue 24 (torch_compile=True and FSDP2
-through fsdp/fsdp_config included), then the assertions below read what each rank found. One launch keeps the suite's added time to about a minute on 2 loaded cores."""
+transformers.Trainer and TRL's SFTTrainer under every contract of the integration (torch_compile=True and
+FSDP2 through fsdp/fsdp_config included), then the assertions below read what each rank found. One launch
+keeps the suite's added time to about a minute on 2 loaded cores."""
 
 from __future__ import annotations
 
