@@ -32,6 +32,7 @@ from typing import Any, Iterator
 import torch
 
 from fastml_strategy._validate import LAYER_STATS_EVERY, LAYER_STATS_EVERY_LOCALSGD, env_whole_number
+from fastml_strategy.config import DEFAULT_RECIPE, LocalSteps
 
 log = logging.getLogger(__name__)
 
@@ -50,16 +51,18 @@ class Setting:
 
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
-    Setting("plan", "FASTML_PLAN", "int4", "int4", None,
+    Setting("plan", "FASTML_PLAN", DEFAULT_RECIPE, DEFAULT_RECIPE, None,
             "recipe name or plan JSON (resolved by fastml_strategy.config.resolve_plan)"),
     Setting("check_replicas_every", "FASTML_CHECK_REPLICAS_EVERY", 0, 0, 0,
             "compare parameter checksums across ranks every N steps (DDP; 0: off)"),
     Setting("layer_stats_every", "FASTML_LAYER_STATS_EVERY", LAYER_STATS_EVERY, LAYER_STATS_EVERY_LOCALSGD, 0,
             "measure per-layer compression error every N steps (0: off)"),
-    Setting("localsgd", "FASTML_LOCALSGD_<NAME>", "LocalSteps()", "LocalSteps()", None,
-            "LocalSGD's every/outer/outer_lr/outer_momentum/fragments/delay "
-            "(resolved by fastml_strategy.localsgd.resolve_settings)"),
 )}
+# LocalSGD's settings (every, outer, outer_lr, outer_momentum, fragments, delay): defaults from LocalSteps,
+# the one source; resolved with the plan's recorded local_steps by fastml_strategy.localsgd.resolve_settings.
+SETTINGS.update({name: Setting(name, f"FASTML_LOCALSGD_{name.upper()}", None, default, None,
+                               "LocalSGD (resolved by fastml_strategy.localsgd.resolve_settings)")
+                 for name, default in LocalSteps().kwargs().items()})
 
 
 def setting(name: str, value: Any, *, owner: str, localsgd: bool = False, default: Any = ...) -> Any:
@@ -68,7 +71,7 @@ def setting(name: str, value: Any, *, owner: str, localsgd: bool = False, defaul
     by one rule whose error names ``owner``."""
     row = SETTINGS[name]
     if row.minimum is None:
-        raise KeyError(f"{name} is not a whole-number setting; see SETTINGS[{name!r}].meaning for its resolver")
+        raise KeyError(f"{name} is not resolved here; {row.meaning}")
     if default is ...:
         default = row.localsgd_default if localsgd else row.default
     return env_whole_number(row.variable, value, default, row.minimum, owner=owner)
