@@ -197,6 +197,12 @@ class WireCodec:
         chunk's encoding stays 4-byte aligned."""
         return _CHUNK_UNIT
 
+    def part_unit(self) -> int:
+        """Elements a part boundary of the hierarchical all-reduce must be a multiple of (a part is
+        one local rank's share of a parameter, compressed across machines as a tensor of its own):
+        the chunk unit, unless the codec may fall back to another one for a part."""
+        return self.chunk_unit()
+
     def nbytes(self, numel: int) -> int:
         """Encoded bytes of a chunk (or one whole sparse message) of ``numel`` elements: a multiple of 4."""
         raise NotImplementedError
@@ -488,6 +494,10 @@ class TopkCodec(WireCodec):
 
     def _value_nbytes(self, k: int) -> int:
         return 4 * k if self.values is None else self.values.nbytes(k)
+
+    def part_unit(self) -> int:
+        # a part may take the dense fallback (effective_config): its quantization block
+        return int(self.cfg.block_size)
 
     def nbytes(self, numel: int) -> int:
         k = self.cfg.topk_k(numel)

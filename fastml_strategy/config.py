@@ -542,10 +542,11 @@ class Plan:
     @property
     def intra_node_dtype(self) -> "torch.dtype | None":
         """The dtype the hop inside a machine travels in (None: the bucket's, summed in fp32)."""
-        import torch
+        if self.intra_node is None or self.intra_node.codec is Codec.FP32:
+            return None
+        from fastml_strategy.codecs import codec_for
 
-        c = None if self.intra_node is None else self.intra_node.codec
-        return {Codec.FP16: torch.float16, Codec.BF16: torch.bfloat16}.get(c)
+        return codec_for(self.intra_node).dtype  # the cast codec's wire dtype
 
     def check_parameters(self, names: Iterable[str], aliases: Mapping[str, str] | None = None,
                          frozen: Iterable[str] = ()) -> None:

@@ -62,23 +62,17 @@ from fastml_strategy._layouts import chunk_bounds as _chunk_bounds
 from fastml_strategy._status import HEADER, CompressionError, StepChecks
 from fastml_strategy._status import host as _host
 from fastml_strategy.collective import CompressedAllReduce
-from fastml_strategy.config import Codec, CodecConfig, Plan
+from fastml_strategy.config import Plan
 from fastml_strategy.topology import Topology
 
 __all__ = ["HierLayout", "HierarchicalAllReduce", "part_bounds"]
 
 
-def _part_unit(cfg: CodecConfig) -> int:
-    """Elements a part boundary must be a multiple of: the quantization block (also of a top-k layer's
-    dense fallback, which :func:`codecs.effective_config` may pick for the part), else 16."""
-    if cfg.codec in (Codec.QUANTIZE, Codec.TOPK) and cfg.block_size:
-        return int(cfg.block_size)
-    return codecs.chunk_unit(cfg)
-
-
 def part_bounds(plan: Plan, name: str, numel: int, ranks_per_node: int) -> list[int]:
-    """The R + 1 boundaries of parameter ``name``'s parts (part j: local rank j's)."""
-    return _chunk_bounds(numel, _part_unit(plan.for_parameter(name, numel)), ranks_per_node)
+    """The R + 1 boundaries of parameter ``name``'s parts (part j: local rank j's), on the codec's
+    :meth:`~fastml_strategy.codecs.WireCodec.part_unit`."""
+    unit = codecs.codec_for(plan.for_parameter(name, numel)).part_unit()
+    return _chunk_bounds(numel, unit, ranks_per_node)
 
 
 class HierLayout:

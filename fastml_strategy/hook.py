@@ -752,6 +752,43 @@ def plan_summary(plan: Plan, params: dict, world_size: int) -> str:
     return text
 
 
+def _check_register_arguments(model: Any, process_group: Any, check_replicas_every: Any,
+                              layer_stats_every: Any) -> None:
+    """register_hook's checks of what it was given (the same on every rank, so raised locally)."""
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(
+            f"register_hook: model is a {type(model).__name__}, not a DistributedDataParallel; wrap it "
+            f"first (model = torch.nn.parallel.DistributedDataParallel(model)) and pass the wrapper"
+        )
+    if _has_comm_hook(model):
+        raise ValueError(
+            "register_hook: this DistributedDataParallel model already has a comm hook (register_hook "
+            "was called on it before, or another hook was registered); register FastML once per DDP "
+            "model and keep the state it returned"
+        )
+    for argname, val in (("check_replicas_every", check_replicas_every),
+                         ("layer_stats_every", layer_stats_every)):
+        whole_number(argname, val, 0, owner="register_hook", note=" (0 turns it off)")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("register_hook: torch.distributed is not initialised; call "
+                           "dist.init_process_group (torchrun sets the environment) before DDP")
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"register_hook: process_group is a {type(process_group).__name__}; pass a "
+                        f"torch.distributed ProcessGroup (from dist.new_group) or None for all ranks")
+
+
+def _warn_sparse(module: torch.nn.Module, plan: Plan) -> None:
+    """Warn (in the caller's name) when the plan compresses a sparse embedding's gradient: it travels
+    uncompressed."""
+    sparse = [f"{prefix}{'.' if prefix else ''}weight" for prefix, m in module.named_modules()
+              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
+    lossy = [n for n in sparse if plan.for_parameter(n).lossy]
+    if lossy:
+        warnings.warn(f"FastML: {lossy} produce sparse gradients, which travel uncompressed (an exact sparse "
+                      f"all-reduce, as DDP does it), whatever the plan says; use sparse=False to compress "
+                      f"them", stacklevel=3)
+
+
 def register_hook(
     model: torch.nn.parallel.DistributedDataParallel,
     plan: Any = None,
@@ -784,26 +821,7 @@ def register_hook(
     Communication overlaps backward bucket by bucket: wrap small models with a smaller cap,
     ``DDP(model, bucket_cap_mb=suggest_bucket_cap_mb(model))``, so that they have several buckets.
     """
-    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        raise TypeError(
-            f"register_hook: model is a {type(model).__name__}, not a DistributedDataParallel; wrap it "
-            f"first (model = torch.nn.parallel.DistributedDataParallel(model)) and pass the wrapper"
-        )
-    if _has_comm_hook(model):
-        raise ValueError(
-            "register_hook: this DistributedDataParallel model already has a comm hook (register_hook "
-            "was called on it before, or another hook was registered); register FastML once per DDP "
-            "model and keep the state it returned"
-        )
-    for argname, val in (("check_replicas_every", check_replicas_every),
-                         ("layer_stats_every", layer_stats_every)):
-        whole_number(argname, val, 0, owner="register_hook", note=" (0 turns it off)")
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("register_hook: torch.distributed is not initialised; call "
-                           "dist.init_process_group (torchrun sets the environment) before DDP")
-    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-        raise TypeError(f"register_hook: process_group is a {type(process_group).__name__}; pass a "
-                        f"torch.distributed ProcessGroup (from dist.new_group) or None for all ranks")
+    _check_register_arguments(model, process_group, check_replicas_every, layer_stats_every)
     own_group = process_group is None
     if own_group:
         # A dedicated group (a collective call on every rank): nothing else issues collectives on it.
@@ -822,13 +840,7 @@ def register_hook(
 
     plan_obj = agreed_plan(plan, trainable, process_group, world_size, aliases=aliases, frozen=frozen)
     topo, groups = agreed_machines(process_group, rank, world_size, ranks_per_node)
-    sparse = [f"{prefix}{'.' if prefix else ''}weight" for prefix, m in module.named_modules()
-              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
-    lossy = [n for n in sparse if plan_obj.for_parameter(n).lossy]
-    if lossy:
-        warnings.warn(f"FastML: {lossy} produce sparse gradients, which travel uncompressed (an exact sparse "
-                      f"all-reduce, as DDP does it), whatever the plan says; use sparse=False to compress "
-                      f"them", stacklevel=2)
+    _warn_sparse(module, plan_obj)
     state = FastMLState(plan_obj, process_group, rank, world_size, names, list(module.parameters()),
                         check_replicas_every=check_replicas_every, layer_stats_every=layer_stats_every,
                         topology=topo, node_groups=groups)

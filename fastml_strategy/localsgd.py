@@ -218,6 +218,52 @@ def island_model(module: torch.nn.Module, ranks_per_node: Optional[int] = None, 
         module, process_group=intra, device_ids=[dev.index] if dev.type == "cuda" else None)
 
 
+def _island(model: torch.nn.Module, process_group: Any) -> tuple:
+    """``(ranks, sharded, error)``: the ranks of the machine ``model`` is an island of (DDP over them, or
+    FSDP2 sharded over them; None for a plain model), whether it is sharded, and an error to raise on
+    every rank alike (a mesh LocalSGD cannot take). Raises at once what every rank sees alike: DDP or
+    FSDP2 over every rank, or a ``process_group`` with an island."""
+    try:
+        ranks = _fsdp_island(model)
+        error = None
+    except ValueError as e:
+        ranks, error = None, e
+    sharded = ranks is not None
+    if not sharded and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        ranks = dist.get_process_group_ranks(model.process_group)
+    if ranks is None:
+        return None, False, error
+    how = ("is sharded with FSDP2 over every rank, which reduce-scatters" if sharded else
+           "is wrapped in DistributedDataParallel over every rank, which all-reduces")
+    fix = ("shard it over the ranks of one machine (fully_shard(..., mesh=DeviceMesh.from_group("
+           "fastml_strategy.localsgd.machine_group(), device_type))), or train one replica per process"
+           if sharded else
+           "pass the plain module (model.module), or, for DiLoCo islands, wrap it in DDP over the ranks of "
+           "one machine: DDP(model, process_group=fastml_strategy.localsgd.machine_group())")
+    if len(ranks) == dist.get_world_size():
+        raise TypeError(f"LocalSGD: the model {how} every step across machines; {fix}")
+    if process_group is not None:
+        raise ValueError(f"LocalSGD: process_group is for plain models; with {'an FSDP2' if sharded else 'a DDP'} "
+                         f"island the outer synchronisation runs over every rank (each part with its "
+                         f"counterparts across machines): drop process_group")
+    return ranks, sharded, error
+
+
+def _check_island(island: Optional[list], sharded: bool) -> None:
+    """ValueError unless ``island`` (None: no island) holds the ranks of one machine (contiguous)."""
+    if island is None:
+        return
+    world, R = dist.get_world_size(), len(island)
+    node = dist.get_rank() // R
+    if world % R or island != list(range(node * R, (node + 1) * R)):
+        what = "FSDP2 mesh" if sharded else "DDP model's process group"
+        fix = ("shard it with fully_shard(..., mesh=DeviceMesh.from_group(fastml_strategy.localsgd."
+               "machine_group(), device_type))" if sharded else
+               "wrap it as DDP(model, process_group=fastml_strategy.localsgd.machine_group())")
+        raise ValueError(f"LocalSGD: the {what} holds ranks {island}, which are not the ranks of one machine "
+                         f"(machines hold contiguous ranks; {world} ranks): {fix}")
+
+
 class _Fragment:
     """A run of consecutive parameters synchronised together, with its flat pseudo-gradient buffer."""
 
@@ -263,39 +309,10 @@ class LocalSGD:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("LocalSGD: torch.distributed is not initialised; call dist.init_process_group "
                                "(torchrun sets the environment) first")
-        island = None  # DDP over the ranks of this machine: an island (see the module docstring)
-        island_error: Optional[ValueError] = None  # raised on every rank alike, in check()
-        try:
-            sharded = _fsdp_island(model)  # or FSDP2 over them
-        except ValueError as e:
-            sharded, island_error = None, e
-        if sharded is not None:
-            island = sharded
-            if len(island) == dist.get_world_size():
-                raise TypeError(
-                    "LocalSGD: the model is sharded with FSDP2 over every rank, which reduce-scatters "
-                    "every step across machines; shard it over the ranks of one machine "
-                    "(fully_shard(..., mesh=DeviceMesh.from_group(fastml_strategy.localsgd.machine_group(), "
-                    "device_type))), or train one replica per process")
-            if process_group is not None:
-                raise ValueError("LocalSGD: process_group is for plain models; with an FSDP2 island the outer "
-                                 "synchronisation runs over every rank (each shard with its counterparts "
-                                 "across machines): drop process_group")
-        elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            island = dist.get_process_group_ranks(model.process_group)
-            if len(island) == dist.get_world_size():
-                raise TypeError(
-                    "LocalSGD: the model is wrapped in DistributedDataParallel over every rank, which "
-                    "all-reduces every step across machines; pass the plain module (model.module), or, "
-                    "for DiLoCo islands, wrap it in DDP over the ranks of one machine: "
-                    "DDP(model, process_group=fastml_strategy.localsgd.machine_group())")
-            if process_group is not None:
-                raise ValueError("LocalSGD: process_group is for plain models; with a DDP island the outer "
-                                 "synchronisation runs over every rank (one part per local rank across "
-                                 "machines): drop process_group")
+        island, sharded, island_error = _island(model, process_group)
         self.model = model
-        self._ddp = model if island is not None and sharded is None else None
-        self._sharded = sharded is not None  # an FSDP2 island: this rank holds shards
+        self._ddp = model if island is not None and not sharded else None
+        self._sharded = sharded  # an FSDP2 island: this rank holds shards
         module = model.module if self._ddp is not None else model
         self.inner_optimizer = inner_optimizer
         self.every = every
@@ -312,21 +329,11 @@ class LocalSGD:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         trainable, aliases, frozen = model_names(module)
         R = len(island) if island is not None else 1
-        world = dist.get_world_size()
 
         def check() -> None:
             if island_error is not None:
                 raise island_error
-            if island is not None:
-                node = dist.get_rank() // R
-                if world % R or island != list(range(node * R, (node + 1) * R)):
-                    raise ValueError(
-                        f"LocalSGD: the {'FSDP2 mesh' if sharded else 'DDP model' + chr(39) + 's process group'} "
-                        f"holds ranks {island}, which are not the ranks of one machine (machines hold "
-                        f"contiguous ranks; {world} ranks): " + (
-                            "shard it with fully_shard(..., mesh=DeviceMesh.from_group("
-                            "fastml_strategy.localsgd.machine_group(), device_type))" if sharded else
-                            "wrap it as DDP(model, process_group=fastml_strategy.localsgd.machine_group())"))
+            _check_island(island, sharded)
             check_arguments(self.every, self.outer, self.outer_lr, self.outer_momentum, self.fragments,
                             self.delay, self.mix, self.layer_stats_every)
             if not named:
@@ -355,17 +362,7 @@ class LocalSGD:
         topo, groups = None, ()
         if island is not None:
             topo, groups = agreed_machines(process_group, self.rank, self.world_size, R)
-        # Start identical: rank 0's parameters and buffers everywhere (an FSDP2 island: each shard from
-        # its counterpart on machine 0).
-        src = dist.get_global_rank(process_group, 0) if process_group is not dist.group.WORLD else 0
-        with torch.no_grad():
-            for p in module.parameters():
-                if self._sharded and groups:
-                    dist.broadcast(_local(p.data), src=topo.local_rank, group=groups[2])
-                elif not self._sharded:
-                    dist.broadcast(p.data, src=src, group=process_group)
-            for t in module.buffers():
-                dist.broadcast(t.data, src=src, group=process_group)
+        self._start_identical(module, topo, groups)
         self._named = named
         # the shared parameters (the last synchronisation's result; this rank's shards of an FSDP2
         # island), fp32, and the outer optimizer on them
@@ -378,19 +375,16 @@ class LocalSGD:
             self._outer = torch.optim.SGD(params, lr=outer_lr, momentum=outer_momentum)
         self._fragments = self._split(named, fragments, every)
         self.ranks_per_node = R
-        if island is not None:
+        if groups:
             # islands: local rank l of every machine reduces part l of each fragment across machines
             # (the hierarchical all-reduce of the DDP hook; inside a machine the pseudo-gradients are
             # equal, DDP having kept the island's replicas equal; an FSDP2 island's part l is the shard
             # rank l holds, and only the cross-machine stage runs)
             from fastml_strategy.hierarchical import HierarchicalAllReduce
 
-            if not groups:  # one machine: nothing crosses machines, and DDP already averages it all
-                self._engine = CompressedAllReduce(self.plan, process_group, self.rank, self.world_size)
-            else:
-                self._engine = HierarchicalAllReduce(self.plan, process_group, self.rank, self.world_size,
-                                                     topo, *groups)
-        else:
+            self._engine = HierarchicalAllReduce(self.plan, process_group, self.rank, self.world_size,
+                                                 topo, *groups)
+        else:  # one replica per rank, or one machine (nothing crosses machines; DDP averages it all)
             self._engine = CompressedAllReduce(self.plan, process_group, self.rank, self.world_size)
         self._hier = not isinstance(self._engine, CompressedAllReduce)
         # one thread issues the fragments' collectives in order (every rank in the same order)
@@ -399,6 +393,20 @@ class LocalSGD:
         self.outer_steps = 0
         self.nonfinite_syncs = 0
         self._failure: Optional[BaseException] = None
+
+    def _start_identical(self, module: torch.nn.Module, topo: Any, groups: tuple) -> None:
+        """Rank 0's parameters and buffers everywhere (an FSDP2 island: each shard from its counterpart
+        on machine 0, over this local rank's cross-machine group)."""
+        group = self.process_group
+        src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+        with torch.no_grad():
+            for p in module.parameters():
+                if self._sharded and groups:
+                    dist.broadcast(_local(p.data), src=topo.local_rank, group=groups[2])
+                elif not self._sharded:
+                    dist.broadcast(p.data, src=src, group=group)
+            for t in module.buffers():
+                dist.broadcast(t.data, src=src, group=group)
 
     @classmethod
     def from_plan(cls, model: torch.nn.Module, inner_optimizer: Optional[torch.optim.Optimizer] = None,
