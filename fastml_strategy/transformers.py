@@ -68,7 +68,6 @@ warns that the residuals start from zero unless ``TrainingArguments(resume_from_
 from __future__ import annotations
 
 import logging
-import math
 import os
 import warnings
 from pathlib import Path
@@ -84,8 +83,8 @@ except ImportError as e:  # pragma: no cover - the extra is missing
                       "'fastml-strategy[transformers]' (or pip install transformers)") from e
 
 from fastml_strategy._io import atomic_open
-from fastml_strategy._validate import LAYER_STATS_EVERY_LOCALSGD, env_whole_number
-from fastml_strategy.accelerate import LocalSGDCheckpoint, _find_ddp
+from fastml_strategy._integration import TRAINER_KEYS, counters, find_ddp, metrics, setting
+from fastml_strategy.accelerate import LocalSGDCheckpoint
 from fastml_strategy.accelerate import setup as accelerate_setup
 from fastml_strategy.config import Plan, resolve_plan
 from fastml_strategy.hook import suggest_bucket_cap_mb
@@ -161,7 +160,7 @@ class FastMLCallback(TrainerCallback):
         wrapped = trainer.model_wrapped
         if self.state is not None and wrapped is self._model:
             return  # a second train() on the same prepared model: the hook is registered already
-        ddp = _find_ddp(wrapped)
+        ddp = find_ddp(wrapped)
         try:
             if self.localsgd is not None:
                 self.state = self._start_local_sgd(trainer, wrapped, ddp)
@@ -198,8 +197,8 @@ class FastMLCallback(TrainerCallback):
             self.plan.check_parameters([n for n, p in trainer.model.named_parameters() if p.requires_grad])
             return None
         ddp.register_comm_hook(None, _local_gradients_hook)
-        layer_every = env_whole_number("FASTML_LAYER_STATS_EVERY", self.layer_stats_every,
-                                       LAYER_STATS_EVERY_LOCALSGD, owner="fastml_strategy.transformers")
+        layer_every = setting("layer_stats_every", self.layer_stats_every, owner="fastml_strategy.transformers",
+                              localsgd=True)
         inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # under Accelerate's wrapper
         local = LocalSGD(ddp.module, inner, plan=self.plan, layer_stats_every=layer_every, **self.localsgd)
         self._local_ckpt = LocalSGDCheckpoint(local, ddp.module, [trainer.optimizer])
@@ -222,30 +221,15 @@ class FastMLCallback(TrainerCallback):
 
     # -- metrics -----------------------------------------------------------------------------------------
     def _counters(self) -> tuple:
-        if self.state is None:
-            return (0, 0, 0.0)
-        s = self.state.stats()
-        return (s.get("steps", s.get("inner_steps")), s["bytes_sent"], float(s["bytes_uncompressed"]))
+        return (0, 0, 0.0) if self.state is None else counters(self.state.stats())
 
     def metrics(self) -> dict:
         """FastML's figures since the last call (what ``on_log`` adds to the logs)."""
         if self.state is None:
             return {}
         s = self.state.stats()
-        steps, sent, unc = s.get("steps", s.get("inner_steps")), s["bytes_sent"], float(s["bytes_uncompressed"])
-        d_steps, d_sent, d_unc = steps - self._last[0], sent - self._last[1], unc - self._last[2]
-        self._last = (steps, sent, unc)
-        # (an interval without communication, LocalSGD's between two synchronisations: the run's ratio)
-        out = {"fastml/compression_ratio": (d_unc / d_sent) if d_sent > 0 else s["compression_ratio"],
-               "fastml/bytes_per_step": (d_sent / d_steps) if d_steps > 0 else 0.0}
-        if "ratio_vs_ddp" in s:  # LocalSGD: bytes against DDP's fp32 all-reduce of every step
-            out["fastml/ratio_vs_ddp"] = s["ratio_vs_ddp"]
-        if self.layer_metrics:
-            for name, row in s.get("layers", {}).items():
-                err = row.get("rel_error")
-                lossy = self.plan.for_parameter(name, row.get("numel")).lossy  # exact layers have no error
-                if lossy and isinstance(err, float) and math.isfinite(err):
-                    out[f"fastml/error/{name}"] = err
+        out = metrics(s, TRAINER_KEYS, since=self._last, layers=self.layer_metrics)
+        self._last = counters(s)
         return out
 
     def on_log(self, args, state, control, logs=None, **kwargs):

@@ -63,7 +63,7 @@ def test_unreadable_internals_log_a_warning(caplog):
 
 # -- torch.compile, FSDP2 ----------------------------------------------------------------------------------------
 def test_torch_compile_keeps_the_module_in_orig_mod(caplog):
-    from fastml_strategy.accelerate import _unwrap
+    from fastml_strategy._integration import unwrap as _unwrap
 
     m = torch.nn.Linear(4, 4)
     compiled = torch.compile(m)  # wrapping only: nothing compiles before the first call
@@ -73,7 +73,7 @@ def test_torch_compile_keeps_the_module_in_orig_mod(caplog):
     class OptimizedModule:  # what a torch that renamed _orig_mod would hand over
         pass
 
-    with caplog.at_level(logging.WARNING, logger="fastml_strategy.accelerate"):
+    with caplog.at_level(logging.WARNING, logger="fastml_strategy._integration"):
         assert len(list(_unwrap(OptimizedModule()))) == 1
     assert "no _orig_mod" in caplog.text
 
