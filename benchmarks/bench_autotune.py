@@ -334,7 +334,9 @@ def inner(args: argparse.Namespace) -> None:
     tune = out / "tune"
     if tune.exists() and not args.resume:
         shutil.rmtree(tune)
+    tune_load_before = os.getloadavg()[0]
     tune_s = _tune(args, task, tune)
+    tune_load = f"{tune_load_before:.1f}-{os.getloadavg()[0]:.1f}"
     predicted = {}
     with open(tune / "step_times.csv") as f:
         for row in csv.DictReader(f):
@@ -378,6 +380,10 @@ def inner(args: argparse.Namespace) -> None:
         })
     rows[0]["plan_summary"] = _plan_summary(tune / "plan.json")
     rows[0]["check"] = (meta.get("checked_against_uniform") or {}).get("verdict", "")
+    rows[0].update(_fp16_stretch(tune / "calibration.csv"))
+    rows[0]["e_max"] = (meta.get("accuracy_rule") or {}).get("e_max", "")
+    rows[0]["tune_s"] = round(tune_s)
+    rows[0]["tune_load_avg"] = tune_load
     from tabulate import tabulate
 
     import _bench
@@ -406,6 +412,24 @@ def inner(args: argparse.Namespace) -> None:
         print(f"\ntuned plan: {tuned['seconds_to_target']} s to the target; best other plan {best['plan']}: "
               f"{best['seconds_to_target']} s ({best['seconds_to_target'] / tuned['seconds_to_target']:.2f}x)")
     print(f"\nwrote {csv_path} and {tune}/report.html")
+
+
+def _fp16_stretch(calibration_csv: Path) -> dict:
+    """The tuner's calibration run of uniform fp16 at its own seed: its stretch with the ~95%
+    interval, and its accuracy loss (what the rule used, and the final-loss gap): issue 28's check
+    that a plan indistinguishable from the reference measures a stretch consistent with 1."""
+    if not calibration_csv.exists():
+        return {}
+    with open(calibration_csv) as f:
+        rows = list(csv.DictReader(f))
+    seed0 = min((int(r.get("seed") or 0) for r in rows), default=0)
+    for r in rows:
+        choice = set(json.loads(r["choice"]).values()) if r.get("choice") else set()
+        if choice == {"fp16"} and int(r.get("seed") or 0) == seed0:
+            return {"fp16_stretch": r.get("ratio", ""), "fp16_stretch_lo": r.get("ratio_lo", ""),
+                    "fp16_stretch_hi": r.get("ratio_hi", ""), "fp16_accuracy_loss": r.get("accuracy_loss", ""),
+                    "fp16_accuracy_loss_raw": r.get("accuracy_loss_raw", "")}
+    return {}
 
 
 def _run_tag(args: argparse.Namespace, task: Task) -> str:
@@ -439,9 +463,18 @@ def summary(results: Path = REPO / "benchmarks" / "results") -> list[dict]:
             "tuned_over_best_uniform": round(t_s / b_s, 3) if t_s and b_s else "",
             "tuned_no_later": (t_s is not None and (b_s is None or t_s <= b_s)),
             "uniform_not_reached": ",".join(r["plan"] for r in uni if not r["seconds_to_target"]),
+            "fp16_stretch": _interval(tuned) if tuned else "",
             "csv": path.name,
         })
     return rows
+
+
+def _interval(row: dict) -> str:
+    """'1.00 (0.94-1.07)' from a tuned row's fp16 stretch columns ('' when the run has none)."""
+    try:
+        return f"{float(row['fp16_stretch']):.3g} ({float(row['fp16_stretch_lo']):.3g}-{float(row['fp16_stretch_hi']):.3g})"
+    except (KeyError, ValueError):
+        return ""
 
 
 def _plan_summary(path: Path) -> str:

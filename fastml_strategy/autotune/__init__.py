@@ -29,7 +29,8 @@ searched). The command is ``fastml-autotune`` (``fastml_strategy.autotune.cli``)
 other functions. Optuna is imported only when a run starts.
 """
 
-from fastml_strategy.autotune._run import AutotuneResult, autotune
+from fastml_strategy.autotune._run import autotune
+from fastml_strategy.autotune.result import AutotuneResult
 from fastml_strategy.autotune.catalog import HardwareOption, Link, load_catalog, parse_link
 from fastml_strategy.autotune.costmodel import CANDIDATES
 from fastml_strategy.autotune.workload import Workload

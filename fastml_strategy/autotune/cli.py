@@ -10,7 +10,7 @@ timed collectives, rank 0 searches and writes the outputs, all ranks measure the
 
 Training length: every time and cost is for ``--target-steps`` steps of uncompressed training. Without
 it, the command asks when run at a terminal (one process), and otherwise assumes
-:data:`~fastml_strategy.autotune._run.ASSUMED_TARGET_STEPS`; the report says which.
+:data:`~fastml_strategy.autotune.result.ASSUMED_TARGET_STEPS`; the report says which.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Sequence
 from fastml_strategy.config import DEFAULT_MIN_NUMEL
 
 if TYPE_CHECKING:
-    from fastml_strategy.autotune._run import AutotuneResult, Settings
+    from fastml_strategy.autotune._settings import Settings
+    from fastml_strategy.autotune.result import AutotuneResult
 
 PROG = "fastml-autotune"
 # A workload target that ships with FastML (the digits MLP of the recipes): the --help example.
@@ -202,7 +203,7 @@ def _parse_steps(text: str) -> float | None:
 
 def _ask_target_steps() -> float | None:
     """At a terminal: ask for the training length once (Enter keeps the assumed one)."""
-    from fastml_strategy.autotune._run import ASSUMED_TARGET_STEPS
+    from fastml_strategy.autotune.result import ASSUMED_TARGET_STEPS
 
     for _ in range(3):
         sys.stderr.write(f"{PROG}: how many optimizer steps does your training take, uncompressed, to reach "

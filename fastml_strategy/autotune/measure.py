@@ -25,7 +25,7 @@ from fastml_strategy.autotune.profile import SimulatedCompression
 from fastml_strategy.autotune.workload import Workload
 from fastml_strategy.config import Plan
 
-__all__ = ["LossModule", "measure_distributed", "measure_local", "predict_local", "prefixed"]
+__all__ = ["LossModule", "measure_distributed", "measure_local", "predict_local", "prefixed", "steps_per_plan"]
 
 
 class LossModule(torch.nn.Module):
@@ -82,17 +82,31 @@ def _sharded_module(model: torch.nn.Module, loss_fn: Any, sharding: Any, ranks_p
     return root, state
 
 
+# Timed steps of one plan in one round, at least: one step per round is the median of nothing.
+MIN_ROUND_STEPS = 2
+
+
+def steps_per_plan(steps: int, warmup: int = 2, rounds: int = 3) -> int:
+    """Steps :func:`measure_distributed` runs of each plan for ``steps`` timed ones (untimed
+    included): what the budget keeps for it."""
+    return warmup + rounds * (1 + max(MIN_ROUND_STEPS, -(-steps // rounds)))
+
+
 def measure_distributed(wl: Workload, plans: Mapping[str, Plan | None], steps: int = 10,
-                        warmup: int = 3, rounds: int = 3, sharding: Any = None,
+                        warmup: int = 2, rounds: int = 3, sharding: Any = None,
                         ranks_per_node: int = 1,
                         bucket_mb: Mapping[str, float | None] | None = None) -> dict[str, float]:
     """Seconds per step of each plan (None: plain DDP, or FSDP's own collectives when ``sharding``
     is FSDP/HSDP), as the slowest rank saw it. All ranks call. ``bucket_mb``: DDP's
     ``bucket_cap_mb`` by plan label (absent or None: DDP's default buckets).
 
-    Every plan gets its own DDP model (and hook) up front; then the plans take turns, ``rounds``
-    rounds of ``steps / rounds`` steps each, so load from other processes on a shared machine hits
-    every plan alike. Per plan: the median step on each rank, then the slowest rank.
+    Every plan gets its own DDP model (and hook) up front and ``warmup`` untimed steps; then the
+    plans take turns, ``rounds`` rounds of ``ceil(steps / rounds)`` (at least
+    :data:`MIN_ROUND_STEPS`) timed steps each, so load from other processes on a shared machine hits
+    every plan alike. Each round of a plan starts with one more untimed step: the first step after
+    another plan pays for what that plan left behind (on a ``tc``-shaped link, TCP windows collapsed
+    by its drops: after fp32 DDP's 10.8 MB per step, issue 28 timed a plan at 3.66 s per step that
+    trained at 1.35 s). A step counts at the slowest rank's time; per plan, the median step.
     """
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -127,14 +141,16 @@ def measure_distributed(wl: Workload, plans: Mapping[str, Plan | None], steps: i
     for ddp, opt, stream, _ in runs.values():
         for _ in range(warmup):
             one_step(ddp, opt, stream)
-    per_round = max(1, -(-steps // rounds))
+    per_round = max(MIN_ROUND_STEPS, -(-steps // rounds))
     for _ in range(rounds):
         for ddp, opt, stream, times in runs.values():
             dist.barrier()
+            one_step(ddp, opt, stream)  # re-entry after another plan: not timed
             times.extend(one_step(ddp, opt, stream) for _ in range(per_round))
-    t = torch.tensor([statistics.median(r[3]) for r in runs.values()], dtype=torch.float64)
+    # every rank timed the same steps: each step at its slowest rank, then the median per plan
+    t = torch.tensor([r[3] for r in runs.values()], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return dict(zip(runs, t.tolist()))
+    return {label: statistics.median(row) for label, row in zip(runs, t.tolist())}
 
 
 def measure_local(wl: Workload, choices: Mapping[str, Mapping[str, str] | None], steps: int = 10,

@@ -32,8 +32,11 @@ from fastml_strategy._io import atomic_open, atomic_write_text
 from fastml_strategy.autotune.costmodel import CANDIDATES, FIT_SE_FLOOR
 from fastml_strategy.config import Codec, CodecConfig
 
+from fastml_strategy.autotune.result import TARGET_STEPS_SOURCES, uses_local_steps
+
 if TYPE_CHECKING:
-    from fastml_strategy.autotune._run import AutotuneResult, Settings
+    from fastml_strategy.autotune._settings import Settings
+    from fastml_strategy.autotune.result import AutotuneResult
 
 __all__ = ["write_outputs", "bits_per_element", "headline", "winner_line", "human_time", "human_money",
            "phase_words",
@@ -122,8 +125,6 @@ def _best_compressed(result: "AutotuneResult", name: str) -> dict[str, Any] | No
 
 
 def _steps_words(result: "AutotuneResult") -> str:
-    from fastml_strategy.autotune._run import TARGET_STEPS_SOURCES
-
     return (f"{result.target_steps:,.0f} steps of uncompressed training "
             f"({TARGET_STEPS_SOURCES.get(result.target_steps_source, result.target_steps_source)})")
 
@@ -152,8 +153,6 @@ def _saving(result: "AutotuneResult", name: str, win: Mapping[str, Any], lose: M
 
 def winner_line(result: "AutotuneResult") -> str:
     """One line: per-step compression or local steps on plan.json's option, and by how much."""
-    from fastml_strategy.autotune._run import uses_local_steps
-
     name = result.option
     b, lb = result.best[name], result.local_best.get(name)
     priced = _option(result, name).price_per_hour > 0
@@ -380,8 +379,6 @@ def _sharded_row(result: "AutotuneResult", o: Any) -> dict[str, Any]:
 def _local_rows(result: "AutotuneResult") -> pd.DataFrame:
     """local_steps.csv: per option, per-step compression against the best local-steps configuration
     (plain numbers: hours, USD; ``saves_*``: what the winner saves against the other mode)."""
-    from fastml_strategy.autotune._run import uses_local_steps
-
     rows = []
     for o in result.options:
         b, lb = result.best[o.name], result.local_best.get(o.name)
@@ -411,8 +408,6 @@ def _local_rows(result: "AutotuneResult") -> pd.DataFrame:
 
 def _local_table(result: "AutotuneResult") -> pd.DataFrame:
     """The comparison in human units, one row per option."""
-    from fastml_strategy.autotune._run import uses_local_steps
-
     rows = []
     for o in result.options:
         b, lb = result.best[o.name], result.local_best.get(o.name)
@@ -1015,7 +1010,12 @@ def _stretch_text(result: "AutotuneResult") -> str:
             f"a bound (the fit may pass above it, never is pulled above it), and each run pulls the fit "
             f"by 1 / (its standard error^2 + {FIT_SE_FLOOR:g}^2). Fit: g(e) = 1 + {conv.k:.3g} e^{conv.gamma:.2g}. "
             f"In the table, 'levels' counts the levels a run was measured at (where the reference "
-            f"still descends) and 'reached' those it got to before its run ended.")
+            f"still descends) and 'reached' those it got to before its run ended. Accuracy loss: the "
+            f"relative increase of the final windowed loss (or the eval metric's drop), less what a "
+            f"delay within the run's stretch interval explains where the reference still descends at "
+            f"the end (the reference's drop per log-step there times the log-delay): a run that is "
+            f"only behind is charged as steps by g(e), not again as lost accuracy; the figure at the "
+            f"end is shown beside it when the two differ.")
 
 
 def _stretch_table(result: "AutotuneResult") -> pd.DataFrame:
@@ -1031,9 +1031,13 @@ def _stretch_table(result: "AutotuneResult") -> pd.DataFrame:
         else:
             said = st.verdict()
         acc = p["accuracy_loss"]
+        raw, allow = p.get("accuracy_loss_raw"), p.get("accuracy_allowance") or 0.0
+        acc_words = f"{acc:+.3g}" if math.isfinite(acc) else "n/a"
+        if raw is not None and math.isfinite(raw) and allow > 0:
+            acc_words += f" ({raw:+.3g} at the end; a delay within its interval explains {allow:.3g})"
         rows.append({"run": _plan_words(p["choice"]), "seed": int(p.get("seed", 0)),
                      "error": f"{p['error']:.3g}",
-                     "accuracy loss": f"{acc:+.3g}" if math.isfinite(acc) else "n/a",
+                     "accuracy loss": acc_words,
                      "stretch (95% interval)": st.interval_words() if st is not None else f"{p['ratio']:.3g}x",
                      "g(e) of the fit": f"{result.convergence.g(p['error']):.3g}" if math.isfinite(p["error"]) else "n/a",
                      "what it says": said})
@@ -1216,7 +1220,9 @@ def html_report(result: "AutotuneResult", s: "Settings", t: Mapping[str, pd.Data
         img("calibration", "calibration"),
         _html_table(_stretch_table(result)) if result.calibration else "",
         "<p>calibration.csv has every figure of each run (the stretch's interval: ratio_lo, ratio_hi; "
-        "its standard error in log units: ratio_se) and its per-group codec choice.</p>",
+        "its standard error in log units: ratio_se; the accuracy loss the rule used, accuracy_loss, "
+        "the one at the end of the run, accuracy_loss_raw, and the offset allowance between them, "
+        "accuracy_allowance) and its per-group codec choice.</p>",
         "</body></html>",
     ]
     return "\n".join(parts)

@@ -43,7 +43,7 @@ import numpy as np
 
 from fastml_strategy.autotune.catalog import HardwareOption
 from fastml_strategy.autotune.costmodel import (DEFAULT_LOCAL_FRAGMENTS, LOCAL_CALIBRATION_OPTION, Convergence,
-                                                LocalCalibration, Profile, Sharding, evaluate, evaluate_local,
+                                                LocalCalibration, Profile, Sharding, Trial, evaluate, evaluate_local,
                                                 objective)
 
 __all__ = ["group_layers", "lagrangian_plans", "run_search", "expand", "best_row", "local_fragments"]
@@ -115,8 +115,8 @@ def run_search(profile: Profile, groups: Mapping[str, list[str]], option: Hardwa
                conv: Convergence, target_steps: float, *, storage: Any, study_name: str, trials: int,
                seed: int, progress: Any = None, sharding: Sharding | None = None,
                max_residual_bytes: float | None = None, local: LocalCalibration | None = None,
-               fragments: tuple[int, ...] = DEFAULT_LOCAL_FRAGMENTS) -> list[dict[str, Any]]:
-    """Search one option; return every finished trial as a row.
+               fragments: tuple[int, ...] = DEFAULT_LOCAL_FRAGMENTS) -> list[Trial]:
+    """Search one option; return every finished trial (a :class:`~fastml_strategy.autotune.costmodel.Trial`).
 
     Local steps (``local``, DDP only): ``every`` and ``fragments`` are searched too (module
     docstring); every row has ``every`` (1: per-step compression), ``fragments`` and ``delay``.
@@ -174,20 +174,20 @@ def run_search(profile: Profile, groups: Mapping[str, list[str]], option: Hardwa
 _ROWS_CHUNK = 30_000
 
 
-def _save_rows(study: Any, rows: list[dict[str, Any]]) -> None:
-    text = json.dumps(rows)
+def _save_rows(study: Any, rows: list[Trial]) -> None:
+    text = json.dumps([dict(r) for r in rows])
     chunks = [text[i:i + _ROWS_CHUNK] for i in range(0, len(text), _ROWS_CHUNK)] or [""]
     for i, c in enumerate(chunks):
         study.set_user_attr(f"rows.{i}", c)
     study.set_user_attr("rows.chunks", len(chunks))  # last: a study cut short mid-save reads as unsaved
 
 
-def _load_rows(study: Any) -> list[dict[str, Any]] | None:
+def _load_rows(study: Any) -> list[Trial] | None:
     attrs = study.user_attrs
     n = attrs.get("rows.chunks")
     if not isinstance(n, int) or any(f"rows.{i}" not in attrs for i in range(n)):
         return None
-    return json.loads("".join(attrs[f"rows.{i}"] for i in range(n)))
+    return [Trial(r) for r in json.loads("".join(attrs[f"rows.{i}"] for i in range(n)))]
 
 
 def _first_trials(profile: Profile, groups: Mapping[str, list[str]], option: HardwareOption,
@@ -229,7 +229,7 @@ def _trial_objective(profile: Profile, groups: Mapping[str, list[str]], option: 
         for k, v in r.items():
             trial.set_user_attr(k, bool(v) if k in ("feasible", "memory_ok") else float(v))
         # <= 0 is feasible; TPE reads it (Trial.set_constraint replaces v4's constraints_func)
-        trial.set_constraint("error_over_limit", min(r["error"] - limit, 1e9))
+        trial.set_constraint("error_over_limit", min(r.error - limit, 1e9))
         if max_residual_bytes is not None:
             trial.set_constraint("residual_over_limit", r["residual_bytes"] / max_residual_bytes - 1.0)
         return objective(r, option)
@@ -238,10 +238,10 @@ def _trial_objective(profile: Profile, groups: Mapping[str, list[str]], option: 
 
 
 def _rows(trials: list[Any], option: HardwareOption, names: list[str],
-          keys: Mapping[str, str]) -> list[dict[str, Any]]:
+          keys: Mapping[str, str]) -> list[Trial]:
     rows = []
     for t in sorted(trials, key=lambda t: t.number):
-        row: dict[str, Any] = {"option": option.name, "trial": t.number, "objective": t.value}
+        row = Trial(option=option.name, trial=t.number, objective=t.value)
         row.update(t.user_attrs)
         row["choice"] = {g: t.params[keys[g]] for g in names if keys[g] in t.params}
         for k in ("every", "fragments", "delay"):
@@ -262,14 +262,15 @@ def local_fragments(profile: Profile, fragments: tuple[int, ...] = DEFAULT_LOCAL
 TIE_TOLERANCE = 0.05
 
 
-def best_row(rows: list[dict[str, Any]], local: bool | None = False) -> dict[str, Any]:
+def best_row(rows: list[Mapping[str, Any]], local: bool | None = False) -> Trial:
     """The feasible trial with the lowest objective, where objectives within :data:`TIE_TOLERANCE`
     of the lowest are a tie settled by the lower error (then the lower objective): among per-step
     rows (``local`` False, the default), local-steps rows (True), or all (None)."""
-    feas = [r for r in rows if r["feasible"] and math.isfinite(r["objective"])
-            and (local is None or (r.get("every", 1) > 1) == local)]
+    trials = [Trial.of(r) for r in rows]
+    feas = [t for t in trials if t.feasible and math.isfinite(t.objective)
+            and (local is None or (t.every > 1) == local)]
     if not feas:
         raise ValueError("no feasible plan was found (not even uncompressed); raise --trials")
-    low = min(r["objective"] for r in feas)
-    near = [r for r in feas if r["objective"] <= low * (1 + TIE_TOLERANCE) + 1e-15]
-    return min(near, key=lambda r: (round(r["error"], 12), r["objective"]))
+    low = min(t.objective for t in feas)
+    near = [t for t in feas if t.objective <= low * (1 + TIE_TOLERANCE) + 1e-15]
+    return min(near, key=lambda t: (round(t.error, 12), t.objective))

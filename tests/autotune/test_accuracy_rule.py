@@ -60,6 +60,24 @@ def test_the_issue_calibration_keeps_int4_noef_and_int2():
     assert rule.e_max == pytest.approx(1.03)
 
 
+
+def test_a_plan_within_the_noise_band_passes():
+    """issue 28, gpt2 seed 0 at 50 Mbit/s with the default limit: three paired runs, uniform fp16
+    (error 0.0002) at 0, one int4 run at +6.9% (its stretch 1.21, after the delay allowance), int2
+    (error 1.12) at 0. The noise around the fit is 0.069 per run, so int4's +6.9% cannot be told from
+    no loss; it excluded every compressed plan and the tuner chose uniform fp16, 3.9x the time of
+    uniform int2 to the target in training."""
+    runs = [pt(0.000195, 0.0), pt(0.1847, 0.06889), pt(1.1196, 0.0)]
+    rule = accuracy_rule(runs, 0.01, paired=True, references=2)
+    assert rule.sigma == pytest.approx(0.06889 / math.sqrt(1), rel=1e-3)
+    assert rule.e_max == pytest.approx(1.1196) and rule.e_noise == pytest.approx(1.1196)
+    assert rule.e_sure == 0.0  # with this noise no plan is sure, fp16 included
+    assert "noise band" in rule.words() and "cannot be told from no loss" in rule.words()
+    # the same losses with a noise well under them (repeats that agree): int4 stays out
+    tight = runs + [pt(0.1847, 0.0689, 1), pt(0.1847, 0.0690, 2), pt(0.000195, 0.0001, 1)]
+    rule = accuracy_rule(tight, 0.01, paired=True, references=2)
+    assert rule.band[1] < rule.fit[1] and rule.e_max == pytest.approx(0.000195) and rule.e_noise == 0.0
+
 def test_a_tie_between_one_good_and_one_bad_run_is_settled_against_the_plan():
     runs = [pt(0.1, 0.0), pt(0.2, 0.0, pruned=True), pt(0.3, 0.0)]
     assert accuracy_rule(runs, 0.01).e_max == pytest.approx(0.1)

@@ -88,3 +88,18 @@ def test_hopeless_calibration_trials_are_pruned(tmp_path):
     assert not by[("int8",)]["pruned"] and by[("int8",)]["ratio"] < 1.1
     top = by[("topk1",)]  # 1% top-k falls well behind within 40 steps on this task
     assert top["pruned"] and math.isinf(top["accuracy_loss"]) and top["ratio"] > 1.1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_restricted_codec_options_time_and_report_only_those_recipes(tmp_path):
+    # issue 28: options=[...] without fp16/int2/topk1 raised KeyError in predict_local, which
+    # priced the uniform recipes of every codec whether profiled or not
+    res = autotune(workload(), out=tmp_path / "o", link="10gbit", world_size=2, trials=11,
+                   calibration_trials=2, calibration_steps=20, profile_steps=2, measure_steps=2,
+                   verify_rounds=0, calibration_repeats=0, references=1, local_steps=False,
+                   options=["none", "int8", "int4"], progress=False)
+    timed = {r["plan"] for r in res.step_times}
+    assert {"none", "int8", "int4"} <= timed
+    assert not timed & {"fp16", "int2", "topk1"}
+    assert {c.describe() for _, c in res.plan.layers} <= {"fp32", "int8", "int4"}

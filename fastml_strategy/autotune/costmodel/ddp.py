@@ -1,0 +1,206 @@
+"""DDP's step time with FastML's hook (or plain DDP) on a cluster option.
+
+1. Compute. The profile measures forward, backward and optimizer time on the profiling machine, at the
+   reference world size ``W_ref``. A cluster runs the same training (same global batch, same number of
+   steps), so each of its ``R`` ranks takes ``W_ref / R`` of the reference per-rank batch:
+   compute scales by ``W_ref / (R * f)`` (linear in the batch: optimistic when per-rank batches get
+   small enough to underuse an accelerator).
+2. Buckets. Gradients are grouped the way DDP does (reverse parameter order, a 1 MiB first bucket, then
+   25 MiB); a bucket is ready when its last gradient is (measured with post-accumulate-grad hooks).
+3. Wire time of a bucket = ``rounds * a + bytes / B``: ``bytes`` sums ``codecs.wire_bytes`` (per-rank
+   traffic: ``2(N-1)/N`` of the compressed size for scatter-reduce-allgather and ring all-reduce,
+   ``(N-1)`` messages for top-k's all_gather, with the codec's own dense fallback at large ``N``);
+   ``rounds = 2(N-1)``: the hook's two collectives per bucket (all_to_all, all_gather), or DDP's ring
+   all-reduce. With a measured link, ``a`` and ``1/B`` are the fitted alpha and beta of timed
+   collectives (so link sharing between ranks is already in them).
+4. Overlap. One communication thread takes buckets in order as they become ready and, per bucket,
+   encodes/decodes then transfers. Encoding shares the processor with the backward pass, so backward
+   ends ``T_codec`` later; the step's communication ends when the thread finishes its last bucket,
+   never before that bucket's own encode and transfer. Exposed = what ends after the (stretched)
+   backward pass.
+5. Ranks per machine (``A = accelerators_per_node``; :func:`ddp_topology`), as the hook runs them
+   (:mod:`fastml_strategy.topology`): with ``N > 1`` machines of ``A > 1`` ranks the hook is
+   *hierarchical* (:mod:`fastml_strategy.hierarchical`): per bucket an fp32 reduce-scatter and an
+   all-gather inside the machine on the intra-node link (``2(A-1)`` rounds and ``2(A-1)/A x 4 x
+   numel`` bytes per rank, at the link's per-rank bandwidth), between them the compressed all-reduce of
+   each rank's ``1/A`` part across the ``N`` machines, the machine's ``A`` ranks at once on its one
+   network link (``A x`` the part's ``codecs.wire_bytes`` over ``N``; ``2(N-1)`` rounds); codec time
+   is that of the part (``1/A`` of the layer). Everything else is *flat*: one machine (``N = 1``: the
+   all-reduce over ``A`` ranks on the intra-node link), one rank per machine (the network, as above),
+   or flat on request (``topology="flat"``, ``ranks_per_node=1`` in the hook: the scatter-reduce-
+   allgather over all ``W`` ranks; a machine's link carries the all_to_all chunks its ``A`` ranks
+   send to the other machines, ``A (W-A)/(W-1)`` of one rank's, and the ring all_gather once). Plain DDP (``hook=False``) is gloo's/NCCL's ring over all ``W``
+   ranks: every link of the ring, the machines' included, carries ``2(W-1)/W`` of the fp32 gradient.
+   The intra-node link is the option's ``intra_link``, else PCIe class (:data:`DEFAULT_INTRA_LINK`).
+   ``StepBreakdown.node_net_bytes``: what leaves each machine per step; ``topology``: which schedule.
+6. Codec time per layer is the measured round trip (one encode + one decode) scaled by how many of each
+   the collective does: scatter-reduce-allgather encodes ``1 + 1/N`` of the tensor and decodes ``2`` of
+   it, i.e. ``(3 + 1/N) / 2`` round trips; top-k encodes once and scatter-adds ``N-1`` small messages
+   (counted as one round trip).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from fastml_strategy.autotune.catalog import HardwareOption, Link
+from fastml_strategy.autotune.costmodel.base import (CANDIDATES, DEFAULT_INTRA_LINK, LayerProfile, Profile,
+                                                     Sharding, StepBreakdown, _candidate_name, _cfg,
+                                                     _codec_factor, family)
+from fastml_strategy.autotune.costmodel.sharded import sharded_step_time
+
+# DDP's bucket sizes (torch.nn.parallel.DistributedDataParallel: bucket_cap_mb=25, and
+# dist._DEFAULT_FIRST_BUCKET_BYTES = 1 MiB for the first bucket, the last layers).
+FIRST_BUCKET_BYTES = 1 << 20
+BUCKET_BYTES = 25 << 20
+# Bucket caps (MiB, DDP's bucket_cap_mb) the search tries on each option's chosen plan, beside DDP's
+# default (None: 1 MiB first, then 25). A small model fits in one default bucket, so nothing overlaps
+# backward; smaller buckets overlap more but pay 2(N-1) latency rounds each.
+BUCKET_MB_CHOICES: tuple[int | None, ...] = (None, 1, 2, 4, 8, 16)
+
+
+# -- buckets -------------------------------------------------------------------------------------
+def ddp_buckets(profile: Profile, bucket_mb: float | None = None) -> list[list[LayerProfile]]:
+    """Layers grouped as DDP buckets them: reverse registration order; by default (``bucket_mb``
+    None) a 1 MiB first bucket, then 25 MiB; with ``bucket_cap_mb=bucket_mb`` given to DDP, every
+    bucket (the first too, as torch does) up to that many MiB."""
+    buckets: list[list[LayerProfile]] = []
+    cur: list[LayerProfile] = []
+    size = 0
+    cap = FIRST_BUCKET_BYTES if bucket_mb is None else int(bucket_mb * (1 << 20))
+    rest = BUCKET_BYTES if bucket_mb is None else cap
+    for lp in sorted(profile.layers, key=lambda x: -x.index):
+        cur.append(lp)
+        size += 4 * lp.numel
+        if size >= cap:
+            buckets.append(cur)
+            cur, size, cap = [], 0, rest
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+def _layer_cost(profile: Profile, lp: LayerProfile, choice: Mapping[str, str], nodes: int,
+                speed: float, hook: bool = True, parts: int = 1) -> tuple[int, float]:
+    """(bytes one rank sends, codec seconds) of one layer in one compressed all-reduce over
+    ``nodes`` (``hook=False``: DDP's fp32 all-reduce, no codec); ``parts``: the hierarchical path's
+    ranks per machine, each of which all-reduces ``1/parts`` of the layer."""
+    from fastml_strategy.codecs import effective_config, wire_bytes
+
+    if nodes <= 1:
+        return 0, 0.0
+    name, cfg = _cfg(choice, lp) if hook else ("none", CANDIDATES["none"])
+    numel = -(-lp.numel // parts)
+    nbytes = wire_bytes(numel, cfg, nodes)
+    if not (hook and lp.tunable):
+        return nbytes, 0.0
+    eff = effective_config(cfg, numel, nodes)
+    # a top-k layer past its fallback world size runs its dense fallback codec
+    t = lp.codec_s.get(name, 0.0) if eff == cfg else lp.codec_s.get(
+        _candidate_name(eff), lp.codec_s.get("int8", 0.0))
+    return nbytes, t * _codec_factor(eff, nodes) * profile.codec_scale.get(family(eff), 1.0) / speed / parts
+
+
+def ddp_topology(nodes: int, ranks_per_node: int, topology: str = "auto") -> str:
+    """The schedule the DDP hook runs (and the cost model prices): ``"hierarchical"`` on more than one
+    machine of more than one rank, unless ``topology="flat"`` (``register_hook(ranks_per_node=1)``);
+    else ``"flat"``."""
+    if topology not in ("auto", "flat", "hierarchical"):
+        raise ValueError(f"topology={topology!r}; use 'auto' (as the hook detects it), 'flat' or "
+                         f"'hierarchical'")
+    if topology == "flat" or nodes <= 1 or ranks_per_node <= 1:
+        return "flat"
+    return "hierarchical"
+
+
+def _bucket_comm(profile: Profile, bucket: Sequence[LayerProfile], choice: Mapping[str, str], n: int, A: int,
+                 option: HardwareOption, intra: Link, hook: bool, topology: str) -> tuple[int, int, float, float]:
+    """(bytes one rank sends, bytes leaving each machine, codec seconds, wire seconds) of one DDP
+    bucket on ``n`` machines of ``A`` ranks (module docstring, item 5)."""
+    W, speed, net = n * A, option.compute_speed, option.link
+    numel = sum(lp.numel for lp in bucket)
+    if W <= 1:
+        return 0, 0, 0.0, 0.0
+    if not hook:  # DDP's ring all-reduce over all W ranks, fp32
+        nbytes = sum(_layer_cost(profile, lp, choice, W, speed, False)[0] for lp in bucket)
+        link = net if n > 1 else intra
+        lat = intra.latency_s if n <= 1 else max(net.latency_s, intra.latency_s) if A > 1 else net.latency_s
+        return nbytes, nbytes if n > 1 else 0, 0.0, 2 * (W - 1) * lat + nbytes / link.bandwidth_Bps
+    if topology == "hierarchical":
+        inner = int(round(2.0 * (A - 1) / A * 4 * numel))
+        cross = [_layer_cost(profile, lp, choice, n, speed, True, parts=A) for lp in bucket]
+        rank_net = sum(b for b, _ in cross)
+        node_net = A * rank_net  # the machine's A ranks share its network link
+        wire = (2 * (A - 1) * intra.latency_s + inner / intra.bandwidth_Bps
+                + 2 * (n - 1) * net.latency_s + node_net / net.bandwidth_Bps)
+        return inner + rank_net, node_net, sum(c for _, c in cross), wire
+    costs = [_layer_cost(profile, lp, choice, W, speed, True) for lp in bucket]
+    nbytes = sum(b for b, _ in costs)
+    codec = sum(c for _, c in costs)
+    if n <= 1:  # one machine: the intra-node link only
+        return nbytes, 0, codec, 2 * (W - 1) * intra.latency_s + nbytes / intra.bandwidth_Bps
+    # flat over W ranks. The all_to_all sends each chunk straight to its owner: the machine's A ranks
+    # put A (W-A)/(W-1) of their all_to_all bytes on its link; the all_gather (gloo's and NCCL's
+    # ring) crosses each machine's link once: one rank's all_gather bytes. Half of a dense layer's
+    # bytes are each; a top-k layer's are all all_gather. (Measured, DESIGN.md: 1.76 and 2.89 x S_c
+    # per machine at A = 2 and 4 on two machines, against 1.75 and 2.875 here.)
+    from fastml_strategy.codecs import effective_config, is_sparse
+
+    node_net = 0.0
+    for lp, (b, _) in zip(bucket, costs):
+        if is_sparse(effective_config(_cfg(choice, lp)[1], lp.numel, W)):
+            node_net += b
+        else:
+            node_net += b / 2 * (A * (W - A) / (W - 1) + 1)
+    node_net = int(round(node_net))
+    lat = max(net.latency_s, intra.latency_s) if A > 1 else net.latency_s
+    return nbytes, node_net, codec, 2 * (W - 1) * lat + node_net / net.bandwidth_Bps
+
+
+def ddp_node_net_bytes(profile: Profile, choice: Mapping[str, str], option: HardwareOption,
+                       hook: bool = True, topology: str = "auto", bucket_mb: float | None = None) -> int:
+    """Bytes leaving each machine per DDP step (what a machine's network counter shows), as
+    :func:`step_time` prices them."""
+    return step_time(profile, choice, option, hook=hook, bucket_mb=bucket_mb, topology=topology).node_net_bytes
+
+
+def step_time(profile: Profile, choice: Mapping[str, str], option: HardwareOption,
+              nodes: int | None = None, hook: bool = True,
+              sharding: Sharding | None = None, bucket_mb: float | None = None,
+              topology: str = "auto") -> StepBreakdown:
+    """Predicted step time of a plan (``choice``: layer name -> CANDIDATES key) on ``option``
+    (with ``nodes`` overriding the option's node count, for scaling predictions). ``hook=False`` is
+    plain DDP (fp32 all-reduce, no encode/decode), the uncompressed baseline. With a sharded
+    ``sharding``: :func:`sharded_step_time` (``hook=False``: FSDP's own collectives). ``topology``:
+    the hook's schedule on several ranks per machine (:func:`ddp_topology`: ``"auto"`` as the hook
+    runs it, ``"flat"`` as with ``register_hook(ranks_per_node=1)``)."""
+    if sharding is not None and sharding.sharded:
+        return sharded_step_time(profile, choice, option, sharding, nodes=nodes, hook=hook)
+    n = option.nodes if nodes is None else nodes
+    A = option.accelerators_per_node
+    topo = ddp_topology(n, A, topology) if hook else "flat"
+    intra = option.intra_link or (sharding.intra_link if sharding is not None else DEFAULT_INTRA_LINK)
+    ranks = n * A
+    scale = profile.world_size / (ranks * option.compute_speed)
+    fwd, bwd, opt = (profile.forward_s * scale, profile.backward_s * scale, profile.optimizer_s * scale)
+    codec_total = 0.0
+    free = 0.0
+    wire_total = 0.0
+    total_bytes = node_total = 0
+    for bucket in ddp_buckets(profile, bucket_mb):
+        # the hook issues two collectives per bucket (all_to_all + all_gather), DDP one ring
+        # all-reduce; both take 2(W-1) latency rounds (the hierarchical path 2(A-1) + 2(N-1))
+        nbytes, node_b, codec_b, wire = _bucket_comm(profile, bucket, choice, n, A, option, intra, hook, topo)
+        node_total += node_b
+        ready = max(lp.ready_s for lp in bucket) * scale
+        free = max(free, ready) + codec_b + wire
+        wire_total += wire
+        codec_total += codec_b
+        total_bytes += nbytes
+    # The codec shares the processor with backward, so backward's end moves by the codec time; the
+    # communication thread ends after its last bucket's encode and transfer.
+    end = max(bwd + codec_total, free)
+    exposed = max(0.0, end - bwd - codec_total)
+    step = fwd + end + opt
+    return StepBreakdown(fwd + bwd + opt, codec_total, wire_total, exposed, step, total_bytes,
+                         node_net_bytes=node_total, topology=topo)

@@ -1,0 +1,254 @@
+"""One (plan, option) pair in numbers (error, steps, step time, time to accuracy, cost) as a
+:class:`Trial`, the search's objective, the fits of the link and the codec-time scales to what was
+measured, and the Pareto front of time against cost.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator, Mapping, MutableMapping, Sequence
+
+import numpy as np
+
+from fastml_strategy.autotune.catalog import HardwareOption, Link
+from fastml_strategy.autotune.costmodel.base import (CANDIDATES, Convergence, Profile, Sharding, family,
+                                                     plan_error)
+from fastml_strategy.autotune.costmodel.ddp import step_time
+
+
+class Trial(MutableMapping[str, Any]):
+    """One plan evaluated on one hardware option: what the cost model predicts for it and where the
+    search put it (the rows of ``trials.csv``, a result's ``best`` and ``baseline``).
+
+    Built in one place (:meth:`predicted`, by :func:`evaluate` and ``evaluate_local``), then
+    annotated by the search and the driver (``option``, ``trial``, ``objective``, ``choice``, ...).
+    The fields every part of the autotuner reads are typed attributes (``t.choice``, ``t.tta_s``);
+    the record is also a mapping of exactly the figures it holds (``t["tta_s"]``, ``dict(t)``,
+    JSON and CSV as before), so a figure a kind of training does not have (sharded bytes, a local
+    step's stretch) is absent rather than zero. :meth:`of` takes a plain mapping (a stored row, or a
+    test's literal) as it is.
+    """
+
+    __slots__ = ("_d",)
+
+    def __init__(self, data: Mapping[str, Any] | None = None, /, **kw: Any) -> None:
+        self._d: dict[str, Any] = dict(data or {}, **kw)
+
+    @classmethod
+    def of(cls, row: Mapping[str, Any]) -> "Trial":
+        """``row`` as a Trial (itself when it already is one)."""
+        return row if isinstance(row, Trial) else cls(row)
+
+    @classmethod
+    def predicted(cls, *, error: float, feasible: bool, g: float, steps: float, br: Any, tta_s: float,
+                  option: HardwareOption, node_net_bytes: int | None = None, **extra: Any) -> "Trial":
+        """The prediction of one plan on ``option``: its error and feasibility, ``g(e)``, steps to the
+        target, the step breakdown ``br`` (a ``StepBreakdown``; DDP adds the bytes leaving each
+        machine, ``node_net_bytes``), the time to accuracy and its cost, then ``extra`` figures (per
+        kind of training) in the order given."""
+        d = {"error": error, "feasible": feasible, "g": g, "steps": steps, "step_s": br.step_s,
+             "compute_s": br.compute_s, "codec_s": br.codec_s, "wire_s": br.wire_s, "exposed_s": br.exposed_s,
+             "bytes_per_rank": br.bytes_per_rank}
+        if node_net_bytes is not None:
+            d["node_net_bytes"] = node_net_bytes
+        return cls(d, tta_s=tta_s, cost_usd=cost_usd(tta_s, option), **extra)
+
+    # -- the mapping -------------------------------------------------------------------------------
+    def __getitem__(self, key: str) -> Any:
+        return self._d[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._d[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._d[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __repr__(self) -> str:
+        return f"Trial({self._d!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return dict(self) == dict(other) if isinstance(other, Mapping) else NotImplemented
+
+    def __getstate__(self) -> dict[str, Any]:  # broadcast to every rank (pickle)
+        return self._d
+
+    def __setstate__(self, d: dict[str, Any]) -> None:
+        self._d = d
+
+    def replace(self, **changes: Any) -> "Trial":
+        """A copy with ``changes`` (new keys last)."""
+        return Trial(self._d, **changes)
+
+    # -- the typed fields --------------------------------------------------------------------------
+    @property
+    def option(self) -> str:
+        """The hardware option evaluated on."""
+        return self._d["option"]
+
+    @property
+    def choice(self) -> dict[str, str]:
+        """Search group -> codec option (CANDIDATES key)."""
+        return self._d["choice"]
+
+    @property
+    def objective(self) -> float:
+        """What the search minimised: the cost where the option has a price, else the time."""
+        return self._d["objective"]
+
+    @property
+    def feasible(self) -> bool:
+        """Within the accuracy rule's error limit (and, sharded, the residual memory limit)."""
+        return bool(self._d["feasible"])
+
+    @property
+    def error(self) -> float:
+        return self._d["error"]
+
+    @property
+    def step_s(self) -> float:
+        return self._d["step_s"]
+
+    @property
+    def tta_s(self) -> float:
+        """Time to accuracy, seconds: steps x step time."""
+        return self._d["tta_s"]
+
+    @property
+    def cost_usd(self) -> float:
+        return self._d["cost_usd"]
+
+    @property
+    def every(self) -> int:
+        """H, the sync period: 1 is per-step compression (the DDP hook), > 1 LocalSGD."""
+        return int(self._d.get("every", 1))
+
+    @property
+    def kind(self) -> str:
+        """``fastml`` (per-step compression), ``local-steps``, ``plain-ddp`` or ``fsdp-own``/``hsdp-own``."""
+        return self._d.get("kind", "fastml")
+
+    @property
+    def use_hook(self) -> bool:
+        """Whether the plan asks for FastML (False: plain DDP or FSDP's own collectives)."""
+        return bool(self._d.get("use_hook", True))
+
+    @property
+    def bucket_mb(self) -> float | None:
+        """DDP's ``bucket_cap_mb`` chosen for the plan (None: DDP's default buckets)."""
+        return self._d.get("bucket_mb")
+
+    @property
+    def uniform(self) -> str | None:
+        """The codec of a uniform plan (every group on one option), else None."""
+        vals = set(self.choice.values())
+        return next(iter(vals)) if len(vals) == 1 else None
+
+
+def fit_codec_scale(profile: Profile, option: HardwareOption, measured: Mapping[str, float],
+                    lo: float = 0.25, hi: float = 10.0,
+                    sharding: Sharding | None = None) -> dict[str, float]:
+    """Per codec family, the codec-time multiplier that makes the model match measured step times.
+
+    ``measured`` maps uniform option names (CANDIDATES keys, every tunable layer on that option) to
+    measured seconds per step on ``option``. For each, bisection finds the multiplier (in
+    ``[lo, hi]``; the step time grows with it) at which the prediction equals the measurement; a
+    family's scale is the geometric mean over its options. Families whose codec time is too small to
+    move the step time keep 1.0.
+    """
+    tunable = [lp.name for lp in profile.layers if lp.tunable]
+    per_family: dict[str, list[float]] = {}
+    saved = dict(profile.codec_scale)
+    try:
+        for name, secs in measured.items():
+            if name not in CANDIDATES or not tunable:
+                continue
+            fam = family(CANDIDATES[name])
+            choice = {n: name for n in tunable}
+
+            def pred(k: float) -> float:
+                profile.codec_scale = {**saved, fam: k}
+                return step_time(profile, choice, option, sharding=sharding).step_s
+
+            p_lo, p_hi = pred(lo), pred(hi)
+            if p_hi - p_lo < 0.02 * secs:  # the codec barely matters here: nothing to learn
+                continue
+            if secs <= p_lo:
+                k = lo
+            elif secs >= p_hi:
+                k = hi
+            else:
+                a, b = lo, hi
+                for _ in range(40):
+                    m = math.sqrt(a * b)
+                    a, b = (m, b) if pred(m) < secs else (a, m)
+                k = math.sqrt(a * b)
+            per_family.setdefault(fam, []).append(k)
+    finally:
+        profile.codec_scale = saved
+    return {f: float(math.exp(sum(math.log(k) for k in ks) / len(ks))) for f, ks in per_family.items()}
+
+
+def cost_usd(tta_s: float, option: HardwareOption) -> float:
+    """Dollars of ``tta_s`` seconds on ``option``: every node at its hourly price (0 for your own)."""
+    return tta_s * option.nodes * option.price_per_hour / 3600.0
+
+
+def objective(row: Mapping[str, Any], option: HardwareOption) -> float:
+    """What the search minimises on ``option``: the cost where it has a price, else (a cluster you
+    already have) the time to accuracy."""
+    return row["cost_usd"] if option.price_per_hour > 0 else row["tta_s"]
+
+
+def evaluate(profile: Profile, choice: Mapping[str, str], option: HardwareOption, conv: Convergence,
+             target_steps: float, hook: bool = True, sharding: Sharding | None = None,
+             max_residual_bytes: float | None = None, bucket_mb: float | None = None) -> Trial:
+    """All the numbers of one (plan, option) pair: error, steps, step time, time to accuracy, cost.
+    Sharded: also the bytes per collective and the memory per rank; a plan whose residuals exceed
+    ``max_residual_bytes`` per rank is infeasible."""
+    e = plan_error(profile, choice)
+    br = step_time(profile, choice, option, hook=hook, sharding=sharding, bucket_mb=bucket_mb)
+    steps = target_steps * conv.g(e)
+    tta = steps * br.step_s
+    memory_ok = max_residual_bytes is None or br.residual_bytes <= max_residual_bytes
+    extra: dict[str, Any] = {}
+    if sharding is not None and sharding.sharded:
+        extra.update(allgather_bytes=br.allgather_bytes, reduce_scatter_bytes=br.reduce_scatter_bytes,
+                     allreduce_bytes=br.allreduce_bytes, residual_bytes=br.residual_bytes,
+                     state_bytes=br.state_bytes, memory_ok=memory_ok)
+    return Trial.predicted(error=e, feasible=e <= conv.e_max + 1e-12 and memory_ok, g=conv.g(e), steps=steps,
+                           br=br, tta_s=tta, option=option, node_net_bytes=br.node_net_bytes, **extra)
+
+
+# -- fits ---------------------------------------------------------------------------------------------
+def fit_alpha_beta(samples: Sequence[tuple[float, float, float]], source: str = "measured") -> Link:
+    """Least-squares fit of ``seconds = alpha * rounds + bytes / B`` to timed collectives
+    (``rounds, bytes_per_rank, seconds`` triples), both coefficients kept non-negative."""
+    a = np.array([[r, b] for r, b, _ in samples], dtype=float)
+    y = np.array([s for _, _, s in samples], dtype=float)
+    coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+    alpha, beta = float(coef[0]), float(coef[1])
+    if alpha < 0:  # noise on a fast link: all of it is bandwidth
+        alpha = 0.0
+        beta = float(np.dot(a[:, 1], y) / np.dot(a[:, 1], a[:, 1]))
+    if beta <= 0:
+        raise ValueError("the timed collectives did not get slower with size (beta <= 0); the link "
+                         "measurement is unusable: pass --link RATE instead")
+    return Link(bandwidth_Bps=1.0 / beta, latency_s=alpha, source=source)
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point beats on both coordinates (both minimised)."""
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], points[i][1]))
+    front: list[int] = []
+    best_y = math.inf
+    for i in order:
+        if points[i][1] < best_y:
+            front.append(i)
+            best_y = points[i][1]
+    return front

@@ -1,0 +1,87 @@
+"""What an autotuning run produced, in the form the report and the command's output read it.
+
+:class:`AutotuneResult` (returned by :func:`~fastml_strategy.autotune.autotune`) and the few facts about
+a result row that the driver (``_run``) and the report (``report``) both need live here, so that
+neither imports the other: the driver builds a result, the report reads one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from fastml_strategy.autotune.catalog import HardwareOption
+from fastml_strategy.autotune.costmodel import (AccuracyRule, Convergence, LocalCalibration, Profile, Sharding,
+                                                Trial)
+from fastml_strategy.config import Plan
+
+__all__ = ["AutotuneResult", "ASSUMED_TARGET_STEPS", "TARGET_STEPS_SOURCES", "uses_local_steps", "winning_row"]
+
+# Training length when the user gives none (--target-steps) and is not asked: every time and cost scales
+# with it, the choice of plan does not (it multiplies every option and plan alike). The report says it
+# was assumed, never that the user gave it.
+ASSUMED_TARGET_STEPS = 10_000
+# Where the training length came from, as the report words it.
+TARGET_STEPS_SOURCES = {"given": "--target-steps", "entered": "entered at the prompt",
+                        "assumed": "assumed; pass --target-steps N for your run"}
+
+
+@dataclass
+class AutotuneResult:
+    """What a run produced (the files in ``out`` hold the same)."""
+
+    out: Path
+    plan: Plan
+    option: str  # the hardware option plan.json was tuned for
+    options: list[HardwareOption]
+    best: dict[str, Trial]  # option -> best per-step trial (plain DDP where nothing pays)
+    baseline: dict[str, Trial]  # option -> uncompressed DDP (or FSDP/HSDP's own) row
+    profile: Profile
+    convergence: Convergence
+    calibration: list[dict[str, Any]]
+    trials: list[Trial]  # every search trial of every option, and each option's baseline row
+    step_times: list[dict[str, Any]]
+    scaling: list[dict[str, Any]]
+    pareto: list[int] = field(default_factory=list)
+    groups: dict[str, list[str]] = field(default_factory=dict)
+    sharding: Sharding = field(default_factory=Sharding)
+    whatif: list[dict[str, Any]] = field(default_factory=list)  # sharded: cluster shapes per option
+    target_steps: float = ASSUMED_TARGET_STEPS  # steps of uncompressed training every time and cost is for
+    target_steps_source: str = "assumed"  # see TARGET_STEPS_SOURCES
+    # Set when the measured link is not a network (every rank on one machine): the report flags it.
+    link_warning: str | None = None
+    # Local steps: option -> best feasible LocalSGD row (None: none feasible), and the calibration.
+    local_best: dict[str, Trial | None] = field(default_factory=dict)
+    local_calibration: LocalCalibration | None = None
+    # How the accuracy limit was decided (fit, band, noise, pairing): costmodel.accuracy_rule
+    accuracy_rule: AccuracyRule | None = None
+    # Wall seconds per phase (profiling, calibrating, ..., writing the report) and in all
+    phase_s: dict[str, float] = field(default_factory=dict)
+    # What --budget left out (empty: nothing)
+    budget_notes: list[str] = field(default_factory=list)
+    # The tuned plan against the obvious uniform alternatives, trained side by side (None: not checked)
+    check: dict[str, Any] | None = None
+
+    @property
+    def plan_uses_hook(self) -> bool:
+        """Whether plan.json asks for FastML (a hook, FSDP registration or LocalSGD); False: plain
+        DDP (or FSDP/HSDP's own collectives), no hook."""
+        w = self.winner(self.option)
+        return bool(w.get("use_hook", True)) or uses_local_steps(w)
+
+    def winner(self, option: str) -> Trial:
+        """The row the option should use: its local-steps row when that beats per-step compression
+        (or plain DDP) on the objective, else ``best[option]``."""
+        return winning_row(self.best[option], self.local_best.get(option))
+
+
+def winning_row(best: Mapping[str, Any], local: Mapping[str, Any] | None) -> Trial:
+    """The local-steps row when there is one and it beats the per-step row on the objective."""
+    best = Trial.of(best)
+    return Trial.of(local) if local is not None and local["objective"] < best.objective else best
+
+
+def uses_local_steps(row: Mapping[str, Any]) -> bool:
+    """Whether a result row is a LocalSGD configuration (H > 1)."""
+    return int(row.get("every", 1)) > 1
