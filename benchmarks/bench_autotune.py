@@ -2,13 +2,13 @@
 
 Two workloads (``--workload``):
 
-- ``gpt`` (issue 12's transformer): the 4-block byte-level GPT of ``gpt_workload.py`` (3.3M
+- ``gpt`` (a transformer): the 4-block byte-level GPT of ``gpt_workload.py`` (3.3M
   parameters, 54 tensors: embeddings, attention, MLP, head), AdamW 1e-3, batch 8 x 64 tokens per rank,
   each rank its own stream of the synthetic byte language, on an emulated **100 Mbit/s** link, trained
   to a validation loss of 1.65 (fp32 DDP reaches it in about 110 steps; the loss floor is ln 4 =
   1.39). The tuner runs with its default calibration and ``--no-local-steps`` (this benchmark compares
   per-step plans); the tuned plan's ``meta.ddp.bucket_cap_mb`` is passed to DDP, as its report says.
-- ``gpt2`` (issue 28): a second transformer of another width, depth, language and optimizer
+- ``gpt2``: a second transformer of another width, depth, language and optimizer
   (``gpt_workload.make2``: 6 blocks of d=192, 2.7M parameters in 78 tensors, a 128-token language
   with unequally likely successors, context 48, batch 12 x 48 tokens per rank, NAdam 2e-3), on an
   emulated **50 Mbit/s** link, trained to a validation loss of 1.30 (fp32 reaches it in about 55

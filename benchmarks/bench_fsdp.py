@@ -1,5 +1,5 @@
 """Step time of FSDP2 / HSDP with and without FastML's compressed gradient reduction, side by side, on
-emulated slow links between nodes (issue 9).
+emulated slow links between nodes.
 
     sudo python benchmarks/bench_fsdp.py                  # both scenarios, shaped links and no limit
     sudo python benchmarks/bench_fsdp.py --quick          # smoke test: small model, few steps (~1-2 min)
@@ -668,7 +668,7 @@ def _targets(scen: str, base: dict) -> str:
     if fp32_m in base:
         check("FastML int4 loss vs fp32, |%|", abs(f4["final_loss"] / base[fp32_m]["final_loss"] - 1) * 100,
               1.0, "<=")
-    return "\nTargets of issue 9: " + "; ".join(lines) + "." if lines else ""
+    return "\nTargets: " + "; ".join(lines) + "." if lines else ""
 
 
 def main() -> None:

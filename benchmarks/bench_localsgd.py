@@ -1,4 +1,4 @@
-"""Below 1 Gbit/s: wall time to a loss for DDP, compressed DDP and FastML's local steps (issue 13).
+"""Below 1 Gbit/s: wall time to a loss for DDP, compressed DDP and FastML's local steps.
 
     python benchmarks/bench_localsgd.py                    # as root: 5, 20 and 100 Mbit/s links + no limit
     python benchmarks/bench_localsgd.py --quick            # smoke test: tiny model, short curves (~2 min)
@@ -605,7 +605,7 @@ def _targets(link: str, runs: dict, by: dict, ref_t: dict, ddp_bytes: float, met
         ok = [m for m in local if few[m] >= 100]
         lines.append("bytes per step >= 100x fewer than DDP fp32: " +
                      ", ".join(f"{m} {few[m]:.0f}x ({'met' if m in ok else 'missed'})" for m in local))
-    return ("\nTargets of issue 13: " + "; ".join(lines) + ".") if lines else ""
+    return ("\nTargets: " + "; ".join(lines) + ".") if lines else ""
 
 
 def main() -> None:

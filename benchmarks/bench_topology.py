@@ -1,5 +1,5 @@
 """Several ranks per machine: FastML's hierarchical all-reduce against the flat one, plain DDP and torch's
-fp16 hook, on two emulated machines (issue 23).
+fp16 hook, on two emulated machines.
 
     sudo python benchmarks/bench_topology.py                       # R = 2 and 4, 1 Gbit/s, 50 Mbit/s, no limit
     sudo python benchmarks/bench_topology.py --ranks 2 --links 50mbit --steps 3

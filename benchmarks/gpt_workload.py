@@ -1,5 +1,5 @@
-"""A 4-block byte-level GPT (3.3M parameters, 54 tensors) as a ``fastml-autotune`` target: issue 12's
-workload, for timing the tuner and for ``bench_autotune``-style comparisons on a transformer.
+"""A 4-block byte-level GPT (3.3M parameters, 54 tensors) as a ``fastml-autotune`` target, for
+timing the tuner and for ``bench_autotune``-style comparisons on a transformer.
 
     fastml-autotune benchmarks/gpt_workload.py:make --link 50mbit --world-size 2
 
@@ -11,7 +11,7 @@ would: the batches replay only because the tuner rebuilds the workload from this
 calibration run. Batch 8 x 64 tokens, AdamW lr 1e-3; the eval function is none (accuracy loss =
 relative final loss). ``bench_autotune.py --workload gpt`` trains it to a validation loss.
 
-``make2`` is a second transformer for the same comparisons (issue 28): 6 blocks of d=192, a
+``make2`` is a second transformer for the same comparisons: 6 blocks of d=192, a
 128-token language with unequally likely successors, context 48, batch 12, NAdam 2e-3 (see
 ``VOCAB2`` ...);
 ``bench_autotune.py --workload gpt2``.
@@ -109,7 +109,7 @@ def validation_loss(m: nn.Module, batches: list) -> float:
     return sum(float(loss_fn(m, b)) for b in batches) / len(batches)
 
 
-# -- the second workload (issue 28): another width, depth, language and optimizer ----------------------
+# -- the second workload: another width, depth, language and optimizer ----------------------
 # 6 blocks of d=192 (6 heads); a 128-token language whose successors are not equally likely (each
 # token is followed by one of 3 fixed successors with probabilities 0.6, 0.3, 0.1: loss floor 0.90
 # nats, against the first workload's 256 tokens, 4 equal successors, ln 4); context 48, batch 12;

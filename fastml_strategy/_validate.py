@@ -21,7 +21,14 @@ import os
 import warnings
 from typing import Any
 
-__all__ = ["whole_number", "env_whole_number", "renamed"]
+__all__ = ["whole_number", "env_whole_number", "renamed", "LAYER_STATS_EVERY", "LAYER_STATS_EVERY_LOCALSGD"]
+
+# The defaults of ``layer_stats_every`` (``FASTML_LAYER_STATS_EVERY``): measuring a layer's compression
+# error costs a decode and two passes over its gradient, so the per-step paths (the DDP hook, FSDP)
+# measure every 10th step; LocalSGD synchronises once per H inner steps already, so it measures every
+# synchronisation.
+LAYER_STATS_EVERY = 10
+LAYER_STATS_EVERY_LOCALSGD = 1
 
 
 def _is_int(v: Any) -> bool:

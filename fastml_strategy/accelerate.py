@@ -98,16 +98,16 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from fastml_strategy._validate import env_whole_number
+from fastml_strategy._checkpoint import STATE_FORMAT_VERSION, gather_to_rank_zero, own_rank_state
+from fastml_strategy._integration import find_ddp, find_fsdp2, is_fsdp1, setting
 from fastml_strategy.config import Plan, resolve_plan
-from fastml_strategy.hook import FastMLState, own_rank_state, register_hook
-from fastml_strategy.localsgd import STATE_FORMAT_VERSION as LOCALSGD_FORMAT_VERSION
-from fastml_strategy.localsgd import LocalSGD, gather_to_rank_zero, island_model, resolve_settings
+from fastml_strategy.hook import FastMLState, register_hook
+from fastml_strategy.localsgd import LocalSGD, island_model, resolve_settings
 
 if TYPE_CHECKING:
     from fastml_strategy.fsdp import FSDPState
@@ -137,43 +137,8 @@ class CheckpointState:
         self.state.load_state_dict(state_dict)
 
 
-def _unwrap(model: Any) -> Iterator[Any]:
-    """The model and what torch.compile wraps (``OptimizedModule._orig_mod``, private: torch has no
-    public accessor), outermost first. tests/test_upstream_internals.py fails if torch renames it."""
-    seen = 0
-    while model is not None and seen < 4:  # torch.compile(DDP(model)) keeps DDP in _orig_mod
-        yield model
-        if type(model).__name__ == "OptimizedModule" and not hasattr(model, "_orig_mod"):
-            log.warning("FastML: torch.compile's OptimizedModule has no _orig_mod in torch %s (torch "
-                        "internals changed): FastML cannot find the DDP/FSDP model inside it and will not "
-                        "compress; call fastml_strategy.accelerate.setup before torch.compile", torch.__version__)
-        model = getattr(model, "_orig_mod", None)
-        seen += 1
-
-
-def _find_ddp(model: Any) -> torch.nn.parallel.DistributedDataParallel | None:
-    return next((m for m in _unwrap(model) if isinstance(m, torch.nn.parallel.DistributedDataParallel)), None)
-
-
-def _find_fsdp2(model: Any) -> torch.nn.Module | None:
-    """The FSDP2 root (an ``FSDPModule``: Accelerate's ``fsdp_version: 2`` or your own ``fully_shard``)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch without FSDP2
-        return None
-    return next((m for m in _unwrap(model) if isinstance(m, FSDPModule)), None)
-
-
-def _is_fsdp1(model: Any) -> bool:
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # torch built without distributed
-        return False
-    return isinstance(model, torch.nn.Module) and any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
-
-
 def _reject_fsdp1(model: Any) -> None:
-    if _is_fsdp1(model):
+    if is_fsdp1(model):
         raise TypeError(
             "fastml_strategy.accelerate.setup: the model is wrapped in FSDP1 (FullyShardedDataParallel: "
             "Accelerate's FSDP plugin with fsdp_version: 1, its default), which FastML does not compress. "
@@ -205,11 +170,11 @@ def setup(
     Raises TypeError, on every process, for a model wrapped in FSDP1.
     """
     resolved = resolve_plan(plan)  # a bad FASTML_PLAN fails here, on every process, naming it
-    check_every = env_whole_number("FASTML_CHECK_REPLICAS_EVERY", check_replicas_every, 0, owner=_SETUP)
-    layer_every = env_whole_number("FASTML_LAYER_STATS_EVERY", layer_stats_every, 10, owner=_SETUP)
+    check_every = setting("check_replicas_every", check_replicas_every, owner=_SETUP)
+    layer_every = setting("layer_stats_every", layer_stats_every, owner=_SETUP)
     _reject_fsdp1(model)
-    ddp = _find_ddp(model)
-    fsdp = _find_fsdp2(model) if ddp is None else None
+    ddp = find_ddp(model)
+    fsdp = find_fsdp2(model) if ddp is None else None
     fsdp_only = [k for k, v in (("shard_plan", shard_plan), ("replicate_group", replicate_group),
                                 ("all_gather_bits", all_gather_bits)) if v is not None]
     if fsdp is None and fsdp_only:
@@ -292,7 +257,7 @@ class LocalSGDCheckpoint:
         return gather_to_rank_zero(own) or {}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        own = own_rank_state(state_dict, self.local.rank, self.local.world_size, LOCALSGD_FORMAT_VERSION,
+        own = own_rank_state(state_dict, self.local.rank, self.local.world_size, STATE_FORMAT_VERSION,
                              "fastml_strategy.accelerate.LocalSGDCheckpoint")
         if len(own["optimizers"]) != len(self.optimizers):
             raise ValueError(f"the checkpoint holds {len(own['optimizers'])} optimizer states, local_sgd() was "
@@ -330,12 +295,12 @@ def local_sgd(
     """
     resolved, settings = resolve_settings(plan, every=every, outer=outer, outer_lr=outer_lr,
                                           outer_momentum=outer_momentum, fragments=fragments, delay=delay)
-    layer_every = env_whole_number("FASTML_LAYER_STATS_EVERY", layer_stats_every, 1,
-                                   owner="fastml_strategy.accelerate.local_sgd")
-    ddp = _find_ddp(model)
+    layer_every = setting("layer_stats_every", layer_stats_every, owner="fastml_strategy.accelerate.local_sgd",
+                          localsgd=True)
+    ddp = find_ddp(model)
     island = (ddp is not None and dist.is_initialized()
               and dist.get_world_size(ddp.process_group) < dist.get_world_size())
-    if (ddp is not None and not island) or _find_fsdp2(model) is not None or _is_fsdp1(model):
+    if (ddp is not None and not island) or find_fsdp2(model) is not None or is_fsdp1(model):
         raise TypeError(
             f"fastml_strategy.accelerate.local_sgd: the model is a {type(model).__name__} (accelerator.prepare "
             f"wrapped it), which communicates every step; LocalSGD needs the plain model. Use "

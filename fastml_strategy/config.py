@@ -23,6 +23,7 @@ import dataclasses
 import enum
 import hashlib
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -30,8 +31,10 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from fastml_strategy._io import atomic_write_text
+from fastml_strategy._validate import whole_number
 
-__all__ = ["Codec", "CodecConfig", "LocalSteps", "Plan", "RECIPES", "PLAN_FORMAT_VERSION", "resolve_plan"]
+__all__ = ["Codec", "CodecConfig", "LocalSteps", "Plan", "RECIPES", "DEFAULT_RECIPE", "PLAN_FORMAT_VERSION",
+           "resolve_plan", "check_local_steps"]
 
 PLAN_FORMAT_VERSION = 1
 
@@ -102,26 +105,13 @@ class CodecConfig:
 
     # -- validation ----------------------------------------------------------------------------------
     def validate(self, where: str = "codec") -> None:
-        """Raise ValueError naming the field and the fix if a setting is out of range."""
+        """Raise ValueError naming the field and the fix if a setting is out of range (the codec's own
+        fields are checked by its class, :meth:`fastml_strategy.codecs.WireCodec.check`)."""
 
         def fail(fieldname: str, problem: str, fix: str) -> None:
             raise ValueError(f"{where}: {fieldname} {problem}; {fix}")
 
-        if self.codec is Codec.QUANTIZE:
-            if not _is_int(self.bits) or not 1 <= self.bits <= 8:
-                fail("bits", f"is {self.bits!r}, outside 1-8", "quantization takes 1 to 8 bits per element")
-        if self.codec is Codec.TOPK:
-            if self.topk_count is None and self.topk is None:
-                fail("topk", "is not set", "give a fraction in (0, 1] (topk=0.01 keeps 1%) or topk_count")
-            if self.topk_count is not None and (not _is_int(self.topk_count) or self.topk_count < 1):
-                fail("topk_count", f"is {self.topk_count!r}", "give a whole number >= 1")
-            if self.topk is not None and (
-                isinstance(self.topk, bool) or not isinstance(self.topk, (int, float))
-                or not 0.0 < float(self.topk) <= 1.0
-            ):
-                fail("topk", f"is {self.topk!r}, outside (0, 1]", "give the kept fraction, e.g. topk=0.01 for 1%")
-            if self.bits is not None and (not _is_int(self.bits) or not 1 <= self.bits <= 8):
-                fail("bits", f"is {self.bits!r}, outside 1-8", "quantized top-k values take 1 to 8 bits (None: fp32)")
+        self._codec_class().check(self, fail)
         if self.fallback_bits is not None and (
             not _is_int(self.fallback_bits) or not 1 <= self.fallback_bits <= 8
         ):
@@ -137,17 +127,24 @@ class CodecConfig:
             fail("residual_dtype", f"is {self.residual_dtype!r}",
                  f"use one of {sorted(RESIDUAL_DTYPES)} (bf16 halves the residual's memory)")
 
+    def _codec_class(self):
+        # The codec classes live in fastml_strategy.codecs (torch and the kernels), which imports this
+        # module; the package imports this module first, so by the time a config is checked both exist.
+        from fastml_strategy.codecs import codec_class
+
+        return codec_class(self.codec)
+
     @property
     def lossy(self) -> bool:
         """Whether the plan compresses this tensor (every codec but fp32). A layer that is not lossy
         travels uncompressed, batched with the bucket's other such tensors (in fp16/bf16 when the
         gradients already are: exact either way)."""
-        return self.codec is not Codec.FP32
+        return self._codec_class().lossy
 
     @property
     def uses_residual(self) -> bool:
         """Whether this codec keeps an error-feedback residual (fp16/bf16 casts do not need one)."""
-        return self.error_feedback and self.codec in (Codec.QUANTIZE, Codec.TOPK)
+        return self.error_feedback and self._codec_class().error_feedback
 
     @property
     def residual_torch_dtype(self) -> "torch.dtype":
@@ -165,17 +162,8 @@ class CodecConfig:
         return max(1, min(numel, int(-(-numel * float(self.topk) // 1))))
 
     def describe(self) -> str:
-        """A short human name: ``int4``, ``topk1%-int4``, ``fp16``..."""
-        if self.codec is Codec.QUANTIZE:
-            name = f"int{self.bits}" + ("-sr" if self.stochastic else "")
-        elif self.codec is Codec.TOPK:
-            amount = f"{self.topk_count}" if self.topk_count is not None else f"{self.topk * 100:g}%"
-            name = f"topk{amount}" + (f"-int{self.bits}" if self.bits else "")
-        else:
-            return self.codec.value
-        if not self.error_feedback:
-            return name + "-noef"
-        return name + ("-rbf16" if self.residual_dtype == "bf16" else "")
+        """A short human name: ``int4``, ``topk1%-int4``, ``fp16``... (the codec class's)."""
+        return self._codec_class().describe(self)
 
     # -- JSON ----------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -211,13 +199,38 @@ def _q(bits: int, **kw: Any) -> CodecConfig:
     return CodecConfig(codec=Codec.QUANTIZE, bits=bits, **kw)
 
 
+# The outer optimizers of local steps: DiLoCo's Nesterov SGD, or plain SGD (outer_lr=1, momentum 0:
+# parameter averaging).
 OUTER_OPTIMIZERS = ("nesterov", "sgd")
+
+
+def check_local_steps(every: Any, fragments: Any, delay: Any, outer: Any, outer_lr: Any, outer_momentum: Any,
+                      owner: str = "local_steps") -> None:
+    """Raise ValueError, naming the setting and what to use, for local-step settings no model can take:
+    the one check of :class:`LocalSteps` (which runs it on itself) and of LocalSGD's arguments
+    (:func:`fastml_strategy.localsgd.check_arguments`). ``owner`` begins the message."""
+    whole_number("every", every, owner=owner)
+    whole_number("fragments", fragments, owner=owner)
+    whole_number("delay", delay, 0, owner=owner)
+    if outer not in OUTER_OPTIMIZERS:
+        raise ValueError(f"{owner}: outer={outer!r}; use one of {list(OUTER_OPTIMIZERS)}")
+    for name, v in (("outer_lr", outer_lr), ("outer_momentum", outer_momentum)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{owner}: {name}={v!r}; use a finite number >= 0")
+    if outer == "nesterov" and outer_momentum <= 0:
+        raise ValueError(f"{owner}: outer='nesterov' needs outer_momentum > 0 (0.9 in DiLoCo); use outer='sgd' "
+                         f"for no momentum")
+    if delay > 0 and delay >= max(1, every // fragments):
+        raise ValueError(f"{owner}: delay={delay} must be shorter than the gap between two fragments' "
+                         f"synchronisations (every // fragments = {every // fragments}); lower delay or raise "
+                         f"every")
 
 
 @dataclass(frozen=True)
 class LocalSteps:
     """Synchronise every ``every`` inner steps instead of every step (the arguments of
-    :class:`~fastml_strategy.LocalSGD` other than the model, the optimizer and the plan).
+    :class:`~fastml_strategy.LocalSGD` other than the model, the optimizer and the plan). Its defaults
+    are LocalSGD's, and the framework adapters' (one place).
 
     ``every``: H, inner steps between two synchronisations (the bytes per step drop by H; the steps
     to the target grow by what the autotuner's calibration measured). ``fragments``: F, the model
@@ -234,19 +247,7 @@ class LocalSteps:
     outer_momentum: float = 0.9
 
     def __post_init__(self) -> None:
-        for name, lo in (("every", 1), ("fragments", 1), ("delay", 0)):
-            v = getattr(self, name)
-            if not _is_int(v) or v < lo:
-                raise ValueError(f"local_steps.{name} is {v!r}; use a whole number >= {lo}")
-        if self.delay and self.delay >= max(1, self.every // self.fragments):
-            raise ValueError(f"local_steps.delay is {self.delay}; it must be shorter than every // fragments "
-                             f"= {self.every // self.fragments} (the gap between two fragments' syncs)")
-        if self.outer not in OUTER_OPTIMIZERS:
-            raise ValueError(f"local_steps.outer is {self.outer!r}; use one of {list(OUTER_OPTIMIZERS)}")
-        for name in ("outer_lr", "outer_momentum"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or v == float("inf"):
-                raise ValueError(f"local_steps.{name} is {v!r}; use a finite number >= 0")
+        check_local_steps(**self.kwargs())
 
     def kwargs(self) -> dict[str, Any]:
         """``LocalSGD(model, inner, plan=plan, **plan.local_steps.kwargs())``."""
@@ -269,7 +270,7 @@ class LocalSteps:
         try:
             return cls(**d)
         except (TypeError, ValueError) as e:
-            raise ValueError(f"{where}: {str(e).removeprefix('local_steps.')}") from None
+            raise ValueError(f"{where}: {str(e).removeprefix('local_steps: ')}") from None
 
 
 # Named recipes (``Plan.from_recipe``). "none" compresses nothing: every bucket is all-reduced the way
@@ -288,6 +289,10 @@ RECIPES: dict[str, CodecConfig] = {
 }
 
 
+# The plan of a user who names none (no argument, no FASTML_PLAN), and the default of a Plan's layers.
+DEFAULT_RECIPE = "int4"
+
+
 @dataclass(frozen=True)
 class Plan:
     """Per-layer compression of a model's gradients, keyed by parameter name.
@@ -296,7 +301,7 @@ class Plan:
     :class:`CodecConfig`. Look-up order: exact name, then patterns in order, then ``default``.
     """
 
-    default: CodecConfig = field(default_factory=lambda: RECIPES["int4"])
+    default: CodecConfig = field(default_factory=lambda: RECIPES[DEFAULT_RECIPE])
     layers: tuple[tuple[str, CodecConfig], ...] = ()
     min_numel: int = DEFAULT_MIN_NUMEL
     # Base seed of stochastic rounding; the hook mixes in the rank and the step.
@@ -398,8 +403,8 @@ class Plan:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"{where}: unknown field(s) {unknown}; known fields are {sorted(known)}")
-        default = CodecConfig.from_dict(d.get("default", {"codec": "int4"}), f"{where}.default") \
-            if "default" in d else RECIPES["int4"]
+        default = CodecConfig.from_dict(d["default"], f"{where}.default") if "default" in d \
+            else RECIPES[DEFAULT_RECIPE]
         layers_in = d.get("layers", {})
         if not isinstance(layers_in, Mapping):
             raise ValueError(f"{where}.layers: expected an object of name -> codec settings")
@@ -537,10 +542,11 @@ class Plan:
     @property
     def intra_node_dtype(self) -> "torch.dtype | None":
         """The dtype the hop inside a machine travels in (None: the bucket's, summed in fp32)."""
-        import torch
+        if self.intra_node is None or self.intra_node.codec is Codec.FP32:
+            return None
+        from fastml_strategy.codecs import codec_for
 
-        c = None if self.intra_node is None else self.intra_node.codec
-        return {Codec.FP16: torch.float16, Codec.BF16: torch.bfloat16}.get(c)
+        return codec_for(self.intra_node).dtype  # the cast codec's wire dtype
 
     def check_parameters(self, names: Iterable[str], aliases: Mapping[str, str] | None = None,
                          frozen: Iterable[str] = ()) -> None:
@@ -607,7 +613,7 @@ def resolve_plan(plan: Any) -> Plan:
     if plan is None:
         env = os.environ.get("FASTML_PLAN")
         if not env:
-            return Plan.from_recipe("int4")
+            return Plan.from_recipe(DEFAULT_RECIPE)
         try:
             return resolve_plan(env)
         except ValueError as e:

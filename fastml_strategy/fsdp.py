@@ -7,7 +7,7 @@ HSDP (shard inside a node, replicate across nodes) then all-reduces every shard 
 over the slow link. :func:`register` swaps in FastML's collectives:
 
 - **FSDP** (1-D mesh): the unit's reduce-scatter becomes FastML's compressed reduce-scatter
-  (:meth:`fastml_strategy.collective.CompressedAllReduce.reduce_scatter`): each rank encodes the W
+  (:class:`fastml_strategy._reduce_scatter.CompressedReduceScatter`): each rank encodes the W
   chunks of every gradient with the layer's codec and error feedback, one all_to_all, and each rank
   decodes and sums its own chunk. Bytes per rank: (W-1)/W of the compressed size.
 - **HSDP**: the cross-replica all-reduce of each reduced shard becomes FastML's scatter-reduce-
@@ -57,17 +57,19 @@ import torch.distributed as dist
 
 from fastml_strategy import codecs
 from fastml_strategy._peers import FailureChannel
-from fastml_strategy._validate import whole_number
-from fastml_strategy.collective import CompressedAllReduce, CompressionError, ShardedTensor
+from fastml_strategy._validate import LAYER_STATS_EVERY, whole_number
+from fastml_strategy._layouts import ShardedTensor
+from fastml_strategy._reduce_scatter import CompressedReduceScatter
+from fastml_strategy.collective import CompressedAllReduce, CompressionError
 from fastml_strategy.config import Plan, resolve_plan
-from fastml_strategy.hook import (agreed_plan, check_saved_state, check_state_kind, fitting_residuals,
-                                  model_names, own_rank_state)
+from fastml_strategy._checkpoint import (STATE_FORMAT_VERSION, check_saved_state, check_state_kind,
+                                         fitting_residuals, gather_states, own_rank_state)
+from fastml_strategy._distributed import agreed_plan, model_names
 
 __all__ = ["register", "FSDPState", "shard_chunks", "save_distributed", "load_distributed", "TESTED_TORCH"]
 
 log = logging.getLogger(__name__)
 
-STATE_FORMAT_VERSION = 1
 TESTED_TORCH = "2.13"
 _NEEDED = ("set_custom_reduce_scatter", "set_all_reduce_hook", "set_reduce_scatter_unused_params")
 
@@ -192,7 +194,7 @@ class FSDPState:
         self._restore = restore  # callables that undo what register changed (close)
         rs_plan = shard_plan if replicate_group is not None else plan
         # the reduce-scatter engine: its process group is FSDP's own shard group, passed per call
-        self._rs = CompressedAllReduce(rs_plan, None, shard_rank, shard_size) if rs_plan else None
+        self._rs = CompressedReduceScatter(rs_plan, None, shard_rank, shard_size) if rs_plan else None
         self._ar = (CompressedAllReduce(plan, replicate_group, self.replicate_rank, self.replicate_size)
                     if replicate_group is not None else None)
         self._ag: Optional[_AllGatherCounter] = None  # register(all_gather_bits=...)
@@ -225,9 +227,8 @@ class FSDPState:
                     cfg = eng.plan.for_parameter(name, numel)  # (the wire dtype keeps no residual)
                     if eng is self._ar:
                         cfg = codecs.effective_config(cfg, n, eng.world_size)
-                    if cfg.uses_residual and name not in eng.pending_residuals:
-                        eng.pending_residuals[name] = torch.zeros(
-                            n, dtype=cfg.residual_torch_dtype, device=fp.sharded_param.device)
+                    if cfg.uses_residual:
+                        eng.reserve_residual(name, n, cfg.residual_torch_dtype, fp.sharded_param.device)
 
     # -- the step counter: one step per backward that reduces gradients ----------------------------------
     def _begin(self) -> None:
@@ -276,7 +277,7 @@ class FSDPState:
         eng = self._rs
         eng.group = group
         try:
-            lay = eng.shard_layout_for(unit.tensors(self.shard_size), inp.device, inp.dtype)
+            lay = eng.layout_for(unit.tensors(self.shard_size), inp.device, inp.dtype)
             finite = eng.reduce_scatter(lay, inp.view(-1), out.view(-1), self.step,
                                         scale=_scale_of(op, self.shard_size, unit.group),
                                         layer_stats=self._layer_stats_now())
@@ -431,9 +432,7 @@ class FSDPState:
         }
         if not all_ranks:
             return own
-        gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, own)
-        return {"format_version": STATE_FORMAT_VERSION, "per_rank": gathered}
+        return gather_states(own, None, self.world_size)
 
     def distributed_state_dict(self) -> dict:
         """This rank's state in the form ``torch.distributed.checkpoint`` keeps intact:
@@ -682,172 +681,114 @@ def _make_comm(ReduceScatter, state: FSDPState, unit: _Unit, compressed: bool = 
     return _FastMLReduceScatter()
 
 
-def register(
-    model: torch.nn.Module,
-    plan: Any = None,
-    *,
-    replicate_group: Any = None,
-    shard_plan: Any = None,
-    all_gather_bits: Optional[int] = None,
-    layer_stats_every: int = 10,
-) -> FSDPState:
-    """Compress an FSDP2 model's gradient reduction with FastML; returns its :class:`FSDPState`.
+_OWNER = "fastml_strategy.fsdp.register"
 
-    Call on every rank after ``fully_shard`` has been applied (submodules first, the root last) and
-    before the first backward. ``plan``: a :class:`~fastml_strategy.Plan`, a recipe name, a plan
-    JSON path, a dict, or None (``FASTML_PLAN``, else ``int4``), keyed by the names of
-    ``model.named_parameters()``; it compresses the reduce-scatter (FSDP) or, with HSDP, the
-    cross-replica all-reduce. ``replicate_group``: HSDP with a 1-D shard mesh, the process group of
-    this rank's replicas (omit it for a 2-D ``("replicate", "shard")`` mesh: FastML reads it there).
-    ``shard_plan``: HSDP only, a plan for the intra-node reduce-scatter too (default None: FSDP's own,
-    uncompressed, for the fast link inside a node). ``all_gather_bits``: opt-in, quantize FSDP's
-    parameter all-gathers (forward, and backward when resharded) to this many bits (8: ZeRO++ "qwZ";
-    blocks of 256, round to nearest): forward and backward then compute with quantized copies of the
-    parameters, while the optimizer updates the exact shards. Default None: FSDP's own all-gather.
-    ``layer_stats_every``: measure per-layer error every N steps (0: never).
 
-    Every rank raises the same error before any step if the model, the plans or the groups are wrong
-    on any of them.
-    """
-    FSDPModule, ReduceScatter, FSDPMeshInfo, HSDPMeshInfo = _fsdp_api()
+def _check_arguments(model, all_gather_bits, layer_stats_every) -> None:
+    """:func:`register`'s arguments that need no model inspection."""
+    if all_gather_bits is not None and (not isinstance(all_gather_bits, int) or isinstance(
+            all_gather_bits, bool) or not 2 <= all_gather_bits <= 8):
+        raise ValueError(f"{_OWNER}: all_gather_bits={all_gather_bits!r}; use 2-8 (8 is ZeRO++'s choice; "
+                         f"parameters lose more precision with fewer bits) or None for FSDP's own all-gather")
+    whole_number("layer_stats_every", layer_stats_every, 0, owner=_OWNER, note=" (0 turns it off)")
+    live = _REGISTERED.get(model)
+    if live is not None and not live._closed:
+        raise ValueError(f"{_OWNER}: this model is registered already; keep the FSDPState the first register() "
+                         f"returned, or call its close() first")
+
+
+def _fsdp_units(model) -> tuple[list, bool]:
+    """The FSDP units of an FSDP2 model (one per ``fully_shard`` module), checked against FastML's
+    layout rule, and whether they sit on a 2-D HSDP mesh; raises naming the fix for a model FastML
+    cannot take (FSDP1, not sharded, several parameter groups or meshes, an SPMD mesh)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    FSDPModule, _, _, HSDPMeshInfo = _fsdp_api()
+    if isinstance(model, FullyShardedDataParallel) or any(
+            isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise TypeError(f"{_OWNER}: this model is wrapped in FSDP1 (FullyShardedDataParallel), which FastML "
+                        f"does not compress; shard it with FSDP2 (torch.distributed.fsdp.fully_shard) "
+                        f"instead, or in Lightning use strategy='fastml_fsdp'")
+    if not isinstance(model, FSDPModule):
+        raise TypeError(f"{_OWNER}: the model ({type(model).__name__}) is not an FSDP2 module; apply "
+                        f"fully_shard first (each block, then the root: fully_shard(model)) and register "
+                        f"afterwards, on every rank")
+    names = {id(p): n for n, p in model.named_parameters()}
+    units, mesh_infos = [], set()
+    for mod in model.modules():
+        if not isinstance(mod, FSDPModule):
+            continue
+        groups = mod._get_fsdp_state()._fsdp_param_groups
+        if len(groups) > 1:
+            raise ValueError(
+                f"{_OWNER}: module {type(mod).__name__} has {len(groups)} FSDP parameter groups "
+                f"(shard_placement_fn with per-parameter meshes); FSDP's custom reduce-scatter takes one "
+                f"group per module: shard those parameters on one mesh")
+        for g in groups:
+            unit = _Unit(len(units), mod, g, names)
+            for fp, name in zip(unit.params, unit.names):
+                chunks, padded = unit.layout_of(fp, g.mesh_info.shard_mesh_size)
+                if padded != fp.padded_sharded_param_size.numel():
+                    raise RuntimeError(
+                        f"FastML's FSDP2 layout rule gives {padded} padded elements per shard for "
+                        f"{name} {list(fp._orig_size)}, FSDP {fp.padded_sharded_param_size.numel()}; "
+                        f"this torch ({torch.__version__}) shards differently from {TESTED_TORCH}")
+            units.append(unit)
+            mi = g.mesh_info
+            if getattr(mi, "is_spmd_mesh", False):
+                raise ValueError(f"{_OWNER}: FSDP on an SPMD mesh with dp_mesh_dims (tensor parallel) is not "
+                                 f"supported yet")
+            mesh_infos.add((type(mi).__name__, mi.shard_mesh_size, isinstance(mi, HSDPMeshInfo)))
+    if not units:
+        raise ValueError(f"{_OWNER}: the model has no FSDP-managed parameters; apply fully_shard to the "
+                         f"modules that hold them")
+    if len(mesh_infos) > 1:
+        raise ValueError(f"{_OWNER}: FSDP units use different meshes ({sorted(mesh_infos)}); shard every "
+                         f"unit on the same mesh")
+    return units, next(iter(mesh_infos))[2]
+
+
+def _inspect(model, replicate_group, shard_plan, all_gather_bits, layer_stats_every, found: dict,
+             settings: dict) -> None:
+    """Everything :func:`register` checks locally before the ranks agree (``agreed_plan``'s check):
+    fills ``found`` (the model's names, aliases and frozen parameters, its units, the mesh, the
+    replicate group, the shard plan) and adds the mesh to the ``settings`` ranks must share."""
+    _check_arguments(model, all_gather_bits, layer_stats_every)
+    units, native_hsdp = _fsdp_units(model)
+    trainable, al, fr = model_names(model)
+    found["names"].extend(trainable)
+    found["aliases"].update(al)
+    found["frozen"].extend(fr)
+    if native_hsdp and replicate_group is not None:
+        raise ValueError(f"{_OWNER}: the model is sharded on a 2-D (replicate, shard) mesh, which already "
+                         f"names the replicas; drop replicate_group (or shard on the 1-D shard mesh and keep it)")
+    if replicate_group is not None and not isinstance(replicate_group, dist.ProcessGroup):
+        raise TypeError(f"{_OWNER}: replicate_group is a {type(replicate_group).__name__}; pass a "
+                        f"torch.distributed ProcessGroup (e.g. mesh['replicate'].get_group()) or None")
+    shard_size = units[0].group.mesh_info.shard_mesh_size
+    rep = (units[0].group.mesh_info.replicate_process_group if native_hsdp else replicate_group)
+    rep_size = dist.get_world_size(rep) if rep is not None else 1
+    if shard_size * rep_size != dist.get_world_size():
+        raise ValueError(
+            f"{_OWNER}: shards of {shard_size} ranks x {rep_size} replicas is not the world size "
+            f"{dist.get_world_size()}; the replicate group must hold one rank of every shard group "
+            f"(mesh['replicate'].get_group() of an (R, S) mesh)")
+    if shard_plan is not None and rep is None:
+        raise ValueError(f"{_OWNER}: shard_plan is for HSDP (the intra-node reduce-scatter); with plain FSDP, "
+                         f"give the plan as plan=")
+    if shard_plan is not None:
+        sp = resolve_plan(shard_plan)
+        sp.check_parameters(trainable, al, fr)
+        found["shard_plan"] = sp
+    found.update(units=units, native_hsdp=native_hsdp, shard_size=shard_size, rep=rep)
+    settings.update(shard_size=shard_size, replicate_size=rep_size)
+
+
+def _install(state: "FSDPState", units: list, native_hsdp: bool, rep, all_gather_bits, restore: list) -> None:
+    """Swap FastML's collectives into every unit (recording in ``restore`` how to undo it)."""
+    _, ReduceScatter, FSDPMeshInfo, _ = _fsdp_api()
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("fastml_strategy.fsdp.register: torch.distributed is not initialised; call "
-                           "dist.init_process_group (torchrun sets the environment) before fully_shard")
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"fastml_strategy.fsdp.register: model is a {type(model).__name__}; pass the "
-                        f"root module that fully_shard was applied to")
-    world = dist.group.WORLD
-    world_size = dist.get_world_size()
 
-    # Everything that can be wrong is checked locally first, then agreed across ranks (no rank hangs):
-    # a bad argument on one rank raises the same error on every rank, and so do settings that differ.
-    found: dict = {}
-    # what ranks must share beside the plan (they change the collectives); inspect() adds the mesh
-    settings: dict = {"all_gather_bits": all_gather_bits, "shard_plan": shard_plan is not None}
-
-    def inspect() -> None:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        if all_gather_bits is not None and (not isinstance(all_gather_bits, int) or isinstance(
-                all_gather_bits, bool) or not 2 <= all_gather_bits <= 8):
-            raise ValueError(f"fastml_strategy.fsdp.register: all_gather_bits={all_gather_bits!r}; use "
-                             f"2-8 (8 is ZeRO++'s choice; parameters lose more precision with fewer bits) "
-                             f"or None for FSDP's own all-gather")
-        whole_number("layer_stats_every", layer_stats_every, 0, owner="fastml_strategy.fsdp.register",
-                     note=" (0 turns it off)")
-        live = _REGISTERED.get(model)
-        if live is not None and not live._closed:
-            raise ValueError("fastml_strategy.fsdp.register: this model is registered already; keep the "
-                             "FSDPState the first register() returned, or call its close() first")
-
-        if isinstance(model, FullyShardedDataParallel) or any(
-                isinstance(m, FullyShardedDataParallel) for m in model.modules()):
-            raise TypeError(
-                "fastml_strategy.fsdp.register: this model is wrapped in FSDP1 "
-                "(FullyShardedDataParallel), which FastML does not compress; shard it with FSDP2 "
-                "(torch.distributed.fsdp.fully_shard) instead, or in Lightning use "
-                "strategy='fastml_fsdp'")
-        if not isinstance(model, FSDPModule):
-            raise TypeError(
-                f"fastml_strategy.fsdp.register: the model ({type(model).__name__}) is not an FSDP2 "
-                f"module; apply fully_shard first (each block, then the root: fully_shard(model)) and "
-                f"register afterwards, on every rank")
-        named = dict(model.named_parameters())
-        names = {id(p): n for n, p in named.items()}
-        trainable, al, fr = model_names(model)
-        names_all.extend(trainable)
-        aliases.update(al)
-        frozen.extend(fr)
-        units, mesh_infos = [], set()
-        for mod in model.modules():
-            if not isinstance(mod, FSDPModule):
-                continue
-            groups = mod._get_fsdp_state()._fsdp_param_groups
-            if len(groups) > 1:
-                raise ValueError(
-                    f"fastml_strategy.fsdp.register: module {type(mod).__name__} has {len(groups)} FSDP "
-                    f"parameter groups (shard_placement_fn with per-parameter meshes); FSDP's custom "
-                    f"reduce-scatter takes one group per module: shard those parameters on one mesh")
-            for g in groups:
-                unit = _Unit(len(units), mod, g, names)
-                for fp, name in zip(unit.params, unit.names):
-                    chunks, padded = unit.layout_of(fp, g.mesh_info.shard_mesh_size)
-                    if padded != fp.padded_sharded_param_size.numel():
-                        raise RuntimeError(
-                            f"FastML's FSDP2 layout rule gives {padded} padded elements per shard for "
-                            f"{name} {list(fp._orig_size)}, FSDP {fp.padded_sharded_param_size.numel()}; "
-                            f"this torch ({torch.__version__}) shards differently from {TESTED_TORCH}")
-                units.append(unit)
-                mi = g.mesh_info
-                if getattr(mi, "is_spmd_mesh", False):
-                    raise ValueError("fastml_strategy.fsdp.register: FSDP on an SPMD mesh with "
-                                     "dp_mesh_dims (tensor parallel) is not supported yet")
-                mesh_infos.add((type(mi).__name__, mi.shard_mesh_size,
-                                isinstance(mi, HSDPMeshInfo)))
-        if not units:
-            raise ValueError("fastml_strategy.fsdp.register: the model has no FSDP-managed parameters; "
-                             "apply fully_shard to the modules that hold them")
-        if len(mesh_infos) > 1:
-            raise ValueError(f"fastml_strategy.fsdp.register: FSDP units use different meshes "
-                             f"({sorted(mesh_infos)}); shard every unit on the same mesh")
-        native_hsdp = next(iter(mesh_infos))[2]
-        if native_hsdp and replicate_group is not None:
-            raise ValueError(
-                "fastml_strategy.fsdp.register: the model is sharded on a 2-D (replicate, shard) mesh, "
-                "which already names the replicas; drop replicate_group (or shard on the 1-D shard "
-                "mesh and keep it)")
-        if replicate_group is not None and not isinstance(replicate_group, dist.ProcessGroup):
-            raise TypeError(f"fastml_strategy.fsdp.register: replicate_group is a "
-                            f"{type(replicate_group).__name__}; pass a torch.distributed ProcessGroup "
-                            f"(e.g. mesh['replicate'].get_group()) or None")
-        shard_size = units[0].group.mesh_info.shard_mesh_size
-        rep = (units[0].group.mesh_info.replicate_process_group if native_hsdp else replicate_group)
-        rep_size = dist.get_world_size(rep) if rep is not None else 1
-        if shard_size * rep_size != world_size:
-            raise ValueError(
-                f"fastml_strategy.fsdp.register: shards of {shard_size} ranks x {rep_size} replicas is "
-                f"not the world size {world_size}; the replicate group must hold one rank of every "
-                f"shard group (mesh['replicate'].get_group() of an (R, S) mesh)")
-        if shard_plan is not None and rep is None:
-            raise ValueError("fastml_strategy.fsdp.register: shard_plan is for HSDP (the intra-node "
-                             "reduce-scatter); with plain FSDP, give the plan as plan=")
-        if shard_plan is not None:
-            sp = resolve_plan(shard_plan)
-            sp.check_parameters(trainable, al, fr)
-            found["shard_plan"] = sp
-        found.update(units=units, native_hsdp=native_hsdp, shard_size=shard_size, rep=rep)
-        settings.update(shard_size=shard_size, replicate_size=rep_size)
-
-    # filled by inspect() once the model is known to be an FSDP2 module
-    names_all: list = []
-    aliases: dict = {}
-    frozen: list = []
-    plan_obj = agreed_plan(plan, names_all, world, world_size, check=inspect, aliases=aliases,
-                           frozen=frozen, settings=settings, owner="fastml_strategy.fsdp.register")
-    shard_plan_obj = found.get("shard_plan")
-    if shard_plan_obj is not None:  # the same on every rank too
-        shard_plan_obj = agreed_plan(shard_plan_obj, names_all, world, world_size, aliases=aliases,
-                                     frozen=frozen)
-    units, native_hsdp, shard_size, rep = (found["units"], found["native_hsdp"], found["shard_size"],
-                                           found["rep"])
-    shard_rank = units[0].group.mesh_info.shard_mesh_rank
-
-    restore: list = []
-    state = FSDPState(model, units, plan_obj, shard_plan_obj, shard_size, shard_rank, rep,
-                      layer_stats_every, restore)
-    _REGISTERED[model] = state
-    if rep is not None:
-        state._channel = FailureChannel(world, dist.get_rank())
-        if units[0].params[0].sharded_param.device.type == "cpu":  # (NCCL's wait does not block)
-            for eng in (state._ar, state._rs):
-                if eng is not None:
-                    eng.wait = state._channel.wait
-    if all_gather_bits is not None:
-        from fastml_strategy.config import Codec, CodecConfig
-
-        state._ag = _AllGatherCounter(CodecConfig(codec=Codec.QUANTIZE, bits=all_gather_bits,
-                                                  block_size=256), shard_size)
     for unit in units:
         g, mod = unit.group, unit.module
         # Every parameter that requires a gradient takes part in every reduce-scatter (zeros when no
@@ -879,4 +820,72 @@ def register(
             old_hook = g._all_reduce_hook
             mod.set_all_reduce_hook(lambda out, unit=unit: state._all_reduce(unit, out))
             restore.append(lambda g=g, h=old_hook: setattr(g, "_all_reduce_hook", h))
+
+
+def register(
+    model: torch.nn.Module,
+    plan: Any = None,
+    *,
+    replicate_group: Any = None,
+    shard_plan: Any = None,
+    all_gather_bits: Optional[int] = None,
+    layer_stats_every: int = LAYER_STATS_EVERY,
+) -> FSDPState:
+    """Compress an FSDP2 model's gradient reduction with FastML; returns its :class:`FSDPState`.
+
+    Call on every rank after ``fully_shard`` has been applied (submodules first, the root last) and
+    before the first backward. ``plan``: a :class:`~fastml_strategy.Plan`, a recipe name, a plan
+    JSON path, a dict, or None (``FASTML_PLAN``, else ``int4``), keyed by the names of
+    ``model.named_parameters()``; it compresses the reduce-scatter (FSDP) or, with HSDP, the
+    cross-replica all-reduce. ``replicate_group``: HSDP with a 1-D shard mesh, the process group of
+    this rank's replicas (omit it for a 2-D ``("replicate", "shard")`` mesh: FastML reads it there).
+    ``shard_plan``: HSDP only, a plan for the intra-node reduce-scatter too (default None: FSDP's own,
+    uncompressed, for the fast link inside a node). ``all_gather_bits``: opt-in, quantize FSDP's
+    parameter all-gathers (forward, and backward when resharded) to this many bits (8: ZeRO++ "qwZ";
+    blocks of 256, round to nearest): forward and backward then compute with quantized copies of the
+    parameters, while the optimizer updates the exact shards. Default None: FSDP's own all-gather.
+    ``layer_stats_every``: measure per-layer error every N steps (0: never).
+
+    Every rank raises the same error before any step if the model, the plans or the groups are wrong
+    on any of them.
+    """
+    _fsdp_api()  # FSDP2 and the extension points FastML needs, or an error naming the torch version
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{_OWNER}: torch.distributed is not initialised; call dist.init_process_group "
+                           f"(torchrun sets the environment) before fully_shard")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{_OWNER}: model is a {type(model).__name__}; pass the root module that fully_shard "
+                        f"was applied to")
+    world, world_size = dist.group.WORLD, dist.get_world_size()
+    # Everything that can be wrong is checked locally first (_inspect), then agreed across ranks (no
+    # rank hangs): a bad argument on one rank raises the same error on every rank, and so do settings
+    # that differ: what ranks must share beside the plan (they change the collectives; _inspect adds
+    # the mesh).
+    settings: dict = {"all_gather_bits": all_gather_bits, "shard_plan": shard_plan is not None}
+    found: dict = {"names": [], "aliases": {}, "frozen": []}  # filled by _inspect
+    names, aliases, frozen = found["names"], found["aliases"], found["frozen"]
+    plan_obj = agreed_plan(plan, names, world, world_size, aliases=aliases, frozen=frozen, settings=settings,
+                           owner=_OWNER, check=lambda: _inspect(model, replicate_group, shard_plan, all_gather_bits,
+                                                                layer_stats_every, found, settings))
+    shard_plan_obj = found.get("shard_plan")
+    if shard_plan_obj is not None:  # the same on every rank too
+        shard_plan_obj = agreed_plan(shard_plan_obj, names, world, world_size, aliases=aliases, frozen=frozen)
+    units, native_hsdp, shard_size, rep = (found["units"], found["native_hsdp"], found["shard_size"],
+                                           found["rep"])
+    restore: list = []
+    state = FSDPState(model, units, plan_obj, shard_plan_obj, shard_size, units[0].group.mesh_info.shard_mesh_rank,
+                      rep, layer_stats_every, restore)
+    _REGISTERED[model] = state
+    if rep is not None:
+        state._channel = FailureChannel(world, dist.get_rank())
+        if units[0].params[0].sharded_param.device.type == "cpu":  # (NCCL's wait does not block)
+            for eng in (state._ar, state._rs):
+                if eng is not None:
+                    eng.wait = state._channel.wait
+    if all_gather_bits is not None:
+        from fastml_strategy.config import Codec, CodecConfig
+
+        state._ag = _AllGatherCounter(CodecConfig(codec=Codec.QUANTIZE, bits=all_gather_bits,
+                                                  block_size=256), shard_size)
+    _install(state, units, native_hsdp, rep, all_gather_bits, restore)
     return state

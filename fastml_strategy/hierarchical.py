@@ -3,7 +3,7 @@
 Why: the flat scatter-reduce-allgather (:mod:`fastml_strategy.collective`) runs over all W = N x R
 ranks, so each rank sends its share of every chunk to ranks on other machines, and a machine's network
 link carries about 2 R (N-1)/N x S_c per step (S_c: the compressed gradient; measured 1.76 x S_c at
-R = 2 and 2.89 x at R = 4 on two emulated machines, DESIGN.md). Reducing inside the machine first
+R = 2 and 2.89 x at R = 4 on two emulated machines, README). Reducing inside the machine first
 leaves 2 (N-1)/N x S_c per machine, what a ring all-reduce of S_c between N machines costs.
 
 Algorithm (per bucket, on every rank; this rank is local rank ``l`` of machine ``n``)
@@ -28,8 +28,8 @@ Algorithm (per bucket, on every rank; this rank is local rank ``l`` of machine `
 Replicas stay bit-identical: after step 3 every rank with local rank ``l`` holds the same decoded
 bytes of row ``l`` (collective.py's rule), and step 4 hands exactly those to the machine.
 
-Ordering (gloo matches collectives by order of issue, DESIGN.md): all collectives of a bucket run on
-the hook's communication thread. Step 2 and 3 are issued in bucket order. Step 4 is the bucket's
+Ordering (gloo matches collectives by order of issue: :mod:`fastml_strategy.hook`): all collectives
+of a bucket run on the hook's communication thread. Step 2 and 3 are issued in bucket order. Step 4 is the bucket's
 *tail*, which the thread runs once the next bucket's first cross-machine message is on the wire, so
 that the slow link does not idle while one bucket is decoded and all-gathered; it runs on a group of
 its own, where only tails issue collectives, always in bucket order. A tail always waits for the next
@@ -58,25 +58,21 @@ import torch
 import torch.distributed as dist
 
 from fastml_strategy import codecs
-from fastml_strategy.collective import (HEADER, CompressedAllReduce, CompressionError, StepChecks,
-                                        _chunk_bounds, _host)
-from fastml_strategy.config import Codec, CodecConfig, Plan
+from fastml_strategy._layouts import chunk_bounds as _chunk_bounds
+from fastml_strategy._status import HEADER, CompressionError, StepChecks
+from fastml_strategy._status import host as _host
+from fastml_strategy.collective import CompressedAllReduce
+from fastml_strategy.config import Plan
 from fastml_strategy.topology import Topology
 
 __all__ = ["HierLayout", "HierarchicalAllReduce", "part_bounds"]
 
 
-def _part_unit(cfg: CodecConfig) -> int:
-    """Elements a part boundary must be a multiple of: the quantization block (also of a top-k layer's
-    dense fallback, which :func:`codecs.effective_config` may pick for the part), else 16."""
-    if cfg.codec in (Codec.QUANTIZE, Codec.TOPK) and cfg.block_size:
-        return int(cfg.block_size)
-    return codecs.chunk_unit(cfg)
-
-
 def part_bounds(plan: Plan, name: str, numel: int, ranks_per_node: int) -> list[int]:
-    """The R + 1 boundaries of parameter ``name``'s parts (part j: local rank j's)."""
-    return _chunk_bounds(numel, _part_unit(plan.for_parameter(name, numel)), ranks_per_node)
+    """The R + 1 boundaries of parameter ``name``'s parts (part j: local rank j's), on the codec's
+    :meth:`~fastml_strategy.codecs.WireCodec.part_unit`."""
+    unit = codecs.codec_for(plan.for_parameter(name, numel)).part_unit()
+    return _chunk_bounds(numel, unit, ranks_per_node)
 
 
 class HierLayout:

@@ -54,17 +54,18 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from fastml_strategy._validate import whole_number
-from fastml_strategy.collective import CompressedAllReduce, CompressionError, StepChecks
-from fastml_strategy.config import Plan, resolve_plan
+from fastml_strategy._checkpoint import (STATE_FORMAT_VERSION, check_saved_state, check_state_kind,
+                                         fitting_residuals, gather_states, own_rank_state)
+from fastml_strategy._distributed import agreed_machines, agreed_plan, default_group_timeout, model_names
 from fastml_strategy._peers import FailureChannel
-from fastml_strategy.topology import Topology, agreed_topology, node_groups
+from fastml_strategy._validate import LAYER_STATS_EVERY, whole_number
+from fastml_strategy.collective import CompressedAllReduce, CompressionError, StepChecks
+from fastml_strategy.config import Plan
+from fastml_strategy.topology import Topology
 
 __all__ = ["FastMLState", "register_hook", "suggest_bucket_cap_mb", "ReplicaDriftError", "CompressionError"]
 
 log = logging.getLogger(__name__)
-
-STATE_FORMAT_VERSION = 1
 
 
 class ReplicaDriftError(RuntimeError):
@@ -282,7 +283,7 @@ class FastMLState:
     """
 
     def __init__(self, plan: Plan, process_group, rank: int, world_size: int, names: dict,
-                 params: list, check_replicas_every: int = 0, layer_stats_every: int = 10,
+                 params: list, check_replicas_every: int = 0, layer_stats_every: int = LAYER_STATS_EVERY,
                  topology: Optional[Topology] = None, node_groups: Optional[tuple] = None) -> None:
         # -- tuned by the user --------------------------------------------------------------------
         self.plan = plan  # per-layer codecs; equal on every rank (checked at registration)
@@ -551,11 +552,7 @@ class FastMLState:
         }
         if not all_ranks:
             return own
-        if self.world_size == 1:
-            return {"format_version": STATE_FORMAT_VERSION, "per_rank": [own]}
-        gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, own, group=self.process_group)
-        return {"format_version": STATE_FORMAT_VERSION, "per_rank": gathered}
+        return gather_states(own, self.process_group, self.world_size)
 
     def load_state_dict(self, sd: dict, strict: bool = True) -> None:
         """Load what :meth:`state_dict` returned (this rank's, or every rank's with ``all_ranks=True``).
@@ -655,91 +652,6 @@ class FastMLState:
         self._step_buckets, self._step_numel = 0, 0
 
 
-def check_saved_state(sd: dict, rank: int, world_size: int, plan: Optional[Plan], strict: bool,
-                      owner: str, plan_key: str = "plan") -> None:
-    """Raise ValueError, naming the mismatch and the fix, if a saved state is another rank's, from
-    another world size or (``strict``) from another plan."""
-    saved_rank, saved_world = sd.get("rank"), sd.get("world_size")
-    if saved_world is not None and saved_world != world_size:
-        raise ValueError(
-            f"{owner}.load_state_dict: the state was saved by a run of {saved_world} ranks, this run has "
-            f"{world_size}; error-feedback residuals belong to one rank, so resume with {saved_world} "
-            f"ranks, or do not load the FastML state (its residuals then start from zero)")
-    if saved_rank is not None and saved_rank != rank:
-        raise ValueError(
-            f"{owner}.load_state_dict: this is rank {saved_rank}'s state, loaded on rank {rank}; save with "
-            f"state_dict(all_ranks=True) (or one file per rank) and give each rank its own")
-    saved = sd.get(plan_key)
-    saved_plan = Plan.from_dict(saved) if saved is not None else None
-    if (saved_plan is None) != (plan is None) or (
-            saved_plan is not None and saved_plan.digest() != plan.digest()):
-        what = (f"the state was saved with {plan_key} {saved_plan.name if saved_plan else None!r}, "
-                f"this run uses {plan.name if plan else None!r}")
-        if strict:
-            raise ValueError(
-                f"{owner}.load_state_dict: {what}; pass the checkpoint's plan (Plan.from_dict("
-                f"state['{plan_key}'])) to resume exactly, or load_state_dict(..., strict=False) to keep "
-                f"the residuals of the layers both plans compress alike")
-        warnings.warn(f"FastML: {what}; residuals are loaded for the layers both plans give one of the "
-                      f"same size", stacklevel=3)
-
-
-# What each kind of saved FastML state is, and what loads it (a DDP state has no "kind").
-_STATE_KINDS = {
-    None: ("a DDP FastML state (from register_hook)", "FastMLState.load_state_dict"),
-    "fsdp": ("an FSDP FastML state (from fastml_strategy.fsdp.register)", "FSDPState.load_state_dict"),
-    "localsgd": ("a LocalSGD state", "LocalSGD.load_state_dict"),
-}
-
-
-def check_state_kind(sd: dict, expected: Optional[str], owner: str) -> None:
-    """Raise ValueError naming what ``sd`` is and what loads it, if it is not of kind ``expected``."""
-    kind = sd.get("kind")
-    if kind == expected:
-        return
-    what, loader = _STATE_KINDS.get(kind, (f"a FastML state of kind {kind!r}", None))
-    fix = f"load it with {loader}" if loader else "pass what this object's state_dict() returned"
-    raise ValueError(f"{owner}.load_state_dict: this is {what}; {fix}, or drop it to start fresh")
-
-
-def fitting_residuals(residuals: dict, sizes: dict, strict: bool, owner: str) -> dict:
-    """The saved residuals that fit ``sizes`` (name -> elements); with ``strict`` a residual of a
-    parameter the model lacks, or of another size, raises ValueError naming it."""
-    bad = [(n, t.numel(), sizes.get(n)) for n, t in residuals.items() if sizes.get(n) != t.numel()]
-    if bad and strict:
-        n, got, want = bad[0]
-        have = "no such parameter" if want is None else f"{want} elements here"
-        raise ValueError(
-            f"{owner}.load_state_dict: the saved residual of {n!r} has {got} elements, the model has "
-            f"{have}{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}; resume the same model "
-            f"(and mesh), or load with strict=False to start those residuals from zero")
-    if bad:
-        warnings.warn(f"FastML: residuals of {[b[0] for b in bad]} do not fit this model and start from zero",
-                      stacklevel=3)
-    return {n: t for n, t in residuals.items() if sizes.get(n) == t.numel()}
-
-
-def own_rank_state(sd: Any, rank: int, world_size: int, version: int, owner: str) -> dict:
-    """This rank's entry of a saved FastML state: ``sd`` itself (one rank's ``state_dict()``) or its
-    ``per_rank[rank]`` (``state_dict(all_ranks=True)``), after checking the format version and the
-    world size."""
-    if not isinstance(sd, dict) or "format_version" not in sd:
-        raise ValueError(f"{owner}.load_state_dict: not a FastML state (no 'format_version'); pass what "
-                         f"state_dict() returned")
-    if sd["format_version"] != version:
-        raise ValueError(f"FastML state format_version {sd['format_version']!r} is not supported by "
-                         f"{owner} (this FastML reads {version})")
-    if "per_rank" not in sd:
-        return sd
-    per = sd["per_rank"]
-    if len(per) != world_size:
-        raise ValueError(
-            f"the checkpoint holds FastML state of {len(per)} ranks but this run has {world_size}; "
-            f"resume with the same world size, or drop the FastML entry from the checkpoint to restart "
-            f"error feedback from zero")
-    return per[rank]
-
-
 # Below this many bytes of gradient per step a model's communication is short anyway: no bucket advice.
 _ADVISE_BUCKETS_BYTES = 8 << 20
 # Four buckets: the first three overlap the rest of backward, the last one's communication is exposed.
@@ -804,31 +716,6 @@ def _fastml_hook(state, bucket):
     return job.future
 
 
-def _default_group_timeout(pg=None):
-    """The timeout the user gave ``init_process_group`` (or group ``pg``), or None (torch's default)
-    when it cannot be read; then a logged warning says so, since a dead peer would stall the others
-    for torch's default of 30 minutes. Reads torch internals
-    (``distributed_c10d._get_default_group()``, ``ProcessGroup._get_backend(device).options._timeout``);
-    tests/test_upstream_internals.py fails if torch renames them."""
-    try:
-        if pg is None:
-            pg = dist.distributed_c10d._get_default_group()
-    except Exception as e:  # noqa: BLE001
-        log.warning("FastML: cannot read the default process group (%s: %s; torch internals changed?): "
-                    "FastML's own group uses torch's default timeout (30 minutes), so a dead rank is "
-                    "noticed that late", type(e).__name__, e)
-        return None
-    for device in ("cpu", "cuda"):
-        try:
-            return pg._get_backend(torch.device(device)).options._timeout
-        except Exception:  # noqa: BLE001 - no backend for this device, or a torch without the field
-            continue
-    log.warning("FastML: cannot read the timeout of init_process_group (torch %s has no "
-                "ProcessGroup._get_backend(device).options._timeout): FastML's own group uses torch's "
-                "default (30 minutes), so a dead rank is noticed that late", torch.__version__)
-    return None
-
-
 def _has_comm_hook(model: torch.nn.parallel.DistributedDataParallel) -> bool:
     """Whether a comm hook is registered on this DDP model (DDP's private ``_comm_hooks`` list; torch
     has no public query). On a torch without it: False, with a logged warning (registering twice then
@@ -839,27 +726,6 @@ def _has_comm_hook(model: torch.nn.parallel.DistributedDataParallel) -> bool:
                     "changed): FastML cannot check that no other comm hook is registered", torch.__version__)
         return False
     return bool(hooks)
-
-
-def _agree(group, world_size: int, payload: Any) -> list:
-    out: list = [None] * world_size
-    dist.all_gather_object(out, payload, group=group)
-    return out
-
-
-def model_names(module: torch.nn.Module) -> tuple:
-    """``(trainable names, aliases, frozen names)`` of a module's parameters: a parameter reachable under
-    several names (tied weights) is known by its first; the others map to it in ``aliases``."""
-    first: dict = {}
-    aliases: dict = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            aliases[name] = first[id(p)]
-        else:
-            first[id(p)] = name
-    named = dict(module.named_parameters())
-    return ([n for n, p in named.items() if p.requires_grad], aliases,
-            [n for n, p in named.items() if not p.requires_grad])
 
 
 def plan_summary(plan: Plan, params: dict, world_size: int) -> str:
@@ -886,101 +752,41 @@ def plan_summary(plan: Plan, params: dict, world_size: int) -> str:
     return text
 
 
-def agreed_plan(plan: Any, names: list, group: Any, world_size: int, check: Any = None,
-                aliases: Optional[dict] = None, frozen: Any = (), local_steps: bool = False,
-                settings: Optional[dict] = None, owner: str = "FastML") -> Plan:
-    """Resolve ``plan`` and check it against the parameter ``names`` on every rank (``aliases`` and
-    ``frozen``: see :meth:`Plan.resolve_names`), then agree: every rank raises the same ValueError if
-    the plan (or ``check()``, any further validation) failed on any rank, or if ranks hold different
-    plans. A collective on ``group``. Returns the plan with aliases resolved; notes are warned, and so
-    is a plan tuned for local steps (``Plan.local_steps``) given to a per-step user (``local_steps``
-    False: the DDP hook, FSDP).
-
-    ``settings``: the caller's other settings that ranks must share (they change the bytes on the wire
-    or the schedule of collectives: ``{"every": 50, ...}``, compared by value); if any differs between
-    ranks, every rank raises the same ValueError naming it and each rank's value (``owner`` begins
-    the message), instead of one rank waiting for a collective the others never issue."""
-    # Validate locally, then agree: a rank whose plan is bad must not leave the others waiting.
-    error, digest, plan_obj, failed_check, notes = None, None, None, None, []
-    try:
-        if check is not None:
-            try:
-                check()
-            except (TypeError, ValueError, RuntimeError) as e:
-                failed_check = type(e).__name__
-                raise
-        plan_obj, notes = resolve_plan(plan).resolve_names(names, aliases, frozen)
-        digest = plan_obj.digest()
-    except Exception as e:  # noqa: BLE001 - any local failure must reach every rank, or they hang
-        error = str(e) if isinstance(e, ValueError) or failed_check else f"{type(e).__name__}: {e}"
-    reports = _agree(group, world_size, (error, digest, plan_obj.name if plan_obj else None,
-                                         failed_check, dict(settings or {})))
-    bad = [(r, rep[0], rep[3]) for r, rep in enumerate(reports) if rep[0] is not None]
-    if bad:
-        ranks = [r for r, _, _ in bad]
-        kind = bad[0][2]
-        if kind is not None:  # the caller's own check: its exception type, on every rank
-            exc = {"TypeError": TypeError, "ValueError": ValueError}.get(kind, RuntimeError)
-            raise exc(f"{bad[0][1]} (found on rank(s) {ranks})")
-        raise ValueError(f"FastML plan rejected on rank(s) {ranks}: {bad[0][1]}")
-    digests = {rep[1] for rep in reports}
-    if len(digests) > 1:
-        desc = ", ".join(f"rank {r}: {rep[2]!r} ({rep[1][:12]})" for r, rep in enumerate(reports))
-        raise ValueError(
-            f"FastML: ranks hold different plans ({desc}); give every rank the same plan (the same "
-            f"file, recipe or FASTML_PLAN), or the ranks' messages would not match"
+def _check_register_arguments(model: Any, process_group: Any, check_replicas_every: Any,
+                              layer_stats_every: Any) -> None:
+    """register_hook's checks of what it was given (the same on every rank, so raised locally)."""
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(
+            f"register_hook: model is a {type(model).__name__}, not a DistributedDataParallel; wrap it "
+            f"first (model = torch.nn.parallel.DistributedDataParallel(model)) and pass the wrapper"
         )
-    _check_same_settings(reports, owner)
-    for note in notes:
-        warnings.warn(f"FastML plan: {note}", stacklevel=3)
-    if plan_obj.local_steps is not None and not local_steps:
-        warnings.warn(f"FastML plan {plan_obj.name!r} was tuned for local steps "
-                      f"({plan_obj.local_steps.describe()}); used here it compresses every step's "
-                      f"gradients, which is not what was tuned. Train with "
-                      f"fastml_strategy.LocalSGD.from_plan(model, inner_optimizer, plan) instead, or "
-                      f"use the per-step plan of the autotuner's report.", stacklevel=3)
-    return plan_obj
+    if _has_comm_hook(model):
+        raise ValueError(
+            "register_hook: this DistributedDataParallel model already has a comm hook (register_hook "
+            "was called on it before, or another hook was registered); register FastML once per DDP "
+            "model and keep the state it returned"
+        )
+    for argname, val in (("check_replicas_every", check_replicas_every),
+                         ("layer_stats_every", layer_stats_every)):
+        whole_number(argname, val, 0, owner="register_hook", note=" (0 turns it off)")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("register_hook: torch.distributed is not initialised; call "
+                           "dist.init_process_group (torchrun sets the environment) before DDP")
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"register_hook: process_group is a {type(process_group).__name__}; pass a "
+                        f"torch.distributed ProcessGroup (from dist.new_group) or None for all ranks")
 
 
-def _check_same_settings(reports: list, owner: str) -> None:
-    """Raise the same ValueError on every rank if the ranks' settings (the fifth field of each
-    rank's agreement report) differ, naming the first setting that does and every rank's value."""
-    keys = sorted({k for rep in reports for k in (rep[4] or {})})
-    for key in keys:
-        values = [(rep[4] or {}).get(key) for rep in reports]
-        if len({repr(v) for v in values}) > 1:
-            desc = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
-            raise ValueError(f"{owner}: ranks hold different {key} ({desc}); give every rank the same "
-                             f"{key}, or their collectives would not match and one rank would wait "
-                             f"for the others until the timeout")
-
-
-def _agreed_machines(group, rank: int, world_size: int, ranks_per_node: Optional[int]) -> tuple:
-    """``(topology, groups)``: the agreed :class:`~fastml_strategy.topology.Topology` (None when the
-    group is not the whole world and nothing was asked), and for N > 1 machines of R > 1 ranks the
-    groups of the hierarchical path (intra, intra_gather, cross), with ``group``'s timeout; else
-    ``()``. Collective on every rank."""
-    if world_size != dist.get_world_size():
-        if ranks_per_node not in (None, 1):
-            raise ValueError(
-                f"register_hook: ranks_per_node={ranks_per_node} needs the all-reduce over every rank, "
-                f"but process_group holds {world_size} of {dist.get_world_size()}; drop ranks_per_node "
-                f"(the flat all-reduce) or all-reduce over all ranks")
-        return None, ()
-    topo = agreed_topology(group, rank, world_size, ranks_per_node)
-    if not topo.hierarchical:
-        if topo.ranks_per_node > 1 and rank == 0:
-            log.info("FastML: one machine of %d ranks (%s): the flat all-reduce", topo.ranks_per_node,
-                     topo.source)
-        return topo, ()
-    timeout = _default_group_timeout(group)
-    intra, cross = node_groups(topo, timeout=timeout)
-    intra_gather, _ = node_groups(topo, timeout=timeout, cross=False)  # tails issue their all_gather here
-    if rank == 0:
-        log.info("FastML: %d machines x %d ranks (%s): hierarchical all-reduce (reduce-scatter inside a "
-                 "machine, compressed across machines, all-gather inside)", topo.nodes,
-                 topo.ranks_per_node, topo.source)
-    return topo, (intra, intra_gather, cross)
+def _warn_sparse(module: torch.nn.Module, plan: Plan) -> None:
+    """Warn (in the caller's name) when the plan compresses a sparse embedding's gradient: it travels
+    uncompressed."""
+    sparse = [f"{prefix}{'.' if prefix else ''}weight" for prefix, m in module.named_modules()
+              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
+    lossy = [n for n in sparse if plan.for_parameter(n).lossy]
+    if lossy:
+        warnings.warn(f"FastML: {lossy} produce sparse gradients, which travel uncompressed (an exact sparse "
+                      f"all-reduce, as DDP does it), whatever the plan says; use sparse=False to compress "
+                      f"them", stacklevel=3)
 
 
 def register_hook(
@@ -989,7 +795,7 @@ def register_hook(
     *,
     process_group: Any = None,
     check_replicas_every: int = 0,
-    layer_stats_every: int = 10,
+    layer_stats_every: int = LAYER_STATS_EVERY,
     ranks_per_node: Optional[int] = None,
 ) -> FastMLState:
     """Register FastML's compressed all-reduce on a DDP model and return its state.
@@ -1015,32 +821,13 @@ def register_hook(
     Communication overlaps backward bucket by bucket: wrap small models with a smaller cap,
     ``DDP(model, bucket_cap_mb=suggest_bucket_cap_mb(model))``, so that they have several buckets.
     """
-    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        raise TypeError(
-            f"register_hook: model is a {type(model).__name__}, not a DistributedDataParallel; wrap it "
-            f"first (model = torch.nn.parallel.DistributedDataParallel(model)) and pass the wrapper"
-        )
-    if _has_comm_hook(model):
-        raise ValueError(
-            "register_hook: this DistributedDataParallel model already has a comm hook (register_hook "
-            "was called on it before, or another hook was registered); register FastML once per DDP "
-            "model and keep the state it returned"
-        )
-    for argname, val in (("check_replicas_every", check_replicas_every),
-                         ("layer_stats_every", layer_stats_every)):
-        whole_number(argname, val, 0, owner="register_hook", note=" (0 turns it off)")
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("register_hook: torch.distributed is not initialised; call "
-                           "dist.init_process_group (torchrun sets the environment) before DDP")
-    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-        raise TypeError(f"register_hook: process_group is a {type(process_group).__name__}; pass a "
-                        f"torch.distributed ProcessGroup (from dist.new_group) or None for all ranks")
+    _check_register_arguments(model, process_group, check_replicas_every, layer_stats_every)
     own_group = process_group is None
     if own_group:
         # A dedicated group (a collective call on every rank): nothing else issues collectives on it.
         # It keeps the default group's timeout: dist.new_group would otherwise give it torch's default
         # (30 minutes), and a dead peer would stall the others that long whatever the user set.
-        timeout = _default_group_timeout()
+        timeout = default_group_timeout()
         process_group = dist.new_group(ranks=list(range(dist.get_world_size())), timeout=timeout)
         log.info("FastML: communication group of %d ranks, timeout %s", dist.get_world_size(),
                  timeout if timeout is not None else "torch's default")
@@ -1052,14 +839,8 @@ def register_hook(
     names = {id(p): n for n, p in module.named_parameters()}
 
     plan_obj = agreed_plan(plan, trainable, process_group, world_size, aliases=aliases, frozen=frozen)
-    topo, groups = _agreed_machines(process_group, rank, world_size, ranks_per_node)
-    sparse = [f"{prefix}{'.' if prefix else ''}weight" for prefix, m in module.named_modules()
-              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
-    lossy = [n for n in sparse if plan_obj.for_parameter(n).lossy]
-    if lossy:
-        warnings.warn(f"FastML: {lossy} produce sparse gradients, which travel uncompressed (an exact sparse "
-                      f"all-reduce, as DDP does it), whatever the plan says; use sparse=False to compress "
-                      f"them", stacklevel=2)
+    topo, groups = agreed_machines(process_group, rank, world_size, ranks_per_node)
+    _warn_sparse(module, plan_obj)
     state = FastMLState(plan_obj, process_group, rank, world_size, names, list(module.parameters()),
                         check_replicas_every=check_replicas_every, layer_stats_every=layer_stats_every,
                         topology=topo, node_groups=groups)

@@ -134,7 +134,6 @@ import importlib
 import importlib.util
 import inspect
 import logging
-import math
 import os
 import sys
 import threading
@@ -144,7 +143,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
-from fastml_strategy._validate import env_whole_number, renamed, whole_number
+from fastml_strategy._integration import LIGHTNING_KEYS, layer_errors, metrics, setting
+from fastml_strategy._validate import LAYER_STATS_EVERY_LOCALSGD, renamed, whole_number
 from fastml_strategy.config import Plan, resolve_plan
 from fastml_strategy.hook import own_rank_state, register_hook
 from fastml_strategy.localsgd import STATE_FORMAT_VERSION as LOCALSGD_FORMAT_VERSION
@@ -218,16 +218,11 @@ _lock = threading.RLock()
 
 
 # -- settings shared by the strategies ---------------------------------------------------------------------
-def _check_every(owner: str, value: int | None) -> int:
-    """``check_replicas_every``: the argument, else ``FASTML_CHECK_REPLICAS_EVERY``, else 0 (off)."""
-    return env_whole_number("FASTML_CHECK_REPLICAS_EVERY", value, 0, owner=owner)
-
-
 def _layer_stats_every(owner: str, value: int | None, old_value: int | None, default: int | None) -> int | None:
     """``layer_stats_every`` (the old keyword ``layer_errors_every_n_steps`` still accepted, with a
     FutureWarning): the argument, else ``FASTML_LAYER_STATS_EVERY``, else ``default``; 0 is off."""
     value = renamed(owner, "layer_errors_every_n_steps", old_value, "layer_stats_every", value, stacklevel=5)
-    return env_whole_number("FASTML_LAYER_STATS_EVERY", value, default, owner=owner)
+    return setting("layer_stats_every", value, owner=owner, default=default)
 
 
 def _reject_kwargs(owner: str, kwargs: dict[str, Any], names: tuple[str, ...], why: str) -> None:
@@ -244,8 +239,11 @@ _KWARGS_FIX = {
 
 
 def _lightning_private(package: str, module: str, name: str) -> Any:
-    """A private helper of Lightning (``<fabric package>.utilities.<module>.<name>``), the one place this file
-    reaches into Lightning's internals; fails naming the Lightning version FastML was tested with."""
+    """A private helper function of Lightning (``<fabric package>.utilities.<module>.<name>``); fails
+    naming the Lightning version FastML was tested with. (The other internals this file touches: the
+    private attributes of :func:`_set_private`, and the private methods ``_setup_distributed`` and
+    ``_convert_stateful_objects_in_state`` of Lightning's strategies, which the subclasses here call;
+    tests/test_upstream_internals.py checks them all.)"""
     fabric = _FRAMEWORKS[package][2]
     try:
         return getattr(importlib.import_module(f"{fabric}.utilities.{module}"), name)
@@ -292,7 +290,7 @@ class _FastMLStateHolder:
     def _fastml_init(self, plan: Any, check_replicas_every: int | None = 0) -> None:
         # -- tuned by the user
         self._fastml_plan: Plan = resolve_plan(plan)  # a bad FASTML_PLAN fails here, on every process
-        self._fastml_check_every = _check_every(type(self).__name__, check_replicas_every)
+        self._fastml_check_every = setting("check_replicas_every", check_replicas_every, owner=type(self).__name__)
         # -- internal state
         self._fastml_state: Any = None  # FastMLState (DDP) or FSDPState, once the model is prepared
         self._fastml_pending: dict | None = None  # read from a checkpoint before the state existed
@@ -369,28 +367,8 @@ class _FastMLStateHolder:
         """Scalars ready for a logger: compression ratio, bytes sent per step since the state was
         registered, the error-feedback memory (``residual_bytes``, FSDP) and with ``layers=True`` each
         layer's relative compression error."""
-        stats = self.compression_stats()
-        step0, sent0 = self._fastml_mark
-        steps = int(stats.get("steps", 0)) - step0
-        out = {f"{prefix}compression_ratio": float(stats["compression_ratio"])}
-        if steps > 0:
-            out[f"{prefix}bytes_sent_per_step"] = (int(stats["bytes_sent"]) - sent0) / steps
-        if "residual_bytes" in stats:
-            out[f"{prefix}residual_bytes"] = float(stats["residual_bytes"])
-        if layers:
-            out.update(_layer_errors(stats, prefix))
-        return out
-
-
-def _layer_errors(stats: dict, prefix: str) -> dict[str, float]:
-    """Each layer's relative compression error; layers sent as fp32 are exact, and NaN means not measured
-    yet: neither is logged."""
-    out = {}
-    for name, layer in stats.get("layers", {}).items():
-        err = float(layer.get("rel_error", float("nan")))
-        if layer.get("codec") != "fp32" and math.isfinite(err):
-            out[f"{prefix}rel_error/{name}"] = err
-    return out
+        return metrics(self.compression_stats(), LIGHTNING_KEYS, since=self._fastml_mark, layers=layers,
+                       prefix=prefix)
 
 
 # -- Lightning Trainer: logging shared by both Trainer strategies ----------------------------------------
@@ -577,8 +555,7 @@ class _FabricStrategy(_FastMLStateHolder):
     ) -> None:
         _reject_kwargs(type(self).__name__, ddp_kwargs, _HOOK_KWARGS, "registers FastML's own DDP comm hook")
         self._fastml_init(plan, check_replicas_every)
-        self._fastml_layer_every = env_whole_number("FASTML_LAYER_STATS_EVERY", layer_stats_every, 10,
-                                                    owner=type(self).__name__)
+        self._fastml_layer_every = setting("layer_stats_every", layer_stats_every, owner=type(self).__name__)
         ddp_kwargs.setdefault("gradient_as_bucket_view", True)
         super().__init__(**ddp_kwargs)
 
@@ -1014,8 +991,7 @@ class _FabricFSDPStrategy(_FSDPMixin, _FastMLStateHolder):
         self._fastml_fsdp_init(auto_wrap_policy, replicate_size, hybrid, shard_plan, all_gather_bits,
                                fully_shard_kwargs, kwargs)
         self._fastml_parallelize = parallelize_fn
-        self._fastml_layer_every = env_whole_number("FASTML_LAYER_STATS_EVERY", layer_stats_every, 10,
-                                                    owner=type(self).__name__)
+        self._fastml_layer_every = setting("layer_stats_every", layer_stats_every, owner=type(self).__name__)
         super().__init__(parallelize_fn=_keep, **kwargs)
 
     def setup_module_and_optimizers(self, module: Any, optimizers: list, scheduler: Any = None) -> Any:
@@ -1111,7 +1087,7 @@ class _LocalSGDMixin:
 
         return island_model(module, _ranks_per_node(self), owner=type(self).__name__)
 
-    def _fastml_build(self, module: torch.nn.Module, layer_stats_every: int = 1) -> Any:
+    def _fastml_build(self, module: torch.nn.Module, layer_stats_every: int = LAYER_STATS_EVERY_LOCALSGD) -> Any:
         log.debug(f"{type(self).__name__}: LocalSGD on the unwrapped model, {self._fastml_settings}")
         # A collective: checks the plan against the model on every rank, broadcasts rank 0's weights.
         return self._fastml_adopt(lambda: LocalSGD(module, None, plan=self._fastml_plan,
@@ -1139,7 +1115,7 @@ class _LocalSGDMixin:
             out[f"{prefix}bytes_per_outer_step"] = s["bytes_sent"] / s["outer_steps"]
             out[f"{prefix}ratio_vs_ddp"] = float(s["ratio_vs_ddp"])
         if layers:
-            out.update(_layer_errors(s, prefix))
+            out.update(layer_errors(s, f"{prefix}{LIGHTNING_KEYS.layer_error}"))
         return out
 
     def _fastml_own_part(self, saved: dict) -> dict | None:
@@ -1317,8 +1293,8 @@ class _FabricLocalSGDStrategy(_LocalSGDMixin, _FastMLStateHolder):
         self._fastml_localsgd_init(plan, dict(every=every, outer=outer, outer_lr=outer_lr,
                                               outer_momentum=outer_momentum, fragments=fragments, delay=delay),
                                    kwargs)
-        self._fastml_layer_every = env_whole_number("FASTML_LAYER_STATS_EVERY", layer_stats_every, 1,
-                                                    owner=type(self).__name__)
+        self._fastml_layer_every = setting("layer_stats_every", layer_stats_every, owner=type(self).__name__,
+                                           localsgd=True)
         self._fastml_objects: dict[str, Any] = {}  # what fabric.load restores into: each rank's own goes back
         self._fastml_reject_ddp_kwargs(kwargs)
         super().__init__(**kwargs)

@@ -72,18 +72,18 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import math
 import os
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from fastml_strategy._validate import env_whole_number, whole_number
+from fastml_strategy._checkpoint import (STATE_FORMAT_VERSION, check_saved_state, check_state_kind,
+                                         fitting_residuals, gather_states, gather_to_rank_zero, own_rank_state)
+from fastml_strategy._distributed import agreed_machines, agreed_plan, default_group_timeout, model_names
+from fastml_strategy._validate import LAYER_STATS_EVERY_LOCALSGD, env_whole_number, whole_number
 from fastml_strategy.collective import CompressedAllReduce, CompressionError, DecodeError, StepChecks
-from fastml_strategy.config import Plan
-from fastml_strategy.hook import (_default_group_timeout, agreed_plan, check_saved_state, check_state_kind,
-                                  fitting_residuals, model_names, own_rank_state)
+from fastml_strategy.config import OUTER_OPTIMIZERS, LocalSteps, Plan, check_local_steps
 
 __all__ = ["LocalSGD", "machine_group", "island_model", "check_arguments", "resolve_settings", "gather_to_rank_zero",
            "SETTINGS"]
@@ -117,37 +117,23 @@ def _fsdp_island(model: torch.nn.Module) -> Optional[list]:
             "device_type)) to every block and the root")
     return list(next(iter(meshes))[:-1])
 
-STATE_FORMAT_VERSION = 1
-OUTER = ("nesterov", "sgd")
-# The settings the framework adapters take by name (Lightning, Fabric, Accelerate), with LocalSGD's
-# defaults (DiLoCo's outer step); FASTML_LOCALSGD_<NAME> supplies one when the argument is None.
-SETTINGS: dict[str, Any] = {"every": 50, "outer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.9,
-                            "fragments": 1, "delay": 0}
+OUTER = OUTER_OPTIMIZERS
+# LocalSGD's defaults (DiLoCo's outer step), from LocalSteps: the settings the framework adapters take by
+# name (Lightning, Fabric, Accelerate); FASTML_LOCALSGD_<NAME> supplies one when the argument is None.
+_DEFAULT = LocalSteps()
+SETTINGS: dict[str, Any] = _DEFAULT.kwargs()
 
 
 def check_arguments(every: int, outer: str, outer_lr: float, outer_momentum: float, fragments: int = 1,
-                    delay: int = 0, mix: float = 1.0, layer_stats_every: int = 1) -> None:
-    """Raise ValueError, naming the argument and what to use, for settings no model can take. The
-    constructor calls it on every rank; the framework adapters call it when they are built, before any
-    process group exists."""
-    whole_number("every", every, owner="LocalSGD")
-    whole_number("fragments", fragments, owner="LocalSGD")
-    whole_number("delay", delay, 0, owner="LocalSGD")
+                    delay: int = 0, mix: float = 1.0, layer_stats_every: int = LAYER_STATS_EVERY_LOCALSGD) -> None:
+    """Raise ValueError, naming the argument and what to use, for settings no model can take (the local
+    steps' through :func:`fastml_strategy.config.check_local_steps`, as :class:`LocalSteps` checks
+    them). The constructor calls it on every rank; the framework adapters call it when they are built,
+    before any process group exists."""
     whole_number("layer_stats_every", layer_stats_every, 0, owner="LocalSGD")
-    if outer not in OUTER:
-        raise ValueError(f"LocalSGD: outer={outer!r}; use one of {list(OUTER)}")
-    for name, v, lo in (("outer_lr", outer_lr, 0.0), ("outer_momentum", outer_momentum, 0.0)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo:
-            raise ValueError(f"LocalSGD: {name}={v!r}; use a finite number >= {lo}")
-    if outer == "nesterov" and outer_momentum <= 0:
-        raise ValueError("LocalSGD: outer='nesterov' needs outer_momentum > 0 (0.9 in DiLoCo); "
-                         "use outer='sgd' for no momentum")
+    check_local_steps(every, fragments, delay, outer, outer_lr, outer_momentum, owner="LocalSGD")
     if isinstance(mix, bool) or not isinstance(mix, (int, float)) or not 0 < mix <= 1:
         raise ValueError(f"LocalSGD: mix={mix!r}; use a number in (0, 1] (1: replicas identical)")
-    if delay > 0 and delay >= max(1, every // fragments):
-        raise ValueError(
-            f"LocalSGD: delay={delay} must be shorter than the gap between two fragments' "
-            f"synchronisations (every // fragments = {every // fragments}); lower delay or raise every")
 
 
 # The least value of each whole-number setting (as check_arguments requires it).
@@ -203,7 +189,7 @@ def machine_group(ranks_per_node: Optional[int] = None) -> Any:
     from fastml_strategy.topology import agreed_topology, node_groups
 
     topo = agreed_topology(dist.group.WORLD, dist.get_rank(), dist.get_world_size(), ranks_per_node)
-    intra, _ = node_groups(topo, timeout=_default_group_timeout(), cross=False)
+    intra, _ = node_groups(topo, timeout=default_group_timeout(), cross=False)
     return intra
 
 
@@ -223,13 +209,59 @@ def island_model(module: torch.nn.Module, ranks_per_node: Optional[int] = None, 
                 f"machine(s) x {topo.ranks_per_node} ({topo.source}). Set FASTML_RANKS_PER_NODE or launch "
                 f"one torchrun per machine, or train one replica per process")
         return module
-    intra, _ = node_groups(topo, timeout=_default_group_timeout(), cross=False)
+    intra, _ = node_groups(topo, timeout=default_group_timeout(), cross=False)
     dev = next(module.parameters()).device
     if dist.get_rank() == 0:
         log.info("%s: DiLoCo islands, %d machines x %d ranks (%s): DDP inside each machine, local steps "
                  "across machines", owner, topo.nodes, topo.ranks_per_node, topo.source)
     return torch.nn.parallel.DistributedDataParallel(
         module, process_group=intra, device_ids=[dev.index] if dev.type == "cuda" else None)
+
+
+def _island(model: torch.nn.Module, process_group: Any) -> tuple:
+    """``(ranks, sharded, error)``: the ranks of the machine ``model`` is an island of (DDP over them, or
+    FSDP2 sharded over them; None for a plain model), whether it is sharded, and an error to raise on
+    every rank alike (a mesh LocalSGD cannot take). Raises at once what every rank sees alike: DDP or
+    FSDP2 over every rank, or a ``process_group`` with an island."""
+    try:
+        ranks = _fsdp_island(model)
+        error = None
+    except ValueError as e:
+        ranks, error = None, e
+    sharded = ranks is not None
+    if not sharded and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        ranks = dist.get_process_group_ranks(model.process_group)
+    if ranks is None:
+        return None, False, error
+    how = ("is sharded with FSDP2 over every rank, which reduce-scatters" if sharded else
+           "is wrapped in DistributedDataParallel over every rank, which all-reduces")
+    fix = ("shard it over the ranks of one machine (fully_shard(..., mesh=DeviceMesh.from_group("
+           "fastml_strategy.localsgd.machine_group(), device_type))), or train one replica per process"
+           if sharded else
+           "pass the plain module (model.module), or, for DiLoCo islands, wrap it in DDP over the ranks of "
+           "one machine: DDP(model, process_group=fastml_strategy.localsgd.machine_group())")
+    if len(ranks) == dist.get_world_size():
+        raise TypeError(f"LocalSGD: the model {how} every step across machines; {fix}")
+    if process_group is not None:
+        raise ValueError(f"LocalSGD: process_group is for plain models; with {'an FSDP2' if sharded else 'a DDP'} "
+                         f"island the outer synchronisation runs over every rank (each part with its "
+                         f"counterparts across machines): drop process_group")
+    return ranks, sharded, error
+
+
+def _check_island(island: Optional[list], sharded: bool) -> None:
+    """ValueError unless ``island`` (None: no island) holds the ranks of one machine (contiguous)."""
+    if island is None:
+        return
+    world, R = dist.get_world_size(), len(island)
+    node = dist.get_rank() // R
+    if world % R or island != list(range(node * R, (node + 1) * R)):
+        what = "FSDP2 mesh" if sharded else "DDP model's process group"
+        fix = ("shard it with fully_shard(..., mesh=DeviceMesh.from_group(fastml_strategy.localsgd."
+               "machine_group(), device_type))" if sharded else
+               "wrap it as DDP(model, process_group=fastml_strategy.localsgd.machine_group())")
+        raise ValueError(f"LocalSGD: the {what} holds ranks {island}, which are not the ranks of one machine "
+                         f"(machines hold contiguous ranks; {world} ranks): {fix}")
 
 
 class _Fragment:
@@ -267,48 +299,20 @@ class LocalSGD:
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: Optional[torch.optim.Optimizer] = None, *,
-                 every: int = 50, outer: str = "nesterov", outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, plan: Any = None, fragments: int = 1, delay: int = 0,
-                 mix: float = 1.0, process_group: Any = None, layer_stats_every: int = 1) -> None:
+                 every: int = _DEFAULT.every, outer: str = _DEFAULT.outer, outer_lr: float = _DEFAULT.outer_lr,
+                 outer_momentum: float = _DEFAULT.outer_momentum, plan: Any = None,
+                 fragments: int = _DEFAULT.fragments, delay: int = _DEFAULT.delay, mix: float = 1.0,
+                 process_group: Any = None, layer_stats_every: int = LAYER_STATS_EVERY_LOCALSGD) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"LocalSGD: model is a {type(model).__name__}; pass the torch.nn.Module every "
                             f"rank trains")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("LocalSGD: torch.distributed is not initialised; call dist.init_process_group "
                                "(torchrun sets the environment) first")
-        island = None  # DDP over the ranks of this machine: an island (see the module docstring)
-        island_error: Optional[ValueError] = None  # raised on every rank alike, in check()
-        try:
-            sharded = _fsdp_island(model)  # or FSDP2 over them
-        except ValueError as e:
-            sharded, island_error = None, e
-        if sharded is not None:
-            island = sharded
-            if len(island) == dist.get_world_size():
-                raise TypeError(
-                    "LocalSGD: the model is sharded with FSDP2 over every rank, which reduce-scatters "
-                    "every step across machines; shard it over the ranks of one machine "
-                    "(fully_shard(..., mesh=DeviceMesh.from_group(fastml_strategy.localsgd.machine_group(), "
-                    "device_type))), or train one replica per process")
-            if process_group is not None:
-                raise ValueError("LocalSGD: process_group is for plain models; with an FSDP2 island the outer "
-                                 "synchronisation runs over every rank (each shard with its counterparts "
-                                 "across machines): drop process_group")
-        elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            island = dist.get_process_group_ranks(model.process_group)
-            if len(island) == dist.get_world_size():
-                raise TypeError(
-                    "LocalSGD: the model is wrapped in DistributedDataParallel over every rank, which "
-                    "all-reduces every step across machines; pass the plain module (model.module), or, "
-                    "for DiLoCo islands, wrap it in DDP over the ranks of one machine: "
-                    "DDP(model, process_group=fastml_strategy.localsgd.machine_group())")
-            if process_group is not None:
-                raise ValueError("LocalSGD: process_group is for plain models; with a DDP island the outer "
-                                 "synchronisation runs over every rank (one part per local rank across "
-                                 "machines): drop process_group")
+        island, sharded, island_error = _island(model, process_group)
         self.model = model
-        self._ddp = model if island is not None and sharded is None else None
-        self._sharded = sharded is not None  # an FSDP2 island: this rank holds shards
+        self._ddp = model if island is not None and not sharded else None
+        self._sharded = sharded  # an FSDP2 island: this rank holds shards
         module = model.module if self._ddp is not None else model
         self.inner_optimizer = inner_optimizer
         self.every = every
@@ -318,28 +322,18 @@ class LocalSGD:
         self._own_group = process_group is None  # made here: close() destroys it (a re-fit must not leak it)
         if process_group is None:
             process_group = dist.new_group(ranks=list(range(dist.get_world_size())),
-                                           timeout=_default_group_timeout())
+                                           timeout=default_group_timeout())
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         trainable, aliases, frozen = model_names(module)
         R = len(island) if island is not None else 1
-        world = dist.get_world_size()
 
         def check() -> None:
             if island_error is not None:
                 raise island_error
-            if island is not None:
-                node = dist.get_rank() // R
-                if world % R or island != list(range(node * R, (node + 1) * R)):
-                    raise ValueError(
-                        f"LocalSGD: the {'FSDP2 mesh' if sharded else 'DDP model' + chr(39) + 's process group'} "
-                        f"holds ranks {island}, which are not the ranks of one machine (machines hold "
-                        f"contiguous ranks; {world} ranks): " + (
-                            "shard it with fully_shard(..., mesh=DeviceMesh.from_group("
-                            "fastml_strategy.localsgd.machine_group(), device_type))" if sharded else
-                            "wrap it as DDP(model, process_group=fastml_strategy.localsgd.machine_group())"))
+            _check_island(island, sharded)
             check_arguments(self.every, self.outer, self.outer_lr, self.outer_momentum, self.fragments,
                             self.delay, self.mix, self.layer_stats_every)
             if not named:
@@ -367,20 +361,8 @@ class LocalSGD:
             raise
         topo, groups = None, ()
         if island is not None:
-            from fastml_strategy.hook import _agreed_machines
-
-            topo, groups = _agreed_machines(process_group, self.rank, self.world_size, R)
-        # Start identical: rank 0's parameters and buffers everywhere (an FSDP2 island: each shard from
-        # its counterpart on machine 0).
-        src = dist.get_global_rank(process_group, 0) if process_group is not dist.group.WORLD else 0
-        with torch.no_grad():
-            for p in module.parameters():
-                if self._sharded and groups:
-                    dist.broadcast(_local(p.data), src=topo.local_rank, group=groups[2])
-                elif not self._sharded:
-                    dist.broadcast(p.data, src=src, group=process_group)
-            for t in module.buffers():
-                dist.broadcast(t.data, src=src, group=process_group)
+            topo, groups = agreed_machines(process_group, self.rank, self.world_size, R)
+        self._start_identical(module, topo, groups)
         self._named = named
         # the shared parameters (the last synchronisation's result; this rank's shards of an FSDP2
         # island), fp32, and the outer optimizer on them
@@ -393,19 +375,16 @@ class LocalSGD:
             self._outer = torch.optim.SGD(params, lr=outer_lr, momentum=outer_momentum)
         self._fragments = self._split(named, fragments, every)
         self.ranks_per_node = R
-        if island is not None:
+        if groups:
             # islands: local rank l of every machine reduces part l of each fragment across machines
             # (the hierarchical all-reduce of the DDP hook; inside a machine the pseudo-gradients are
             # equal, DDP having kept the island's replicas equal; an FSDP2 island's part l is the shard
             # rank l holds, and only the cross-machine stage runs)
             from fastml_strategy.hierarchical import HierarchicalAllReduce
 
-            if not groups:  # one machine: nothing crosses machines, and DDP already averages it all
-                self._engine = CompressedAllReduce(self.plan, process_group, self.rank, self.world_size)
-            else:
-                self._engine = HierarchicalAllReduce(self.plan, process_group, self.rank, self.world_size,
-                                                     topo, *groups)
-        else:
+            self._engine = HierarchicalAllReduce(self.plan, process_group, self.rank, self.world_size,
+                                                 topo, *groups)
+        else:  # one replica per rank, or one machine (nothing crosses machines; DDP averages it all)
             self._engine = CompressedAllReduce(self.plan, process_group, self.rank, self.world_size)
         self._hier = not isinstance(self._engine, CompressedAllReduce)
         # one thread issues the fragments' collectives in order (every rank in the same order)
@@ -414,6 +393,20 @@ class LocalSGD:
         self.outer_steps = 0
         self.nonfinite_syncs = 0
         self._failure: Optional[BaseException] = None
+
+    def _start_identical(self, module: torch.nn.Module, topo: Any, groups: tuple) -> None:
+        """Rank 0's parameters and buffers everywhere (an FSDP2 island: each shard from its counterpart
+        on machine 0, over this local rank's cross-machine group)."""
+        group = self.process_group
+        src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+        with torch.no_grad():
+            for p in module.parameters():
+                if self._sharded and groups:
+                    dist.broadcast(_local(p.data), src=topo.local_rank, group=groups[2])
+                elif not self._sharded:
+                    dist.broadcast(p.data, src=src, group=group)
+            for t in module.buffers():
+                dist.broadcast(t.data, src=src, group=group)
 
     @classmethod
     def from_plan(cls, model: torch.nn.Module, inner_optimizer: Optional[torch.optim.Optimizer] = None,
@@ -668,9 +661,7 @@ class LocalSGD:
         own = self._own_state()
         if not all_ranks:
             return own
-        gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, own, group=self.process_group)
-        return {"format_version": STATE_FORMAT_VERSION, "per_rank": gathered}
+        return gather_states(own, self.process_group, self.world_size)
 
     def _own_state(self) -> dict:
         pending = {f.index: {"at": at, "mean": mean.detach().cpu().clone(), "finite": finite}
@@ -785,29 +776,3 @@ def _done(mean: torch.Tensor, finite: bool) -> concurrent.futures.Future:
     fut: concurrent.futures.Future = concurrent.futures.Future()
     fut.set_result((mean, finite))
     return fut
-
-
-
-def _to_cpu(obj: Any) -> Any:
-    """A copy of a (nested) state with every tensor on the CPU, to gather and save."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
-
-
-def gather_to_rank_zero(own: dict) -> Optional[dict]:
-    """Every rank's part of a checkpoint that rank 0 alone writes (the framework adapters: between two
-    synchronisations each rank's model, inner optimizer and LocalSGD state are its own). A collective of
-    the default group: call it on every rank. Rank 0 gets ``{"format_version", "per_rank": [...]}``,
-    indexed by rank, the other ranks None; ``own`` is copied to the CPU first."""
-    own = _to_cpu(own)
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return {"format_version": STATE_FORMAT_VERSION, "per_rank": [own]}
-    rank = dist.get_rank()
-    gathered: Optional[list] = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(own, gathered, dst=0)
-    return {"format_version": STATE_FORMAT_VERSION, "per_rank": gathered} if rank == 0 else None

@@ -40,6 +40,14 @@ computes (communication then overlaps backward). ``bf16=True`` mixed precision, 
 and ``torch_compile=True`` (Accelerate compiles the DDP model; FastML finds DDP inside it) change nothing
 here. DeepSpeed has no DDP model: FastML warns and training runs uncompressed.
 
+FSDP2 (``TrainingArguments(fsdp=True, fsdp_config={"version": 2, ...})``): Accelerate shards the model in
+``train()`` and the callback registers :func:`fastml_strategy.fsdp.register` on it (with HSDP, a
+``parallelism_config`` of ``dp_replicate_size`` > 1, FastML compresses the cross-replica all-reduce). On
+CPU, Accelerate (1.15) ignores its FSDP plugin and would build DDP; ``setup`` then switches Accelerate's
+state to its own FSDP2 path before ``train()`` (:func:`_shard_on_cpu`), so that the same
+``TrainingArguments`` shard on gloo as on NCCL. HSDP cannot be configured on CPU: Accelerate's
+``ParallelismConfig`` check raises in ``Trainer(...)`` there, before FastML runs.
+
 Local steps (below 1 Gbit/s): ``setup(trainer, plan="int4", every=H)`` switches DDP's all-reduce off (a
 comm hook that hands every bucket back as it is: each rank keeps its own gradients) and runs
 :class:`~fastml_strategy.LocalSGD` on the module inside DDP: ``local.step()`` at every ``on_step_end``,
@@ -60,7 +68,6 @@ warns that the residuals start from zero unless ``TrainingArguments(resume_from_
 from __future__ import annotations
 
 import logging
-import math
 import os
 import warnings
 from pathlib import Path
@@ -76,8 +83,8 @@ except ImportError as e:  # pragma: no cover - the extra is missing
                       "'fastml-strategy[transformers]' (or pip install transformers)") from e
 
 from fastml_strategy._io import atomic_open
-from fastml_strategy._validate import env_whole_number
-from fastml_strategy.accelerate import LocalSGDCheckpoint, _find_ddp
+from fastml_strategy._integration import TRAINER_KEYS, counters, find_ddp, metrics, setting
+from fastml_strategy.accelerate import LocalSGDCheckpoint
 from fastml_strategy.accelerate import setup as accelerate_setup
 from fastml_strategy.config import Plan, resolve_plan
 from fastml_strategy.hook import suggest_bucket_cap_mb
@@ -153,7 +160,7 @@ class FastMLCallback(TrainerCallback):
         wrapped = trainer.model_wrapped
         if self.state is not None and wrapped is self._model:
             return  # a second train() on the same prepared model: the hook is registered already
-        ddp = _find_ddp(wrapped)
+        ddp = find_ddp(wrapped)
         try:
             if self.localsgd is not None:
                 self.state = self._start_local_sgd(trainer, wrapped, ddp)
@@ -166,9 +173,10 @@ class FastMLCallback(TrainerCallback):
         self._model = wrapped
         if ddp is not None and getattr(args, "fsdp", None) and args.should_log:
             warnings.warn("FastML: TrainingArguments ask for FSDP (fsdp/fsdp_config) but Trainer's model is a "
-                          "DistributedDataParallel (on CPU Accelerate ignores its FSDP plugin); FastML "
-                          "compresses DDP's all-reduce of the full gradients. FSDP2 (fsdp_version: 2) is "
-                          "compressed where Accelerate shards the model (GPUs)", stacklevel=2)
+                          "DistributedDataParallel: Accelerate did not shard it, so FastML compresses DDP's "
+                          "all-reduce of the full gradients. Call fastml_strategy.transformers.setup(trainer) "
+                          "before trainer.train() with fsdp_config={'version': 2} (on CPU setup switches "
+                          "Accelerate to FSDP2)", stacklevel=2)
         if ddp is not None and self.localsgd is None:
             self._advise_buckets(args, ddp)
         if self.state is not None and state.global_step > 0:
@@ -189,8 +197,8 @@ class FastMLCallback(TrainerCallback):
             self.plan.check_parameters([n for n, p in trainer.model.named_parameters() if p.requires_grad])
             return None
         ddp.register_comm_hook(None, _local_gradients_hook)
-        layer_every = env_whole_number("FASTML_LAYER_STATS_EVERY", self.layer_stats_every, 1,
-                                       owner="fastml_strategy.transformers")
+        layer_every = setting("layer_stats_every", self.layer_stats_every, owner="fastml_strategy.transformers",
+                              localsgd=True)
         inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # under Accelerate's wrapper
         local = LocalSGD(ddp.module, inner, plan=self.plan, layer_stats_every=layer_every, **self.localsgd)
         self._local_ckpt = LocalSGDCheckpoint(local, ddp.module, [trainer.optimizer])
@@ -213,30 +221,15 @@ class FastMLCallback(TrainerCallback):
 
     # -- metrics -----------------------------------------------------------------------------------------
     def _counters(self) -> tuple:
-        if self.state is None:
-            return (0, 0, 0.0)
-        s = self.state.stats()
-        return (s.get("steps", s.get("inner_steps")), s["bytes_sent"], float(s["bytes_uncompressed"]))
+        return (0, 0, 0.0) if self.state is None else counters(self.state.stats())
 
     def metrics(self) -> dict:
         """FastML's figures since the last call (what ``on_log`` adds to the logs)."""
         if self.state is None:
             return {}
         s = self.state.stats()
-        steps, sent, unc = s.get("steps", s.get("inner_steps")), s["bytes_sent"], float(s["bytes_uncompressed"])
-        d_steps, d_sent, d_unc = steps - self._last[0], sent - self._last[1], unc - self._last[2]
-        self._last = (steps, sent, unc)
-        # (an interval without communication, LocalSGD's between two synchronisations: the run's ratio)
-        out = {"fastml/compression_ratio": (d_unc / d_sent) if d_sent > 0 else s["compression_ratio"],
-               "fastml/bytes_per_step": (d_sent / d_steps) if d_steps > 0 else 0.0}
-        if "ratio_vs_ddp" in s:  # LocalSGD: bytes against DDP's fp32 all-reduce of every step
-            out["fastml/ratio_vs_ddp"] = s["ratio_vs_ddp"]
-        if self.layer_metrics:
-            for name, row in s.get("layers", {}).items():
-                err = row.get("rel_error")
-                lossy = self.plan.for_parameter(name, row.get("numel")).lossy  # exact layers have no error
-                if lossy and isinstance(err, float) and math.isfinite(err):
-                    out[f"fastml/error/{name}"] = err
+        out = metrics(s, TRAINER_KEYS, since=self._last, layers=self.layer_metrics)
+        self._last = counters(s)
         return out
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -306,6 +299,81 @@ class FastMLCallback(TrainerCallback):
                           stacklevel=2)
 
 
+def _shard_on_cpu(trainer: Any, every: int | None) -> bool:
+    """Make ``TrainingArguments(fsdp=..., fsdp_config={"version": 2})`` shard on CPU, as it does on GPUs.
+
+    Accelerate (1.15) decides FSDP only for GPU-like devices: on CPU its state stays ``MULTI_CPU``, it
+    drops the FSDP plugin that Trainer built from ``fsdp_config``, and ``prepare`` wraps the model in
+    DDP. Its FSDP2 path itself (``fully_shard`` per ``transformer_layer_cls_to_wrap`` unit, the embedding,
+    the norm + head, the root; the optimizer re-pointed at the shards; ``no_sync`` as
+    ``set_requires_gradient_sync(False)``; sharded checkpoints) runs on gloo. So, before ``train()``
+    prepares anything, this switches Accelerate's state to FSDP with the plugin Trainer would have used
+    (``Trainer(...).args.fsdp_plugin_args``, the mixed precision applied as Accelerate does) and sets
+    ``trainer.is_fsdp_enabled``, which Trainer reads in ``train()``: Trainer then takes its own FSDP2 path
+    (optimizer created before ``prepare``, FSDP checkpoints) and FastML compresses the reduce-scatter.
+
+    It writes four public attributes that Accelerate and Trainer set in their constructors and do not
+    expect to change afterwards (``AcceleratorState().distributed_type`` and ``.fsdp_plugin``,
+    ``PartialState().distributed_type``, ``Trainer.is_fsdp_enabled``); tests/test_upstream_internals.py
+    checks what they mean, and this function checks ``accelerator.is_fsdp2`` after writing them.
+    Returns whether it switched. Nothing happens on GPUs (Accelerate shards there itself) or when no
+    FSDP2 is asked for (FSDP1, ``"version": 1``, never gets here on CPU: Accelerate's FSDP1 plugin raises
+    in ``Trainer(...)`` without a GPU; on GPUs FastML refuses FSDP1 with a TypeError at train begin).
+    HSDP (``parallelism_config`` with ``dp_replicate_size`` > 1) cannot reach here on CPU: Accelerate's
+    ``ParallelismConfig`` check raises in ``Trainer(...)`` already."""
+    args = trainer.args
+    plugin_args = getattr(args, "fsdp_plugin_args", None)
+    if not getattr(args, "fsdp", None) or not plugin_args:  # no FSDP asked for (or XLA's)
+        return False
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    acc = trainer.accelerator
+    if acc.distributed_type != DistributedType.MULTI_CPU or getattr(acc.state, "fsdp_plugin", None) is not None:
+        return False  # GPUs (Accelerate shards), DeepSpeed, one process
+    if plugin_args.get("fsdp_version") != 2:
+        return False  # FSDP1: on CPU, Trainer(...) already raised (Accelerate's FSDP1 plugin needs a GPU)
+    if trainer.model_wrapped is not trainer.model:
+        return False  # trained before setup: the model is in DDP already (the callback warns at train begin)
+    where = "fastml_strategy.transformers.setup"
+    if every is not None:
+        raise ValueError(f"{where}: LocalSGD (every={every}) needs Trainer's DDP model, and TrainingArguments "
+                         f"ask for FSDP (fsdp/fsdp_config); drop every= to compress FSDP2's reduce-scatter, or "
+                         f"drop fsdp to run local steps")
+    # what Trainer checks after building an FSDP Accelerator (create_accelerator_and_postprocess, __init__)
+    if plugin_args.get("activation_checkpointing") and getattr(args, "activation_checkpointing", False):
+        raise ValueError(f"{where}: fsdp_config['activation_checkpointing'] and the activation_checkpointing "
+                         f"training argument can't both be True (Trainer refuses it with FSDP); keep FSDP's")
+    if args.save_only_model and (args.load_best_model_at_end
+                                 or "SHARDED_STATE_DICT" in str(plugin_args.get("state_dict_type"))):
+        raise ValueError(f"{where}: save_only_model=True with FSDP needs state_dict_type FULL_STATE_DICT and "
+                         f"load_best_model_at_end=False (Trainer refuses it with FSDP)")
+    if trainer.optimizer is not None or trainer.lr_scheduler is not None:
+        raise ValueError(f"{where}: Trainer(optimizers=...) is not allowed with FSDP (Trainer refuses it on "
+                         f"GPUs too); override create_optimizer_and_scheduler in a Trainer subclass instead")
+    plugin = FullyShardedDataParallelPlugin(**plugin_args)
+    if acc.state.mixed_precision != "no":
+        plugin.set_mixed_precision(acc.state.mixed_precision)  # as AcceleratorState does for FSDP
+    acc.state.fsdp_plugin = plugin
+    acc.state.distributed_type = DistributedType.FSDP
+    PartialState().distributed_type = DistributedType.FSDP
+    trainer.is_fsdp_enabled = True
+    if not acc.is_fsdp2:
+        raise RuntimeError(f"{where}: this accelerate {_version('accelerate')} did not take FSDP2 on CPU "
+                           f"(accelerator.is_fsdp2 stays False after FastML set distributed_type FSDP and the "
+                           f"plugin); drop fsdp from TrainingArguments to train DDP on CPU, or report it")
+    if args.should_log:
+        log.info("FastML: Accelerate ignores its FSDP plugin on CPU (distributed_type MULTI_CPU); switched this "
+                 "Trainer's Accelerator to FSDP2 (fsdp_config version 2), as on GPUs")
+    return True
+
+
+def _version(dist_name: str) -> str:
+    from importlib.metadata import version
+
+    return version(dist_name)
+
+
 def _local_gradients_hook(state, bucket):
     # DDP's all-reduce switched off (LocalSGD): each rank keeps its own gradients. No annotations: DDP
     # checks them, and this module's postponed ones would be strings.
@@ -357,4 +425,5 @@ def setup(trainer: Any, plan: Plan | str | os.PathLike | dict | None = None, *,
                                  frozen=[n for n, p in named if not p.requires_grad])
     except ValueError as e:
         raise ValueError(f"fastml_strategy.transformers: {' '.join(str(e).split())}") from None
+    _shard_on_cpu(trainer, every)
     return cb.bind(trainer)

@@ -1,5 +1,5 @@
-"""Host reads on the hot path (issue 10, item 4): every read of a tensor's value on the host goes
-through ``collective._host`` (counted by ``collective.host_reads()``), and the DDP hook reads one small
+"""Host reads on the hot path: every read of a tensor's value on the host goes
+through ``fastml_strategy._status.host`` (counted by ``collective.host_reads()``), and the DDP hook reads one small
 tensor per step (every header's status and every finiteness check), at the step's last bucket. Error
 headers, finiteness and this rank's errors are kept on the device until then. On a GPU each such read
 is a host synchronisation; tests/integrations/test_gpu.py runs steps under

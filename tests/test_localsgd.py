@@ -191,7 +191,7 @@ def _dies(rank, world_size):
     local = fm.LocalSGD(model, inner, every=2, plan="int4")
     for step in range(8):
         if step == 5 and rank == 1:
-            codecs.encode_dense = lambda *a, **k: os._exit(3)  # dies inside the synchronisation
+            codecs.encode_chunk = lambda *a, **k: os._exit(3)  # dies inside the synchronisation
         x, y = _batch(rank, step)
         torch.nn.functional.cross_entropy(model(x), y).backward()
         inner.step()
@@ -335,6 +335,41 @@ def test_settings_that_differ_between_ranks_fail_on_every_rank():
         assert "a DDP FastML state" in r["ddp_state"] and "FastMLState.load_state_dict" in r["ddp_state"]
 
 
+def _beside_ddp_over_all(rank, model, steps=10):
+    """Train the island ``model`` with LocalSGD (plan none, every=1, outer SGD lr 1: the mean of the
+    machines' models every step) beside DDP over every rank on the same batches; returns that DDP."""
+    import fastml_strategy as fm
+
+    ref = DDP(_mlp())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, model)]
+    local = fm.LocalSGD(model, opts[1], every=1, outer="sgd", outer_lr=1.0, outer_momentum=0.0, plan="none")
+    for step in range(steps):
+        for m, opt in zip((ref, model), opts):
+            x, y = _batch(rank, step)
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        local.step()
+    local.close()
+    return ref
+
+
+def _int4_local_steps(rank, model, inner, plan):
+    """12 inner steps of the island ``model``, synchronised every 3 in 2 fragments; returns its
+    LocalSGD after applying what is pending."""
+    import fastml_strategy as fm
+
+    local = fm.LocalSGD(model, inner, every=3, fragments=2, plan=plan)
+    for step in range(12):
+        x, y = _batch(rank, step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        inner.step()
+        inner.zero_grad()
+        local.step()
+    local.synchronize()
+    return local
+
+
 def _fsdp_islands(rank, island):
     """LocalSGD over FSDP2 islands (part of the islands launch): ``none`` with every=1 and outer SGD lr 1
     equals DDP over all 4 ranks; int4 keeps local rank l's shards identical across machines."""
@@ -363,31 +398,14 @@ def _fsdp_islands(rank, island):
         out["all"] = None
     except TypeError as e:
         out["all"] = str(e)
-    ref = DDP(_mlp())
     model = sharded(0 if rank < 2 else rank + 9)  # machine 1's shards come from machine 0's
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, model)]
-    local = fm.LocalSGD(model, opts[1], every=1, outer="sgd", outer_lr=1.0, outer_momentum=0.0, plan="none")
-    for step in range(10):
-        for m, opt in zip((ref, model), opts):
-            x, y = _batch(rank, step)
-            torch.nn.functional.cross_entropy(m(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-        local.step()
+    ref = _beside_ddp_over_all(rank, model)
     out["ddp_diff"] = float((full(model) - torch.cat([p.detach().reshape(-1) for p in ref.parameters()]))
                             .abs().max())
-    local.close()
     model = sharded(3)
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
     plan = fm.Plan.from_recipe("int4", min_numel=0)
-    local = fm.LocalSGD(model, inner, every=3, fragments=2, plan=plan)
-    for step in range(12):
-        x, y = _batch(rank, step)
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        inner.step()
-        inner.zero_grad()
-        local.step()
-    local.synchronize()
+    local = _int4_local_steps(rank, model, inner, plan)
     out["shards"] = torch.cat([a.detach().reshape(-1) for a in local._anchor.values()]).tolist()
     synced = set(local._fragments[0].names)  # synchronised at step 12 (fragment 1 at step 10)
     out["full"] = torch.cat([p.full_tensor().detach().reshape(-1) for n, p in model.named_parameters()
@@ -413,31 +431,14 @@ def _islands(rank, world_size):
     island = machine_group(ranks_per_node=2)
     out = {}
     # 1. every=1, outer SGD lr 1, no momentum, plan none: DDP over all 4 ranks
-    ref = DDP(_mlp())
     model = DDP(_mlp(seed=0 if rank == 0 else rank + 9), process_group=island)  # LocalSGD: from rank 0
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, model)]
-    local = fm.LocalSGD(model, opts[1], every=1, outer="sgd", outer_lr=1.0, outer_momentum=0.0, plan="none")
-    for step in range(10):
-        for m, opt in zip((ref, model), opts):
-            x, y = _batch(rank, step)
-            torch.nn.functional.cross_entropy(m(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-        local.step()
+    ref = _beside_ddp_over_all(rank, model)
     out["ddp_diff"] = max(abs(a - b) for a, b in zip(_flat(ref.module), _flat(model.module)))
-    local.close()
     # 2. int4 across machines, every 3, 2 fragments: every rank of every machine holds the same shared
     # parameters, and after the last sync the same model; bytes cross machines once per part
     model = DDP(_mlp(seed=3), process_group=island)
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    local = fm.LocalSGD(model, inner, every=3, fragments=2, plan=fm.Plan.from_recipe("int4", min_numel=0))
-    for step in range(12):
-        x, y = _batch(rank, step)
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        inner.step()
-        inner.zero_grad()
-        local.step()
-    local.synchronize()
+    local = _int4_local_steps(rank, model, inner, fm.Plan.from_recipe("int4", min_numel=0))
     out["shared"] = torch.cat([a.detach().reshape(-1) for a in local._anchor.values()]).tolist()
     s = local.stats()
     out["stats"] = {k: s[k] for k in ("outer_steps", "ranks_per_node", "bytes_sent_inter", "bytes_sent_intra",

@@ -1,4 +1,4 @@
-"""FastML over the model patterns users train (issue 14's matrix), in one pair of real gloo processes.
+"""FastML over the model patterns users train (a matrix of them), in one pair of real gloo processes.
 
 For every pattern, from the same start and the same data: plain DDP, DDP + FastML ``none`` (must equal
 DDP within 1e-6; it is DDP's own all-reduce there), and DDP + FastML ``int4`` with every tensor

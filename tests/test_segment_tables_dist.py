@@ -1,4 +1,4 @@
-"""Segment tables in the wire path (issue 10, item 4): with ``CompressedAllReduce.segment_tables`` the
+"""Segment tables in the wire path: with ``CompressedAllReduce.segment_tables`` the
 quantized layers of a piece are encoded, summed, re-encoded and decoded by one Triton launch per stage
 (and codec config), not one per chunk and layer. Under TRITON_INTERPRET=1 (tests/conftest.py) the
 kernels run on CPU tensors, so the result can be compared bit for bit with the per-chunk path (the

@@ -1,10 +1,16 @@
 """Every private torch / Lightning name FastML reads, checked on the installed versions.
 
-FastML touches a private attribute only where upstream offers no public way (the timeout given to
-``init_process_group``, whether a DDP model has a comm hook, what ``torch.compile`` wraps, FSDP's
-unsharded parameter, two attributes Lightning's own strategies set). Each sits behind one function
-that logs a warning at run time when the name is gone; these tests fail loudly instead, so that an
-upgrade of torch or Lightning that renames one is caught here, not by a run that silently stops
+FastML touches a private attribute where upstream offers no public way: the timeout given to
+``init_process_group`` and whether a DDP model has a comm hook (each behind one function that logs a
+warning when the name is gone), what ``torch.compile`` wraps, FSDP2's unit internals, two attributes
+Lightning's own strategies set. ``fastml_strategy.fsdp.register`` reads and sets FSDP2's internals in
+place rather than behind one function: each unit's parameter group (``_get_fsdp_state()
+._fsdp_param_groups``, its ``fsdp_params`` with their sizes and placement), its flags
+(``reduce_scatter_unused_params``, ``all_reduce_grads``, ``gradient_divide_factor``), and, for HSDP on a
+2-D mesh, it replaces the group's ``mesh_info`` (and ``post_forward_mesh_info``) by a 1-D shard mesh,
+restoring them and the custom hooks (``_reduce_scatter_comm``, ``_all_gather_comm``,
+``_all_reduce_hook``) on ``close()``. These tests fail loudly when one of these names changes, so that
+an upgrade of torch or Lightning that renames one is caught here, not by a run that silently stops
 compressing or waiting on the user's timeout.
 """
 
@@ -22,7 +28,8 @@ from _dist import run_workers
 
 # -- torch.distributed: the default group's timeout, DDP's comm hooks ----------------------------------------
 def _torch_internals(rank, world_size):
-    from fastml_strategy.hook import _default_group_timeout, _has_comm_hook
+    from fastml_strategy._distributed import default_group_timeout
+    from fastml_strategy.hook import _has_comm_hook
 
     pg = dist.distributed_c10d._get_default_group()
     assert isinstance(pg, dist.ProcessGroup)
@@ -30,7 +37,7 @@ def _torch_internals(rank, world_size):
     ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
     hooks_before = type(ddp._comm_hooks).__name__, len(ddp._comm_hooks), _has_comm_hook(ddp)
     ddp.register_comm_hook(None, lambda state, bucket: torch.futures.Future())
-    return {"timeout": timeout.total_seconds(), "fastml_timeout": _default_group_timeout().total_seconds(),
+    return {"timeout": timeout.total_seconds(), "fastml_timeout": default_group_timeout().total_seconds(),
             "hooks_before": hooks_before, "hooks_after": (len(ddp._comm_hooks), _has_comm_hook(ddp))}
 
 
@@ -42,11 +49,12 @@ def test_torch_distributed_internals_exist_and_hold_what_fastml_reads():
 
 
 def test_unreadable_internals_log_a_warning(caplog):
-    from fastml_strategy.hook import _default_group_timeout, _has_comm_hook
+    from fastml_strategy._distributed import default_group_timeout
+    from fastml_strategy.hook import _has_comm_hook
 
     assert not dist.is_initialized()
-    with caplog.at_level(logging.WARNING, logger="fastml_strategy.hook"):
-        assert _default_group_timeout() is None  # no default group: the read fails
+    with caplog.at_level(logging.WARNING, logger="fastml_strategy"):
+        assert default_group_timeout() is None  # no default group: the read fails
         assert _has_comm_hook(types.SimpleNamespace()) is False  # a DDP without _comm_hooks
     text = caplog.text
     assert "cannot read the default process group" in text and "30 minutes" in text
@@ -55,7 +63,7 @@ def test_unreadable_internals_log_a_warning(caplog):
 
 # -- torch.compile, FSDP2 ----------------------------------------------------------------------------------------
 def test_torch_compile_keeps_the_module_in_orig_mod(caplog):
-    from fastml_strategy.accelerate import _unwrap
+    from fastml_strategy._integration import unwrap as _unwrap
 
     m = torch.nn.Linear(4, 4)
     compiled = torch.compile(m)  # wrapping only: nothing compiles before the first call
@@ -65,7 +73,7 @@ def test_torch_compile_keeps_the_module_in_orig_mod(caplog):
     class OptimizedModule:  # what a torch that renamed _orig_mod would hand over
         pass
 
-    with caplog.at_level(logging.WARNING, logger="fastml_strategy.accelerate"):
+    with caplog.at_level(logging.WARNING, logger="fastml_strategy._integration"):
         assert len(list(_unwrap(OptimizedModule()))) == 1
     assert "no _orig_mod" in caplog.text
 
@@ -204,3 +212,33 @@ def test_unbound_callback_and_missing_callback_list_are_explained(tmp_path, capl
     with caplog.at_level(logging.WARNING, logger="fastml_strategy.transformers"):
         cb = fmt.FastMLCallback("int4").bind(stub)
     assert stub.added == [cb] and "callback_handler.callbacks is not a list" in caplog.text
+
+
+def test_accelerate_and_trainer_fields_the_cpu_fsdp2_switch_writes(tmp_path):
+    """On CPU, setup(trainer) makes fsdp_config (version 2) shard (transformers._shard_on_cpu) by writing
+    AcceleratorState().distributed_type and .fsdp_plugin, PartialState().distributed_type and
+    Trainer.is_fsdp_enabled, from TrainingArguments.fsdp_plugin_args. What each must mean for that to work:
+    Accelerate's is_fsdp2 (which prepare, no_sync and the checkpoint helpers branch on) is computed from the
+    two state fields, both states keep their fields in shared dicts (so every Accelerator and PartialState()
+    sees the switch), and Trainer keeps is_fsdp_enabled as a plain attribute. The launch in
+    tests/integrations/test_transformers.py trains through it and checks that Accelerate still ignores
+    the plugin on CPU (when it stops, the switch does nothing and that test says so)."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    transformers = pytest.importorskip("transformers")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", fsdp=True,
+                                          fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["X"]})
+    assert args.fsdp and args.fsdp_plugin_args["fsdp_version"] == 2
+    assert args.fsdp_plugin_args["transformer_cls_names_to_wrap"] == "X"
+    is_fsdp2 = AcceleratorState.is_fsdp2.fget
+    plugin2 = types.SimpleNamespace(fsdp_version=2)
+    assert is_fsdp2(types.SimpleNamespace(distributed_type=DistributedType.FSDP, fsdp_plugin=plugin2))
+    assert not is_fsdp2(types.SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, fsdp_plugin=plugin2))
+    state = PartialState()  # one process: initialises the shared state (TrainingArguments resets it)
+    assert state.__dict__ is PartialState._shared_state and "distributed_type" in state.__dict__
+    trainer = _tiny_trainer(tmp_path)
+    assert trainer.is_fsdp_enabled is False and "is_fsdp_enabled" in vars(trainer)
+    acc_state = trainer.accelerator.state
+    assert acc_state.__dict__ is AcceleratorState._shared_state and "distributed_type" in acc_state.__dict__
+    assert AcceleratorState._shared_state is not PartialState._shared_state  # hence both are written

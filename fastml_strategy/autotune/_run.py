@@ -189,7 +189,8 @@ def _option_plan(profile: Profile, groups: Mapping[str, list[str]], result: "Aut
             "DDP's default buckets (bucket_cap_mb=None)" if mb is None else
             f"DistributedDataParallel(model, bucket_cap_mb={mb}); Lightning/Fabric: "
             f"FastMLStrategy(..., bucket_cap_mb={mb}) (DDPStrategy passes it to DDP); Accelerate: "
-            f"Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb={mb})])")}
+            f"Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb={mb})]); Hugging Face "
+            f"Trainer: TrainingArguments(ddp_bucket_cap_mb={mb})")}
     chk = result.check
     if chk is not None and chk.get("option") == option:
         meta["checked_against_uniform"] = {

@@ -11,7 +11,7 @@ The profile says what each plan's error is; this module measures what that error
    error does not capture every codec family equally (top-k with error feedback and quantization
    of the same per-step error train differently), so the plan that will be used is always trained
    once, and the fit and the feasible limit include it.
-3. Stretch (:func:`stretch`, issue 28). Both loss curves are smoothed (exponential moving average)
+3. Stretch (:func:`stretch`). Both loss curves are smoothed (exponential moving average)
    and made monotone (running minimum). At 15 levels, the reference's smoothed loss at 20% to 90% of
    the run, the candidate's crossing step (interpolated, lag-corrected) is divided by the
    reference's. Each level's log-ratio has the standard error ``sigma / |d ref / d log t|``: the
@@ -79,11 +79,14 @@ from fastml_strategy.autotune.costmodel import (CANDIDATES, LOCAL_CALIBRATION_OP
                                                 Profile, json_key, plan_error)
 from fastml_strategy.autotune.profile import SimulatedCompression
 from fastml_strategy.autotune.workload import Workload
+from fastml_strategy.config import LocalSteps
 
 __all__ = ["train_curve", "smooth", "steps_ratio", "stretch", "Stretch", "Noise", "stretch_noise",
            "step_noise", "time_to_same_loss", "lag_ratio", "end_slope", "accuracy_within_noise", "calibration_candidates",
            "run_calibration", "build_run", "runs_paired", "final_loss", "reference_sigma",
            "repeat_candidates", "local_curve", "local_calibration_steps", "run_local_calibration"]
+
+_LOCAL = LocalSteps()  # LocalSGD's outer optimizer, the one calibrated by default
 
 
 @contextlib.contextmanager
@@ -214,8 +217,9 @@ def _metric(wl: Workload, model: torch.nn.Module) -> float | None:
 
 @preserved_rng()
 def local_curve(wl: Workload, world_size: int, every: int, steps: int, seed: int,
-                min_numel: int = 0, option: str = LOCAL_CALIBRATION_OPTION, outer: str = "nesterov",
-                outer_lr: float = 0.7, outer_momentum: float = 0.9) -> tuple[list[float], float | None]:
+                min_numel: int = 0, option: str = LOCAL_CALIBRATION_OPTION, outer: str = _LOCAL.outer,
+                outer_lr: float = _LOCAL.outer_lr,
+                outer_momentum: float = _LOCAL.outer_momentum) -> tuple[list[float], float | None]:
     """The loss curve (mean over replicas) and final metric of LocalSGD simulated in one process:
     ``world_size`` replicas, a synchronisation every ``every`` steps and after the last one, the
     pseudo-gradients compressed with ``option`` (tensors under ``min_numel`` exact). ``every=0`` is

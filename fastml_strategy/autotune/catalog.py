@@ -41,7 +41,8 @@ class Link:
     """An alpha-beta link: sending ``n`` bytes in one message takes ``latency_s + n / bandwidth_Bps``.
 
     ``bandwidth_Bps`` is what ONE rank gets (bytes per second): when ranks share a link, as in the
-    emulated single-link setup of DESIGN.md, a measured value already includes the sharing.
+    emulated single-link setup of benchmarks/bench_allreduce.py, a measured value already includes the
+    sharing.
     """
 
     bandwidth_Bps: float

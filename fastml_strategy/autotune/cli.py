@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target", metavar="TARGET",
                    help="your training code: path/to/file.py:factory or package.module:factory; the "
                         "factory takes no arguments and returns a fastml_strategy.autotune.Workload, a "
-                        "LightningModule, or (LightningModule, LightningDataModule)")
+                        "LightningModule, (LightningModule, LightningDataModule), or a Hugging Face "
+                        "transformers.Trainer (recipes/autotune_transformers.py:workload)")
     p.add_argument("--world-size", type=int, default=None, metavar="N",
                    help="ranks your training runs on, each with the workload's batch (the global batch "
                         "is N times it); also the node count of --link's cluster. Default: the launched "

@@ -5,7 +5,7 @@
    is what lets communication overlap backward. The driver runs it under :func:`rank_threads` with the
    threads one rank will have (``--threads-per-rank``; one process standing in for W ranks gets the
    cores / W by default), since two ranks on two cores each compute with one: timed with both, a
-   2-rank step of issue 12's GPT was predicted at half its measured time.
+   2-rank step of benchmarks/gpt_workload.py's GPT was predicted at half its measured time.
 2. Per-layer error and codec speed. On the same steps, every candidate codec option compresses every
    tunable layer's real gradient with ``fastml_strategy.codecs.roundtrip``, keeping one error-feedback
    residual per (layer, option) as the hook would, so the error measured at step t includes what error

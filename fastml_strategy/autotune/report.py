@@ -872,7 +872,8 @@ def _bucket_words(mb: Any) -> str:
     return (f"DDP buckets: plan.json's plan is predicted fastest with bucket_cap_mb={mb} (DDP's "
             f"default puts the last 1 MiB, then 25 MiB, in a bucket): pass it to "
             f"DistributedDataParallel(model, bucket_cap_mb={mb}), FastMLStrategy(..., "
-            f"bucket_cap_mb={mb}) or Accelerate's DistributedDataParallelKwargs(bucket_cap_mb={mb}); "
+            f"bucket_cap_mb={mb}), Accelerate's DistributedDataParallelKwargs(bucket_cap_mb={mb}) or "
+            f"Hugging Face Trainer's TrainingArguments(ddp_bucket_cap_mb={mb}); "
             f"plan.json's meta.ddp holds it (register_hook cannot change the buckets of a "
             f"model already wrapped).")
 

@@ -7,7 +7,19 @@ arguments and returns either
 - a LightningModule, or a ``(LightningModule, LightningDataModule)`` pair: the module's
   ``training_step`` gives the loss, ``configure_optimizers`` the optimizer, the datamodule's (or the
   module's) ``train_dataloader`` the batches; an accuracy-like value the module logs in
-  ``validation_step`` (a logged name containing ``acc``) becomes the eval function.
+  ``validation_step`` (a logged name containing ``acc``) becomes the eval function, or
+- a Hugging Face ``transformers.Trainer`` (or a subclass: TRL's ``SFTTrainer``...), built as your training
+  script builds it, or a ``(model, train_dataset)`` / ``(model, train_dataset, data_collator)`` tuple of a
+  ``transformers`` model (a ``Trainer`` with default ``TrainingArguments`` is built around it). The
+  batches are ``trainer.get_train_dataloader()``'s (Trainer's collator, batch size, column removal and
+  seeded shuffling, this rank's shard under torchrun), ``gradient_accumulation_steps`` micro-batches to
+  a step; the loss is ``Trainer.compute_loss`` (the model's loss, ``label_smoothing_factor``,
+  ``compute_loss_func``); the optimizer is ``trainer.create_optimizer`` on each fresh model copy
+  (``optim``, ``learning_rate``, ``weight_decay`` groups, or the class and defaults of the optimizer
+  you passed). Not taken from it: the learning-rate schedule (the tuner trains at the initial rate)
+  and evaluation (the accuracy rule compares final losses; return a Workload with ``eval_fn`` for a
+  metric). A subclass's own ``compute_loss`` is not used: its loss must be the model's (as
+  ``SFTTrainer``'s is); for another loss (``DPOTrainer``) return a Workload.
 
 When the autotuner runs distributed (torchrun), the factory runs on every rank: shard the data there
 (a ``DistributedSampler``) as in your training script.
@@ -215,12 +227,98 @@ def _lightning_eval_fn(module: Any, datamodule: Any | None) -> Callable[[Any], f
     return eval_fn
 
 
+def _transformers_classes() -> tuple[type, type] | None:
+    """(Trainer, PreTrainedModel) when transformers is already imported (a factory that built either has
+    imported it), else None: transformers is never imported here."""
+    if "transformers" not in sys.modules:
+        return None
+    try:
+        from transformers import PreTrainedModel, Trainer
+    except ImportError:  # a broken or partial install: not a Trainer workload
+        return None
+    return Trainer, PreTrainedModel
+
+
+def _trainer_from_parts(parts: tuple, name: str) -> Any:
+    """A ``Trainer`` with default ``TrainingArguments`` around ``(model, train_dataset[, data_collator])``."""
+    import tempfile
+
+    from transformers import Trainer, TrainingArguments
+
+    model, dataset = parts[0], parts[1]
+    collator = parts[2] if len(parts) == 3 else None
+    if dataset is None:
+        raise ValueError(f"target {name!r} returned (model, None, ...); give the training dataset second")
+    args = TrainingArguments(output_dir=str(Path(tempfile.gettempdir()) / "fastml-autotune-trainer"),
+                             report_to="none", save_strategy="no", disable_tqdm=True,
+                             use_cpu=not torch.cuda.is_available())
+    return Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator)
+
+
+def _trainer_workload(trainer: Any, name: str) -> Workload:
+    """Adapt a ``transformers.Trainer`` to a Workload without training it (see the module docstring)."""
+    from transformers import Trainer
+
+    where = f"target {name!r}"
+    if trainer.train_dataset is None:
+        raise ValueError(f"{where}: the Trainer has no train_dataset; build it with Trainer(..., "
+                         f"train_dataset=...) as your training script does")
+    loader = trainer.get_train_dataloader()
+    if type(loader).__name__ == "DataLoaderDispatcher":  # Accelerate broadcasts each batch: a collective
+        raise ValueError(f"{where}: Trainer dispatches the batches of this iterable dataset from the main "
+                         f"process (a collective, which the tuner's single-process calibration cannot "
+                         f"join); pass TrainingArguments(accelerator_config={{'dispatch_batches': False}}) "
+                         f"and shard the dataset per rank, or give a map-style dataset")
+    accumulate = max(1, int(trainer.args.gradient_accumulation_steps))
+    given_optimizer = trainer.optimizer  # Trainer(optimizers=(opt, scheduler)), else None
+
+    def batches() -> Iterator[Any]:
+        it = iter(loader)
+        if accumulate == 1:
+            return it
+        return _grouped(it, accumulate)  # one optimizer step: its micro-batches, one backward
+
+    def loss_fn(model: Any, batch: Any) -> torch.Tensor:
+        # Trainer's own compute_loss (not a subclass's: TRL's adds metrics, which gather across ranks);
+        # a shallow copy, since it pops "labels" when smoothing
+        if accumulate == 1:
+            return Trainer.compute_loss(trainer, model, dict(batch))
+        return sum(Trainer.compute_loss(trainer, model, dict(b)) for b in batch) / len(batch)
+
+    def optimizer(model: Any) -> torch.optim.Optimizer:
+        if given_optimizer is not None:
+            return type(given_optimizer)(model.parameters(), **given_optimizer.defaults)
+        trainer.optimizer = None  # create_optimizer builds one only when the Trainer has none
+        try:
+            return trainer.create_optimizer(model)
+        finally:
+            trainer.optimizer = given_optimizer
+
+    return Workload(model=trainer.model, batches=batches, loss_fn=loss_fn, name=name,
+                    _optimizer_from_model=optimizer)
+
+
+def _grouped(it: Iterator[Any], n: int) -> Iterator[list]:
+    while True:
+        group = [b for _, b in zip(range(n), it)]
+        if len(group) < n:  # an epoch's last, incomplete step: as Trainer, start the next epoch
+            return
+        yield group
+
+
 def as_workload(obj: Any, name: str = "workload") -> Workload:
     """Turn what a factory returned into a Workload (or raise ValueError saying what is accepted)."""
     if isinstance(obj, Workload):
         if obj.name == "workload":
             obj.name = name
         return obj
+    hf = _transformers_classes()
+    if hf is not None:
+        trainer_cls, model_cls = hf
+        if isinstance(obj, tuple) and len(obj) in (2, 3) and isinstance(obj[0], model_cls):
+            obj = _trainer_from_parts(obj, name)
+        if isinstance(obj, trainer_cls):
+            return _trainer_workload(obj, name)
     mod_cls, dm_cls = _lightning_classes()
     if mod_cls:
         if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[0], mod_cls) and (
@@ -230,7 +328,8 @@ def as_workload(obj: Any, name: str = "workload") -> Workload:
             return _lightning_workload(obj, None, name)
     raise ValueError(
         f"target {name!r} returned a {type(obj).__name__}; return a "
-        f"fastml_strategy.autotune.Workload, a LightningModule, or (LightningModule, LightningDataModule)"
+        f"fastml_strategy.autotune.Workload, a LightningModule, (LightningModule, LightningDataModule), a "
+        f"transformers.Trainer, or (transformers model, train_dataset[, data_collator])"
     )
 
 

@@ -13,10 +13,16 @@ Backends (``backend=``):
   cached); ``FASTML_CPU_KERNEL=0`` disables it;
 - ``"torch"``: the pure-torch reference (any device; the test oracle).
 
+Segment tables (Triton only): ``encode_table`` / ``decode_table`` describe many chunks of one
+quantization config in a message (laid out as :func:`chunk_layout` says), and ``quantize_segments`` /
+``dequantize_segments`` encode or decode them all in one launch, bit for bit what ``quantize`` /
+``dequantize`` give chunk by chunk; ``seed_column`` gives a table's seeds for another step.
+:class:`fastml_strategy.codecs.QuantizeCodec` is their caller.
+
 Top-k has no kernel here: :mod:`fastml_strategy.codecs` selects with a sampled threshold and decodes
 with ``index_add_``, quantizing the selected values with the kernels above. A fused CPU
 dequantize + scatter-add decoded a 1%-of-16.8M message in 1.5 ms against 3.2 ms, too little beside
-the 42 ms selection to keep a second top-k implementation for (removed in the Unreleased changes).
+the 42 ms selection to keep a second top-k implementation for.
 
 Not public: the modules' launch constants and private helpers.
 """
@@ -28,6 +34,8 @@ import os
 import torch
 
 from fastml_strategy.kernels.reference import (
+    ChunkLayout,
+    chunk_layout,
     dequantize_reference,
     num_blocks,
     packed_nbytes,
@@ -43,6 +51,14 @@ __all__ = [
     # sizes
     "packed_nbytes",
     "num_blocks",
+    "ChunkLayout",
+    "chunk_layout",
+    # segment tables (Triton): many chunks in one launch
+    "encode_table",
+    "decode_table",
+    "seed_column",
+    "quantize_segments",
+    "dequantize_segments",
     # backends
     "resolve_backend",
     "available_backends",
@@ -234,3 +250,44 @@ def _check_args(bits: int, block_size: int) -> None:
     if block_size < 8 or block_size & (block_size - 1):
         raise ValueError(
             f"block_size={block_size}: must be a power of two >= 8, so every block starts on a byte")
+
+
+# -- segment tables (Triton; imported on first use, as Triton must not load with the package) --------------
+def encode_table(segments, bits: int, block_size: int, device) -> tuple[torch.Tensor, int]:
+    """:func:`fastml_strategy.kernels.quantize_triton.encode_table`."""
+    from fastml_strategy.kernels import quantize_triton
+
+    return quantize_triton.encode_table(segments, bits, block_size, device)
+
+
+def decode_table(segments, bits: int, block_size: int, device) -> tuple[torch.Tensor, int]:
+    """:func:`fastml_strategy.kernels.quantize_triton.decode_table`."""
+    from fastml_strategy.kernels import quantize_triton
+
+    return quantize_triton.decode_table(segments, bits, block_size, device)
+
+
+def seed_column(numels, seeds, block_size: int) -> torch.Tensor:
+    """:func:`fastml_strategy.kernels.quantize_triton.seed_column`."""
+    from fastml_strategy.kernels import quantize_triton
+
+    return quantize_triton.seed_column(numels, seeds, block_size)
+
+
+def quantize_segments(x: torch.Tensor, msg: torch.Tensor, table: torch.Tensor, g: int, bits: int,
+                      block_size: int, stochastic: bool = False, residual: torch.Tensor | None = None,
+                      residual_out: torch.Tensor | None = None) -> None:
+    """:func:`fastml_strategy.kernels.quantize_triton.quantize_segments`."""
+    from fastml_strategy.kernels import quantize_triton
+
+    quantize_triton.quantize_segments(x, msg, table, g, bits, block_size, stochastic, residual, residual_out)
+
+
+def dequantize_segments(msg: torch.Tensor, out: torch.Tensor, table: torch.Tensor, g: int, bits: int,
+                        block_size: int, sources: int = 1, src_stride: int = 0,
+                        accumulate: bool = False) -> torch.Tensor:
+    """:func:`fastml_strategy.kernels.quantize_triton.dequantize_segments`."""
+    from fastml_strategy.kernels import quantize_triton
+
+    return quantize_triton.dequantize_segments(msg, out, table, g, bits, block_size, sources, src_stride,
+                                               accumulate)

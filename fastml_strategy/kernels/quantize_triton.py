@@ -38,9 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fastml_strategy.kernels.reference import FLT_MAX, HASH_GOLDEN, num_blocks, packed_nbytes
+from fastml_strategy.kernels.reference import FLT_MAX, chunk_layout, num_blocks, packed_nbytes, seed_word
 
-__all__ = ["quantize", "dequantize", "encode_table", "decode_table", "quantize_segments",
+__all__ = ["quantize", "dequantize", "encode_table", "decode_table", "seed_column", "quantize_segments",
            "dequantize_segments"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -248,12 +248,6 @@ def _words_ok(bits: int, packed: torch.Tensor) -> bool:
     return bits in (1, 2, 4, 8) and packed.data_ptr() % bits == 0
 
 
-def _seed_word(seed: int) -> int:
-    """``seed * golden mod 2**32`` as a signed 32-bit value (the kernel bitcasts it back to uint32)."""
-    s = (int(seed) * HASH_GOLDEN) & 0xFFFFFFFF
-    return s - (1 << 32) if s >= 1 << 31 else s
-
-
 def quantize(
     x: torch.Tensor,
     bits: int,
@@ -289,7 +283,7 @@ def quantize(
     else:
         r = rout = x  # unused
     g, nfull, opts = _plan(n, block_size)
-    seed_s = _seed_word(seed)
+    seed_s = seed_word(seed)
     consts = dict(BITS=bits, BS=block_size, G=g, HAS_RES=has_res, STOCH=bool(stochastic), **opts)
     if nfull:
         _quantize_kernel[(nfull // (g * block_size),)](
@@ -471,12 +465,18 @@ def segment_programs(block_size: int) -> int:
     return max(1, _CUDA_ELEMS_PER_PROGRAM // block_size)
 
 
+def _program_starts(numel: int, block_size: int, g: int) -> range:
+    """The first block of each program of a chunk of ``numel`` elements (one row of a table each;
+    none for an empty chunk)."""
+    return range(0, num_blocks(numel, block_size), g) if numel > 0 else range(0)
+
+
 def encode_table(segments, bits: int, block_size: int, device) -> tuple[torch.Tensor, int]:
     """The table of a :func:`quantize_segments` launch. ``segments``: one tuple per chunk, ``(x_off,
     r_off, rout_off, msg_off, numel, seed)``: offsets in elements of the input, the residual and the
-    new residual, and the byte offset (a multiple of 4) of the chunk's encoding in the message
-    (``[meta: nblocks x (min, scale) fp32][packed codes]``, as :mod:`fastml_strategy.codecs` lays a
-    quantized chunk out). Returns ``(int64 table on device, G)``."""
+    new residual, and the byte offset (a multiple of 4) of the chunk's encoding in the message, laid
+    out as :func:`~fastml_strategy.kernels.reference.chunk_layout` says. Returns ``(int64 table on
+    device, G)``; :func:`seed_column` gives the seed column for other seeds."""
     g = segment_programs(block_size)
     rows = []
     for x_off, r_off, rout_off, msg_off, n, seed in segments:
@@ -484,13 +484,22 @@ def encode_table(segments, bits: int, block_size: int, device) -> tuple[torch.Te
             continue
         if msg_off % 4:
             raise ValueError(f"encode_table: chunk encoding at byte {msg_off}, not a multiple of 4")
-        nb = num_blocks(n, block_size)
-        seed_s = _seed_word(seed)
-        for b in range(0, nb, g):
+        codes = msg_off + chunk_layout(n, bits, block_size).meta
+        seed_s = seed_word(seed)
+        for b in _program_starts(n, block_size, g):
             e = b * block_size
-            rows.append((x_off + e, r_off + e, rout_off + e, msg_off + 8 * nb + e * bits // 8,
+            rows.append((x_off + e, r_off + e, rout_off + e, codes + e * bits // 8,
                          msg_off // 4 + 2 * b, n - e, e, seed_s))
     return _upload(torch.tensor(rows, dtype=torch.int64).reshape(-1, _ENC_COLS), device), g
+
+
+def seed_column(numels, seeds, block_size: int) -> torch.Tensor:
+    """The seed column (``table[:, 7]``, on the host) of an :func:`encode_table` table whose chunks
+    have ``numels`` elements, for the per-chunk ``seeds`` (stochastic rounding draws other numbers
+    every step; the offsets stay)."""
+    g = segment_programs(block_size)
+    return torch.tensor([seed_word(s) for n, s in zip(numels, seeds) for _ in _program_starts(n, block_size, g)],
+                        dtype=torch.int64)
 
 
 def decode_table(segments, bits: int, block_size: int, device) -> tuple[torch.Tensor, int]:
@@ -504,10 +513,10 @@ def decode_table(segments, bits: int, block_size: int, device) -> tuple[torch.Te
             continue
         if msg_off % 4:
             raise ValueError(f"decode_table: chunk encoding at byte {msg_off}, not a multiple of 4")
-        nb = num_blocks(n, block_size)
-        for b in range(0, nb, g):
+        codes = msg_off + chunk_layout(n, bits, block_size).meta
+        for b in _program_starts(n, block_size, g):
             e = b * block_size
-            rows.append((msg_off // 4 + 2 * b, msg_off + 8 * nb + e * bits // 8, out_off + e, n - e))
+            rows.append((msg_off // 4 + 2 * b, codes + e * bits // 8, out_off + e, n - e))
     return _upload(torch.tensor(rows, dtype=torch.int64).reshape(-1, _DEC_COLS), device), g
 
 

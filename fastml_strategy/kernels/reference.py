@@ -29,6 +29,10 @@ A 1-D tensor ``x`` of ``n`` elements (fp32, fp16 or bf16; computed in fp32) is c
    Each block starts on a byte boundary (``block_size * bits`` is a multiple of 8).
 7. Decoding: ``y = mn + q * scale`` in fp32 (a multiply, then an add: no fused multiply-add).
 8. Error feedback: ``residual_new = v - y`` for finite blocks.
+9. A chunk of a message (what :class:`fastml_strategy.codecs.QuantizeCodec` sends, and what the
+   Triton segment tables write in place): ``[metadata: nblocks x (mn, scale) fp32 | codes]``, the
+   codes padded with zero bytes to a multiple of 4 (:func:`chunk_layout`), so that the metadata of
+   the next chunk in a shared message stays 4-byte aligned.
 
 Round to nearest errs by at most ``scale / 2`` per element (plus fp32 rounding of the subtraction);
 stochastic rounding by less than ``scale`` and is unbiased.
@@ -44,14 +48,20 @@ masks unless a block is non-finite): about 2x the naive version's speed; the com
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import torch
 
 __all__ = [
     "quantize_reference",
     "dequantize_reference",
     "uniform",
+    "seed_word",
     "packed_nbytes",
     "num_blocks",
+    "ChunkLayout",
+    "chunk_layout",
     "pack_bits",
     "unpack_bits",
 ]
@@ -73,11 +83,36 @@ def num_blocks(numel: int, block_size: int) -> int:
     return (numel + block_size - 1) // block_size
 
 
+class ChunkLayout(NamedTuple):
+    """Where the parts of one quantized chunk lie in a message (format step 9), in bytes from the
+    chunk's start: the metadata at ``[0, meta)``, the codes at ``[meta, meta + codes)``; ``nbytes``
+    (a multiple of 4) is what the chunk takes, padding included."""
+
+    meta: int
+    codes: int
+    nbytes: int
+
+
+@functools.lru_cache(maxsize=1 << 12)  # asked per chunk and stage; a model has few distinct chunk sizes
+def chunk_layout(numel: int, bits: int, block_size: int) -> ChunkLayout:
+    """The layout of a quantized chunk of ``numel`` elements (format step 9)."""
+    meta = 8 * num_blocks(numel, block_size)
+    codes = packed_nbytes(numel, bits)
+    return ChunkLayout(meta, codes, meta + ((codes + 3) & ~3))
+
+
 def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
     # (h * c) mod 2**32 for h < 2**32 in int64 without overflowing int64: split c in 16-bit halves.
     lo = h * (c & 0xFFFF)
     hi = ((h * (c >> 16)) & 0xFFFF) << 16
     return (lo + hi) & _M32
+
+
+def seed_word(seed: int) -> int:
+    """``seed * 0x9E3779B9 mod 2**32`` (the hash's seed term in :func:`uniform`) as a signed 32-bit
+    value, the form the kernels take it in (they reinterpret it as unsigned)."""
+    s = (int(seed) * HASH_GOLDEN) & _M32
+    return s - (1 << 32) if s >= 1 << 31 else s
 
 
 def uniform(seed: int, index: torch.Tensor) -> torch.Tensor:

@@ -114,3 +114,104 @@ def make():
     after = wl.eval_fn(model)
     assert after > max(before, 0.8)  # it trained, and the logged val_acc is the eval metric
     sys.modules.pop("lit", None)
+
+
+# -- Hugging Face Trainer targets ------------------------------------------------------------------------------
+ROOT = HERE.parents[1]
+
+
+def _first_batches(wl: Workload, n: int) -> list:
+    stream = wl.batch_stream()
+    return [next(stream)["input_ids"].clone() for _ in range(n)]
+
+
+def test_transformers_trainer_target_is_a_paired_workload_that_trains():
+    """recipes/autotune_transformers.py:workload returns the Trainer of recipes/train_transformers.py: its model,
+    Trainer's batches (the same ones on every rebuild, whatever the global RNG did), Trainer's loss and the
+    optimizer Trainer would create."""
+    pytest.importorskip("transformers")
+    wl = load_target(f"{ROOT / 'recipes' / 'autotune_transformers.py'}:workload")
+    assert type(wl.model).__name__ == "LlamaForCausalLM" and wl.name == "workload" and wl.eval_fn is None
+    first = _first_batches(wl, 2)
+    assert first[0].shape == (8, 64)  # per_device_train_batch_size x the recipe's window
+    torch.manual_seed(123), torch.rand(7)  # the tuner's runs move the global RNG between rebuilds
+    again = wl.rebuild()
+    assert again.model is not wl.model
+    assert all(torch.equal(a, b) for a, b in zip(first, _first_batches(again, 2)))  # paired runs
+    model = again.fresh_model()
+    opt = again.make_optimizer(model)
+    assert type(opt).__name__ == "AdamW" and opt.defaults["lr"] == 3e-3  # TrainingArguments' optim and lr
+    assert {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in model.parameters()}
+    stream = again.batch_stream()
+    losses = []
+    for _ in range(4):
+        loss = again.loss_fn(model, next(stream))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < losses[0] - 0.5, losses  # it trains (byte-level loss starts near ln 256 = 5.5)
+
+
+TRAINER_TARGETS = '''
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+class Ids(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+    def __getitem__(self, i):
+        ids = (torch.arange(8) + i) % 32
+        return {"input_ids": ids, "labels": ids.clone()}
+
+def model():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16))
+
+def args(**kw):
+    return TrainingArguments(output_dir=str(Path(__file__).parent / "out"), use_cpu=True, report_to="none", save_strategy="no", **kw)
+
+def parts():
+    return model(), Ids()
+
+def accumulating():
+    return Trainer(model=model(), args=args(per_device_train_batch_size=4, gradient_accumulation_steps=2),
+                   train_dataset=Ids())
+
+def own_optimizer():
+    m = model()
+    return Trainer(model=m, args=args(), train_dataset=Ids(), optimizers=(torch.optim.SGD(m.parameters(), lr=0.25), None))
+
+def no_data():
+    return Trainer(model=model(), args=args())
+'''
+
+
+def test_trainer_parts_accumulation_own_optimizer_and_a_trainer_without_data(tmp_path):
+    pytest.importorskip("transformers")
+    f = tmp_path / "hf_targets.py"
+    f.write_text(TRAINER_TARGETS)
+    wl = load_target(f"{f}:parts")  # (model, dataset): a Trainer with default TrainingArguments around it
+    assert next(wl.batch_stream())["input_ids"].shape == (8, 8)  # Trainer's default batch size, 8
+    assert type(wl.make_optimizer(wl.fresh_model())).__name__ == "AdamW"
+
+    acc = load_target(f"{f}:accumulating")  # a step is gradient_accumulation_steps micro-batches
+    step = next(acc.batch_stream())
+    assert isinstance(step, list) and len(step) == 2 and step[0]["input_ids"].shape == (4, 8)
+    model = acc.fresh_model()
+    each = [model(**b).loss for b in step]
+    assert torch.allclose(acc.loss_fn(model, step), (each[0] + each[1]) / 2)
+
+    own = load_target(f"{f}:own_optimizer")  # rebuilt on each fresh model from its class and defaults
+    fresh = own.fresh_model()
+    opt = own.make_optimizer(fresh)
+    assert type(opt) is torch.optim.SGD and opt.defaults["lr"] == 0.25
+    assert opt.param_groups[0]["params"][0] is next(fresh.parameters())
+
+    with pytest.raises(ValueError) as e:
+        load_target(f"{f}:no_data")
+    assert "the Trainer has no train_dataset" in str(e.value) and "\n" not in str(e.value)
+    sys.modules.pop("hf_targets", None)

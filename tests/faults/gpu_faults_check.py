@@ -73,12 +73,12 @@ def main() -> int:
     ok &= good
 
     # 3. An encoder exception surfaces from backward with FastML's type.
-    real = codecs.encode_dense
+    real = codecs.encode_chunk
 
     def boom(*a, **k):
         raise RuntimeError("injected")
 
-    codecs.encode_dense = boom
+    codecs.encode_chunk = boom
     try:
         ddp(torch.randn(8, 64, device=dev)).sum().backward()
         got = "no error"
@@ -86,7 +86,7 @@ def main() -> int:
         got = "CompressionError" if "injected" in str(e) else f"CompressionError without cause: {e}"
     except Exception as e:  # noqa: BLE001
         got = f"{type(e).__name__}: {e}"
-    codecs.encode_dense = real
+    codecs.encode_chunk = real
     print(f"encoder exception -> {got}: {'ok' if got == 'CompressionError' else 'FAIL'}", flush=True)
     ok &= got == "CompressionError"
     print("ALL OK" if ok else "SOME CHECKS FAILED", flush=True)

@@ -65,13 +65,13 @@ def _rank_fault(rank, world_size, how, victim, plan="int4", ranks_per_node=None,
             if rank == victim and how == "exit":
                 os._exit(17)  # before its forward: peers are already waiting in the collective
             if rank == victim and how == "sigkill_in_encoder":
-                real = codecs.encode_dense
+                real = codecs.encode_chunk
 
                 def die(*a, **k):  # inside the comm thread, in the middle of the backward pass
                     os.kill(os.getpid(), signal.SIGKILL)
                     return real(*a, **k)
 
-                codecs.encode_dense = die
+                codecs.encode_chunk = die
             if rank == victim and how == "stall":
                 time.sleep(COMM_TIMEOUT + 3)  # alive but silent: peers must time out, not wait forever
         try:
@@ -165,19 +165,21 @@ def _encoder_raises(rank, world_size, stage, ranks_per_node=None):
     model, ddp, state, opt = _setup("int4", ranks_per_node=ranks_per_node)
     for step in range(5):
         if step == 3 and rank == 1:
-            real = codecs.encode_dense
+            # "encoding": the first-stage encode of a gradient chunk (encode_chunk, into the
+            # all_to_all message); "reduction": the re-encode of the chunk sum (reduce_chunk, into the
+            # all_gather message, its 4th argument)
+            name, out_arg = ("encode_chunk", 2) if stage == "encoding" else ("reduce_chunk", 3)
+            real = getattr(codecs, name)
 
-            def boom(x, cfg, out, *a, **k):
-                # "encoding": the first-stage encode of a gradient chunk (into the all_to_all
-                # message); "reduction": the re-encode of the chunk sum (into the all_gather message).
-                ptr = out.untyped_storage().data_ptr()
+            def boom(*a, real=real, **k):
+                ptr = a[out_arg].untyped_storage().data_ptr()
                 lays = state._engine.layouts.values()
                 msgs = [lay.send if stage == "encoding" else lay.gsend for lay in lays]
                 if any(ptr == m.untyped_storage().data_ptr() for m in msgs):
                     raise RuntimeError("injected codec failure")
-                return real(x, cfg, out, *a, **k)
+                return real(*a, **k)
 
-            codecs.encode_dense = boom
+            setattr(codecs, name, boom)
         try:
             loss_of(ddp, rank, step).backward()
         except CompressionError as e:
@@ -218,7 +220,7 @@ def _final_decode_raises(rank, world_size):
     t0 = time.monotonic()
     for step in range(5):
         if step == 3 and rank == 1:
-            real = codecs.decode_dense
+            real = codecs.decode_chunk
 
             def boom(buf, *a, **k):
                 ptr = buf.untyped_storage().data_ptr()
@@ -227,7 +229,7 @@ def _final_decode_raises(rank, world_size):
                     raise RuntimeError("injected decode failure")
                 return real(buf, *a, **k)
 
-            codecs.decode_dense = boom
+            codecs.decode_chunk = boom
         t0 = time.monotonic()
         try:
             loss_of(ddp, rank, step).backward()

@@ -185,3 +185,43 @@ def test_lightning_strategies_tell_register_hook_their_ranks_per_node(monkeypatc
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.setenv("FASTML_RANKS_PER_NODE", "1")  # the user asks for the flat all-reduce
     assert _ranks_per_node(SimpleNamespace(num_processes=4, num_nodes=2)) is None
+
+
+def test_one_metrics_function_keeps_each_frameworks_keys():
+    """Lightning and the Trainer log the same figures under their own, unchanged keys."""
+    from fastml_strategy._integration import LIGHTNING_KEYS, TRAINER_KEYS, counters, metrics
+
+    layers = {"a.weight": {"codec": "int4", "numel": 10, "rel_error": 0.25},
+              "b.bias": {"codec": "fp32", "numel": 2, "rel_error": 0.0},  # exact: not logged
+              "c.weight": {"codec": "int4", "numel": 10, "rel_error": float("nan")}}  # not measured yet
+    stats = {"steps": 10, "bytes_sent": 1000, "bytes_uncompressed": 8000, "compression_ratio": 8.0,
+             "residual_bytes": 64, "layers": layers}
+    assert counters(stats) == (10, 1000, 8000.0)
+    assert metrics(stats, LIGHTNING_KEYS, since=(6, 600), layers=True) == {
+        "fastml/compression_ratio": 8.0, "fastml/bytes_sent_per_step": 100.0, "fastml/residual_bytes": 64.0,
+        "fastml/rel_error/a.weight": 0.25}
+    assert metrics(stats, LIGHTNING_KEYS, since=(10, 1000), layers=False) == {  # no step since the mark
+        "fastml/compression_ratio": 8.0, "fastml/residual_bytes": 64.0}
+    assert metrics(stats, TRAINER_KEYS, since=(5, 500, 2000.0)) == {
+        "fastml/compression_ratio": 12.0, "fastml/bytes_per_step": 100.0, "fastml/error/a.weight": 0.25}
+    local = {"inner_steps": 4, "bytes_sent": 0, "bytes_uncompressed": 0, "compression_ratio": 7.5,
+             "ratio_vs_ddp": 30.0}
+    assert metrics(local, TRAINER_KEYS, since=(2, 0, 0.0)) == {
+        "fastml/compression_ratio": 7.5, "fastml/bytes_per_step": 0.0, "fastml/ratio_vs_ddp": 30.0}
+
+
+def test_the_settings_table_names_every_variable_and_default(monkeypatch):
+    from fastml_strategy._integration import SETTINGS, setting
+    from fastml_strategy.config import LocalSteps
+
+    assert SETTINGS["layer_stats_every"].variable == "FASTML_LAYER_STATS_EVERY"
+    assert setting("layer_stats_every", None, owner="X") == 10
+    assert setting("layer_stats_every", None, owner="X", localsgd=True) == 1
+    assert setting("check_replicas_every", None, owner="X") == 0
+    monkeypatch.setenv("FASTML_LAYER_STATS_EVERY", "3")
+    assert setting("layer_stats_every", None, owner="X", localsgd=True) == 3
+    assert setting("layer_stats_every", 5, owner="X") == 5
+    with pytest.raises(ValueError, match="X: layer_stats_every=-1"):
+        setting("layer_stats_every", -1, owner="X")
+    assert {n: SETTINGS[n].localsgd_default for n in LocalSteps().kwargs()} == LocalSteps().kwargs()
+    assert SETTINGS["every"].variable == "FASTML_LOCALSGD_EVERY"

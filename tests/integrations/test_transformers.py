@@ -1,7 +1,8 @@
 """fastml_strategy.transformers on real processes: ONE torchrun launch (2 CPU ranks) in which
 tests/integrations/jobs/transformers_job.py trains a tiny Llama (built from a config) through
-transformers.Trainer and TRL's SFTTrainer under every contract of issue 24, then the assertions below
-read what each rank found. One launch keeps the suite's added time to about a minute on 2 loaded cores."""
+transformers.Trainer and TRL's SFTTrainer under every contract of the integration (torch_compile=True and
+FSDP2 through fsdp/fsdp_config included), then the assertions below read what each rank found. One launch
+keeps the suite's added time to about a minute on 2 loaded cores."""
 
 from __future__ import annotations
 
@@ -118,6 +119,48 @@ def test_localsgd_opt_in_syncs_every_h_steps_and_resumes_each_rank_exactly(ranks
     assert r0["lsgd"]["logged"]["fastml/ratio_vs_ddp"] == r0["lsgd_ratio_vs_ddp"]
 
 
+def test_torch_compile_keeps_replicas_identical_and_trains_as_uncompiled(ranks):
+    """TrainingArguments(torch_compile=True): Accelerate compiles the DDP model and FastML finds the DDP
+    inside. The launch uses the aot_eager backend (dynamo, DDP's graph splitting, AOTAutograd's compiled
+    backward); inductor was checked by hand (docs/integrations.md)."""
+    r0, r1, _ = ranks
+    assert r0["compile"]["wrapped"] == "OptimizedModule"  # trainer.model_wrapped: the compiled DDP model
+    assert r0["compile"]["digest"] == r1["compile"]["digest"]
+    assert r0["compile"]["fastml_step"] == r0["compile"]["global_step"] == 10
+    compiled, uncompiled = r0["compile"]["losses"], r0["int4"]["losses"]
+    assert compiled[-1] < compiled[0] - 0.5, compiled
+    assert max(abs(a - b) for a, b in zip(compiled, uncompiled)) < 1e-3, (compiled, uncompiled)
+    assert 7.0 < r0["compile"]["logged"]["fastml/compression_ratio"] < 8.0
+
+
+def test_fsdp2_through_training_arguments_on_cpu(ranks):
+    """fsdp/fsdp_config (version 2) on 2 CPU ranks: Accelerate drops its FSDP plugin on CPU; setup(trainer)
+    switches it to its FSDP2 path, and FastML compresses the reduce-scatter of each FSDP unit."""
+    r0, r1, _ = ranks
+    assert r0["fsdp_before"] == ["MULTI_CPU", True, False]  # what Accelerate makes of fsdp_config on CPU
+    assert r0["fsdp_after"] == ["FSDP", True, True]
+    for r in (r0, r1):
+        assert r["fsdp_none_max_abs_diff"] <= 1e-6, r["fsdp_none_max_abs_diff"]  # none == plain Trainer DDP
+        for run in ("fsdp_none", "fsdp_int4", "fsdp_resumed", "fsdp_acc"):
+            assert r[run]["state"] == "FSDPState" and r[run]["wrapped"] == "FSDPLlamaForCausalLM", run
+            assert r[run]["fsdp_units"] >= 5  # 2 decoder layers, the embedding, norm + head, the root
+    assert 0.99 < r0["fsdp_none"]["logged"]["fastml/compression_ratio"] <= 1.0  # 0.9986 measured: about 1
+    int4 = r0["fsdp_int4"]
+    assert int4["digest"] == r1["fsdp_int4"]["digest"] and int4["fastml_step"] == 8
+    assert int4["digest"] != r0["fsdp_none"]["digest"]
+    assert int4["losses"][-1] < int4["losses"][0] - 0.5, int4["losses"]
+    assert 7.0 < int4["logged"]["fastml/compression_ratio"] < 8.0
+    assert any(k.startswith("fastml/error/model.layers.") for k in int4["logged"])
+    assert r0["fsdp_saved"] == {"global_step": 4, "ranks": [0, 1], "steps": [4, 4]}
+    for r in (r0, r1):  # checkpoint-4 (Trainer's FSDP checkpoint + fastml_state.pt) + 4 steps == 8 straight
+        assert r["fsdp_resumed"]["digest"] == r["fsdp_int4"]["digest"] and r["fsdp_resumed"]["fastml_step"] == 8
+    acc = r0["fsdp_acc"]  # 12 micro-batches, 6 optimizer steps: FastML reduces only the syncing ones
+    assert acc["global_step"] == acc["fastml_step"] == 6 and acc["digest"] == r1["fsdp_acc"]["digest"]
+    assert r0["fsdp_acc_param_dtype"] == "torch.bfloat16"  # bf16=True reached FSDP2's mixed precision
+    for r in (r0, r1):  # LocalSGD needs DDP: refused in setup, on every rank
+        assert "LocalSGD (every=3) needs Trainer's DDP model" in r["fsdp_every_refused"]
+
+
 def test_bucket_advice_names_the_training_argument(caplog):
     """Without ddp_bucket_cap_mb, a model that DDP's 25 MB default packs into fewer than 3 buckets gets the
     ddp_bucket_cap_mb suggest_bucket_cap_mb computes; a cap the user set is left alone, unadvised."""
@@ -136,3 +179,45 @@ def test_bucket_advice_names_the_training_argument(caplog):
         assert caplog.text == ""
         cb._advise_buckets(types.SimpleNamespace(ddp_bucket_cap_mb=None, should_log=True), ddp)
     assert f"TrainingArguments(ddp_bucket_cap_mb={suggest_bucket_cap_mb(ddp.module):.2f})" in caplog.text
+
+
+def test_cpu_fsdp2_switch_refuses_what_trainer_refuses_with_fsdp():
+    """Before switching Accelerate to FSDP2 on CPU, setup applies the checks Trainer makes when it builds an
+    FSDP Accelerator (it skipped them: on CPU it built none), each one line naming the fix."""
+    import types
+
+    from accelerate.utils import DistributedType
+
+    from fastml_strategy.transformers import _shard_on_cpu
+
+    def trainer(**args):
+        base = dict(fsdp=True, fsdp_plugin_args={"fsdp_version": 2}, save_only_model=False,
+                    load_best_model_at_end=False, activation_checkpointing=False, should_log=False)
+        model = object()
+        return types.SimpleNamespace(
+            args=types.SimpleNamespace(**{**base, **args}), model=model, model_wrapped=model, optimizer=None,
+            lr_scheduler=None, accelerator=types.SimpleNamespace(distributed_type=DistributedType.MULTI_CPU,
+                                                                 state=types.SimpleNamespace()))
+
+    for t, needle in ((trainer(activation_checkpointing=True,
+                               fsdp_plugin_args={"fsdp_version": 2, "activation_checkpointing": True}),
+                       "can't both be True"),
+                      (trainer(save_only_model=True, load_best_model_at_end=True), "save_only_model=True"),
+                      (trainer(save_only_model=True, fsdp_plugin_args={"fsdp_version": 2,
+                                                                       "state_dict_type": "SHARDED_STATE_DICT"}),
+                       "state_dict_type FULL_STATE_DICT")):
+        with pytest.raises(ValueError) as e:
+            _shard_on_cpu(t, None)
+        assert needle in str(e.value) and "\n" not in str(e.value)
+    opt = trainer()
+    opt.optimizer = object()
+    with pytest.raises(ValueError, match=r"Trainer\(optimizers=...\) is not allowed with FSDP"):
+        _shard_on_cpu(opt, None)
+    with pytest.raises(ValueError, match=r"LocalSGD \(every=5\) needs Trainer's DDP model"):
+        _shard_on_cpu(trainer(), 5)
+    # nothing to switch: no FSDP asked for, FSDP1, a model that training already wrapped in DDP
+    assert _shard_on_cpu(trainer(fsdp=False), None) is False
+    assert _shard_on_cpu(trainer(fsdp_plugin_args={"fsdp_version": 1}), None) is False
+    wrapped = trainer()
+    wrapped.model_wrapped = object()
+    assert _shard_on_cpu(wrapped, None) is False

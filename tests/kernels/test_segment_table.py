@@ -1,4 +1,4 @@
-"""Segment tables (issue 10, item 4): one Triton launch encodes, or decodes and sums, every chunk of
+"""Segment tables: one Triton launch encodes, or decodes and sums, every chunk of
 several layers of different sizes, bit for bit as the torch reference does chunk by chunk. On CPU the
 kernels run through Triton's interpreter (TRITON_INTERPRET=1, see tests/conftest.py); with
 FASTML_TEST_DEVICE=cuda on the GPU."""
@@ -20,7 +20,7 @@ HEADER = 64
 
 def _chunks(numels, block_size):
     """(x offset, chunk elements) of every chunk: each layer cut into W chunks on block boundaries,
-    as collective._chunk_bounds cuts them (an empty chunk where a layer has fewer than W blocks)."""
+    as fastml_strategy._layouts.chunk_bounds cuts them (an empty chunk where a layer has fewer than W blocks)."""
     out, off = [], 0
     for n in numels:
         units = -(-n // block_size)

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 from fastml_strategy.autotune.catalog import Link
-from fastml_strategy.config import RECIPES, Codec, CodecConfig
+from fastml_strategy.config import RECIPES, CodecConfig
 
 # Local steps: the sync periods H calibrated and searched by default (per-step compression is H = 1,
 # always searched), and the fragment counts F searched (Streaming DiLoCo uses a few to a few tens).
@@ -293,9 +293,11 @@ def _codec_factor(cfg: CodecConfig, nodes: int) -> float:
 
 
 def family(cfg: CodecConfig) -> str:
-    """The codec family whose time scale applies: fp32, cast (fp16/bf16), quantize or topk."""
-    return {Codec.FP32: "fp32", Codec.FP16: "cast", Codec.BF16: "cast", Codec.QUANTIZE: "quantize",
-            Codec.TOPK: "topk"}[cfg.codec]
+    """The codec family whose time scale applies: the codec class's ``family`` (fp32, cast for
+    fp16/bf16, quantize, topk)."""
+    from fastml_strategy.codecs import codec_for
+
+    return codec_for(cfg).family
 
 
 def _candidate_name(cfg: CodecConfig) -> str:

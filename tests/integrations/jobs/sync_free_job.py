@@ -1,7 +1,7 @@
-"""Whole DDP training steps with FastML on one CUDA rank under torch.cuda.set_sync_debug_mode("error")
-(issue 10, item 4): any implicit host synchronisation on the hot path (``.item()``, ``bool(t)``, a
+"""Whole DDP training steps with FastML on one CUDA rank under torch.cuda.set_sync_debug_mode("error"):
+any implicit host synchronisation on the hot path (``.item()``, ``bool(t)``, a
 blocking device-to-host copy, ``nonzero``) raises. The hook's one read per step goes through
-``collective._host`` (a pinned non-blocking copy and an event wait, which the debug mode does not
+``fastml_strategy._status.host`` (a pinned non-blocking copy and an event wait, which the debug mode does not
 flag); this job counts those reads per step as well.
 
     python sync_free_job.py OUT_DIR [backend]      # backend: nccl (default) or gloo

@@ -5,7 +5,10 @@ plain Trainer DDP vs the integration with plan `none` (10 steps); int4 (replicas
 gradient accumulation (only the syncing micro-batch is compressed); bf16 + gradient checkpointing; a PEFT
 LoRA model (plan names as model.named_parameters() shows them); resume bit-exact from checkpoint-N (and
 not bit-exact without FastML's state); TRL's SFTTrainer with the same line; bad plans (before any step,
-on every rank). Each rank writes its findings to OUT.rank<R>.json for tests/integrations/test_transformers.py.
+on every rank); torch_compile=True (aot_eager backend); FSDP2 through fsdp/fsdp_config (setup switches
+Accelerate to its FSDP2 path on CPU): plan `none` against plain DDP, int4, resume from Trainer's FSDP
+checkpoint, accumulation with bf16. Each rank writes its findings to OUT.rank<R>.json for
+tests/integrations/test_transformers.py.
 """
 
 from __future__ import annotations
@@ -196,9 +199,91 @@ def main() -> None:
     r["bad_disagree"] = one_line_error(disagree.train)
     r["bad_disagree_step"] = disagree.state.global_step
 
+    # 10. torch_compile=True (Accelerate compiles the DDP model; FastML finds DDP inside): the aot_eager
+    # backend runs dynamo's tracing, DDP's graph splitting at bucket boundaries and AOTAutograd's compiled
+    # backward, as inductor does, without inductor's C++ code generation (about a minute here)
+    t = time.monotonic()
+    comp, cb_comp, _ = train("compile", plan="int4", torch_compile=True, torch_compile_backend="aot_eager")
+    r["compile"] = summary(comp, cb_comp)
+    r["t_compile"] = time.monotonic() - t
+
+    # 11. FSDP2 through fsdp/fsdp_config on CPU (setup switches Accelerate to its FSDP2 path)
+    t = time.monotonic()
+    fsdp_contracts(r, plain)
+    r["t_fsdp"] = time.monotonic() - t
+
     r["seconds"] = time.monotonic() - t0
     with open(f"{OUT}.rank{RANK}.json", "w") as f:
         json.dump(r, f, indent=1, default=str)
+
+
+FSDP = dict(fsdp="full_shard", fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+
+
+def full_params(model: torch.nn.Module) -> dict:
+    """Every parameter whole (an FSDP2 shard gathered: a collective, so every rank calls it)."""
+    from torch.distributed.tensor import DTensor
+
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().clone()
+            for n, p in model.named_parameters()}
+
+
+def fsdp_summary(trainer, cb) -> dict:
+    params = full_params(trainer.model)
+    h = hashlib.sha256()
+    for name in sorted(params):
+        h.update(name.encode() + params[name].contiguous().numpy().tobytes())
+    s = cb.state.stats()
+    return {"digest": h.hexdigest(), "losses": losses(trainer), "global_step": trainer.state.global_step,
+            "fastml_step": s["steps"], "state": type(cb.state).__name__, "wrapped": type(trainer.model_wrapped).__name__,
+            "fsdp_units": sum(type(m).__name__.startswith("FSDP") for m in trainer.model.modules()),
+            "logged": [h for h in trainer.state.log_history if "loss" in h][-1]}
+
+
+def fsdp_contracts(r: dict, plain) -> None:
+    """Trainer(args=TrainingArguments(fsdp=..., fsdp_config={"version": 2})) on 2 CPU ranks: Accelerate
+    ignores the plugin on CPU; setup switches it to its FSDP2 path, and FastML compresses the reduce-scatter."""
+    before = Trainer(model=tiny_llama(), args=targs("fsdp_state", **FSDP), train_dataset=Progressions())
+    r["fsdp_before"] = [before.accelerator.distributed_type.value, getattr(before.accelerator.state, "fsdp_plugin", None) is None,
+                        before.is_fsdp_enabled]
+    fmt.setup(before, plan="int4")
+    r["fsdp_after"] = [before.accelerator.distributed_type.value, bool(before.accelerator.is_fsdp2),
+                       before.is_fsdp_enabled]
+
+    # plan `none` through FSDP2 equals plain Trainer DDP after 10 steps
+    none = Trainer(model=tiny_llama(), args=targs("fsdp_none", **FSDP), train_dataset=Progressions())
+    cb_none = fmt.setup(none, plan="none")
+    none.train()
+    theirs, ours = full_params(plain.model), full_params(none.model)
+    r["fsdp_none_max_abs_diff"] = max(float((theirs[n] - ours[n]).abs().max()) for n in theirs)
+    r["fsdp_none"] = fsdp_summary(none, cb_none)
+
+    # int4, 8 steps with checkpoint-4; then a resume from it equals the uninterrupted run, bit for bit
+    def int4(resume=None):
+        trainer = Trainer(model=tiny_llama(), args=targs("fsdp_int4", max_steps=8, save_strategy="steps",
+                                                          save_steps=4, **FSDP), train_dataset=Progressions())
+        cb = fmt.setup(trainer, plan="int4")
+        trainer.train(resume_from_checkpoint=resume)
+        return fsdp_summary(trainer, cb)
+
+    r["fsdp_int4"] = int4()
+    saved = torch.load(WORK / "fsdp_int4" / "checkpoint-4" / fmt.STATE_FILE, weights_only=True)
+    r["fsdp_saved"] = {"global_step": saved["global_step"], "ranks": [p["rank"] for p in saved["fastml"]["per_rank"]],
+                       "steps": [p["step"] for p in saved["fastml"]["per_rank"]]}
+    r["fsdp_resumed"] = int4(resume=str(WORK / "fsdp_int4" / "checkpoint-4"))
+
+    # gradient accumulation (only the syncing micro-batch reduces) with bf16 (FSDP2's mixed precision policy)
+    acc = Trainer(model=tiny_llama(), args=targs("fsdp_acc", max_steps=6, per_device_train_batch_size=2,
+                                                 gradient_accumulation_steps=2, bf16=True, **FSDP),
+                  train_dataset=Progressions())
+    cb_acc = fmt.setup(acc, plan="int4")
+    acc.train()
+    r["fsdp_acc"] = fsdp_summary(acc, cb_acc)
+    r["fsdp_acc_param_dtype"] = str(acc.accelerator.state.fsdp_plugin.mixed_precision_policy.param_dtype)
+
+    # LocalSGD with FSDP: refused in setup, before any step
+    r["fsdp_every_refused"] = one_line_error(lambda: fmt.setup(
+        Trainer(model=tiny_llama(), args=targs("fsdp_bad", **FSDP), train_dataset=Progressions()), every=3))
 
 
 def trl_sft() -> dict:

@@ -1,0 +1,177 @@
+"""What every framework adapter (``lightning``, ``accelerate``, ``transformers``) shares: the table of
+settings an adapter takes, finding the model a framework wrapped, and the metrics dict it logs.
+
+A new adapter reads its settings through :func:`setting`, finds what to compress with
+:func:`find_ddp` / :func:`find_fsdp2` / :func:`is_fsdp1`, and logs :func:`metrics` in one of the
+key styles below, instead of assembling each again::
+
+    check_every = setting("check_replicas_every", None, owner="MyAdapter")   # arg, FASTML_*, default
+    ddp = find_ddp(model)                  # the DDP wrapper, also inside torch.compile, or None
+    logger.log(metrics(state.stats(), TRAINER_KEYS, since=mark))
+
+Settings: each has one keyword, one ``FASTML_*`` variable (the keyword in capitals), one default per
+mode and one rule (:func:`~fastml_strategy._validate.env_whole_number`). The plan (``FASTML_PLAN``) is
+resolved by :func:`fastml_strategy.config.resolve_plan` and LocalSGD's settings
+(``FASTML_LOCALSGD_*``, defaults from :class:`~fastml_strategy.config.LocalSteps`) by
+:func:`fastml_strategy.localsgd.resolve_settings`; both are listed in :data:`SETTINGS` too, so the
+table names every variable an adapter reads.
+
+Metrics: the keys users see differ between frameworks (Lightning logs ``fastml/bytes_sent_per_step``
+and ``fastml/rel_error/<layer>``, the Hugging Face Trainer ``fastml/bytes_per_step`` and
+``fastml/error/<layer>``) and stay as they are; :class:`MetricKeys` holds the difference, and one
+function computes the figures for both.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from fastml_strategy._validate import LAYER_STATS_EVERY, LAYER_STATS_EVERY_LOCALSGD, env_whole_number
+from fastml_strategy.config import DEFAULT_RECIPE, LocalSteps
+
+log = logging.getLogger(__name__)
+
+
+# -- settings -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Setting:
+    """One setting an adapter takes: the keyword, its ``FASTML_*`` variable, its defaults, its rule."""
+
+    name: str  # the keyword argument
+    variable: str  # the environment variable read when the argument is None
+    default: Any  # per-step modes (DDP hook, FSDP)
+    localsgd_default: Any  # LocalSGD (it synchronises once per H steps, so it may measure each time)
+    minimum: int | None  # whole numbers: the least value (0 turns it off); None: resolved elsewhere
+    meaning: str
+
+
+SETTINGS: dict[str, Setting] = {s.name: s for s in (
+    Setting("plan", "FASTML_PLAN", DEFAULT_RECIPE, DEFAULT_RECIPE, None,
+            "recipe name or plan JSON (resolved by fastml_strategy.config.resolve_plan)"),
+    Setting("check_replicas_every", "FASTML_CHECK_REPLICAS_EVERY", 0, 0, 0,
+            "compare parameter checksums across ranks every N steps (DDP; 0: off)"),
+    Setting("layer_stats_every", "FASTML_LAYER_STATS_EVERY", LAYER_STATS_EVERY, LAYER_STATS_EVERY_LOCALSGD, 0,
+            "measure per-layer compression error every N steps (0: off)"),
+)}
+# LocalSGD's settings (every, outer, outer_lr, outer_momentum, fragments, delay): defaults from LocalSteps,
+# the one source; resolved with the plan's recorded local_steps by fastml_strategy.localsgd.resolve_settings.
+SETTINGS.update({name: Setting(name, f"FASTML_LOCALSGD_{name.upper()}", None, default, None,
+                               "LocalSGD (resolved by fastml_strategy.localsgd.resolve_settings)")
+                 for name, default in LocalSteps().kwargs().items()})
+
+
+def setting(name: str, value: Any, *, owner: str, localsgd: bool = False, default: Any = ...) -> Any:
+    """The whole-number setting ``name`` of :data:`SETTINGS`: ``value`` if not None, else its variable
+    if set, else its default (LocalSGD's with ``localsgd=True``; ``default`` overrides both), checked
+    by one rule whose error names ``owner``."""
+    row = SETTINGS[name]
+    if row.minimum is None:
+        raise KeyError(f"{name} is not resolved here; {row.meaning}")
+    if default is ...:
+        default = row.localsgd_default if localsgd else row.default
+    return env_whole_number(row.variable, value, default, row.minimum, owner=owner)
+
+
+# -- the wrapped model ----------------------------------------------------------------------------------------
+def unwrap(model: Any) -> Iterator[Any]:
+    """The model and what torch.compile wraps (``OptimizedModule._orig_mod``, private: torch has no
+    public accessor), outermost first. tests/test_upstream_internals.py fails if torch renames it."""
+    seen = 0
+    while model is not None and seen < 4:  # torch.compile(DDP(model)) keeps DDP in _orig_mod
+        yield model
+        if type(model).__name__ == "OptimizedModule" and not hasattr(model, "_orig_mod"):
+            log.warning("FastML: torch.compile's OptimizedModule has no _orig_mod in torch %s (torch "
+                        "internals changed): FastML cannot find the DDP/FSDP model inside it and will not "
+                        "compress; call fastml_strategy.accelerate.setup before torch.compile", torch.__version__)
+        model = getattr(model, "_orig_mod", None)
+        seen += 1
+
+
+def find_ddp(model: Any) -> torch.nn.parallel.DistributedDataParallel | None:
+    """The ``DistributedDataParallel`` wrapper of ``model`` (itself, or inside torch.compile), or None."""
+    return next((m for m in unwrap(model) if isinstance(m, torch.nn.parallel.DistributedDataParallel)), None)
+
+
+def find_fsdp2(model: Any) -> torch.nn.Module | None:
+    """The FSDP2 root (an ``FSDPModule``: Accelerate's ``fsdp_version: 2`` or your own ``fully_shard``)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return None
+    return next((m for m in unwrap(model) if isinstance(m, FSDPModule)), None)
+
+
+def is_fsdp1(model: Any) -> bool:
+    """Whether ``model`` holds FSDP1 ``FullyShardedDataParallel`` modules (which FastML does not compress)."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(model, torch.nn.Module) and any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+
+
+# -- metrics ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MetricKeys:
+    """How one framework names and measures the figures it logs (users' dashboards depend on the names)."""
+
+    bytes_per_step: str  # key of this rank's bytes on the wire per step since the mark
+    layer_error: str  # key prefix of a layer's relative compression error
+    interval_ratio: bool  # compression ratio over the interval since the mark (else over the whole run)
+    idle_bytes: float | None  # bytes_per_step of an interval without steps (None: not logged)
+    extras: tuple[str, ...]  # figures of stats() logged as they are, when the state has them
+
+
+LIGHTNING_KEYS = MetricKeys("bytes_sent_per_step", "rel_error/", interval_ratio=False, idle_bytes=None,
+                            extras=("residual_bytes",))  # FSDP's error-feedback memory
+TRAINER_KEYS = MetricKeys("bytes_per_step", "error/", interval_ratio=True, idle_bytes=0.0,
+                          extras=("ratio_vs_ddp",))  # LocalSGD: bytes against DDP's fp32 all-reduce
+
+
+def counters(stats: dict) -> tuple[int, int, float]:
+    """``(steps, bytes_sent, bytes_uncompressed)`` of a state's ``stats()`` (LocalSGD: inner steps): the
+    mark that :func:`metrics` measures an interval from."""
+    steps = stats.get("steps", stats.get("inner_steps", 0))
+    return int(steps), int(stats["bytes_sent"]), float(stats["bytes_uncompressed"])
+
+
+def layer_errors(stats: dict, key: str) -> dict[str, float]:
+    """Each layer's relative compression error under ``key + name``; layers sent as fp32 are exact, and
+    NaN means not measured yet: neither is logged."""
+    out = {}
+    for name, row in stats.get("layers", {}).items():
+        err = row.get("rel_error", float("nan"))
+        err = float(err) if isinstance(err, (int, float)) else float("nan")
+        if row.get("codec") != "fp32" and math.isfinite(err):
+            out[f"{key}{name}"] = err
+    return out
+
+
+def metrics(stats: dict, keys: MetricKeys, *, since: tuple = (0, 0, 0.0), layers: bool = True,
+            prefix: str = "fastml/") -> dict[str, float]:
+    """The scalars a logger receives from a state's ``stats()``: the compression ratio, bytes per step
+    since ``since`` (:func:`counters` at the mark), the ``keys.extras`` the state has and, with
+    ``layers``, each lossy layer's relative error; named as ``keys`` says."""
+    steps, sent, unc = counters(stats)
+    d_steps, d_sent = steps - since[0], sent - since[1]
+    d_unc = unc - (since[2] if len(since) > 2 else 0.0)
+    if keys.interval_ratio and d_sent > 0:  # (an interval without communication: the run's ratio)
+        ratio = d_unc / d_sent
+    else:
+        ratio = float(stats["compression_ratio"])
+    out = {f"{prefix}compression_ratio": ratio}
+    if d_steps > 0:
+        out[f"{prefix}{keys.bytes_per_step}"] = d_sent / d_steps
+    elif keys.idle_bytes is not None:
+        out[f"{prefix}{keys.bytes_per_step}"] = keys.idle_bytes
+    for name in keys.extras:
+        if name in stats:
+            out[f"{prefix}{name}"] = float(stats[name])
+    if layers:
+        out.update(layer_errors(stats, f"{prefix}{keys.layer_error}"))
+    return out
