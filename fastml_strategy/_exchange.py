@@ -60,8 +60,9 @@ class ChunkExchange:
     @staticmethod
     def wait(work) -> None:
         """Wait for one of the asynchronous collectives. A caller whose ranks meet in several groups
-        (HSDP) replaces it by :meth:`fastml_strategy._peers.FailureChannel.wait`, which also raises as
-        soon as a rank of another group has failed."""
+        (HSDP, the hierarchical all-reduce) replaces it by
+        :meth:`fastml_strategy._peers.FailureChannel.wait`, which also raises as soon as a rank of
+        another group has failed."""
         work.wait()
 
     # -- layouts and residuals (the store's) -----------------------------------------------------------
