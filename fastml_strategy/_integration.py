@@ -11,10 +11,11 @@ key styles below, instead of assembling each again::
 
 Settings: each has one keyword, one ``FASTML_*`` variable (the keyword in capitals), one default per
 mode and one rule (:func:`~fastml_strategy._validate.env_whole_number`). The plan (``FASTML_PLAN``) is
-resolved by :func:`fastml_strategy.config.resolve_plan` and LocalSGD's settings
-(``FASTML_LOCALSGD_*``, defaults from :class:`~fastml_strategy.config.LocalSteps`) by
-:func:`fastml_strategy.localsgd.resolve_settings`; both are listed in :data:`SETTINGS` too, so the
-table names every variable an adapter reads.
+resolved by :func:`fastml_strategy.config.resolve_plan` and LocalSGD's settings (``FASTML_LOCALSGD_*``)
+by :func:`resolve_local_steps`, the one reader of those variables (defaults and checks from
+:class:`~fastml_strategy.config.LocalSteps`; :func:`fastml_strategy.localsgd.resolve_settings` is the
+public name); both are listed in :data:`SETTINGS` too, so the table names every variable an adapter
+reads.
 
 Metrics: the keys users see differ between frameworks (Lightning logs ``fastml/bytes_sent_per_step``
 and ``fastml/rel_error/<layer>``, the Hugging Face Trainer ``fastml/bytes_per_step`` and
@@ -26,13 +27,14 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 
 from fastml_strategy._validate import LAYER_STATS_EVERY, LAYER_STATS_EVERY_LOCALSGD, env_whole_number
-from fastml_strategy.config import DEFAULT_RECIPE, LocalSteps
+from fastml_strategy.config import DEFAULT_RECIPE, LOCAL_STEPS_MINIMUM, LocalSteps, Plan, check_local_steps
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +60,12 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("layer_stats_every", "FASTML_LAYER_STATS_EVERY", LAYER_STATS_EVERY, LAYER_STATS_EVERY_LOCALSGD, 0,
             "measure per-layer compression error every N steps (0: off)"),
 )}
-# LocalSGD's settings (every, outer, outer_lr, outer_momentum, fragments, delay): defaults from LocalSteps,
-# the one source; resolved with the plan's recorded local_steps by fastml_strategy.localsgd.resolve_settings.
-SETTINGS.update({name: Setting(name, f"FASTML_LOCALSGD_{name.upper()}", None, default, None,
+# LocalSGD's settings (every, fragments, delay, outer, outer_lr, outer_momentum), in LocalSteps' order:
+# defaults and least values from LocalSteps (fastml_strategy.config), the one source; resolved with the
+# plan's recorded local_steps by resolve_local_steps.
+LOCAL_STEPS: tuple[str, ...] = tuple(LocalSteps().kwargs())
+SETTINGS.update({name: Setting(name, f"FASTML_LOCALSGD_{name.upper()}", None, default,
+                               LOCAL_STEPS_MINIMUM.get(name),
                                "LocalSGD (resolved by fastml_strategy.localsgd.resolve_settings)")
                  for name, default in LocalSteps().kwargs().items()})
 
@@ -70,11 +75,55 @@ def setting(name: str, value: Any, *, owner: str, localsgd: bool = False, defaul
     if set, else its default (LocalSGD's with ``localsgd=True``; ``default`` overrides both), checked
     by one rule whose error names ``owner``."""
     row = SETTINGS[name]
-    if row.minimum is None:
+    if row.minimum is None or name in LOCAL_STEPS:
         raise KeyError(f"{name} is not resolved here; {row.meaning}")
     if default is ...:
         default = row.localsgd_default if localsgd else row.default
     return env_whole_number(row.variable, value, default, row.minimum, owner=owner)
+
+
+def from_environment(name: str, *, owner: str) -> Any:
+    """The variable of setting ``name`` (:data:`SETTINGS`) as the setting's type, or None when it is
+    unset or blank. Whole numbers go through :func:`~fastml_strategy._validate.env_whole_number` (one
+    rule and message for every FASTML_* variable, against the row's least value); a setting whose
+    default is a name (``outer``) is the text itself, any other a number (``outer_lr``)."""
+    row = SETTINGS[name]
+    if row.minimum is not None:
+        return env_whole_number(row.variable, None, None, row.minimum, owner=owner)
+    raw = os.environ.get(row.variable, "").strip()
+    if not raw or isinstance(row.localsgd_default, str):
+        return raw or None
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{row.variable}={raw!r} is not a number; set it like "
+                         f"{row.variable}={row.localsgd_default}, or unset it") from None
+
+
+def resolve_local_steps(plan: Any = None, *, owner: str = "LocalSGD", **given: Any) -> tuple[Plan, dict]:
+    """The plan and LocalSGD's settings (:data:`LOCAL_STEPS`): each is the argument in ``given``, else
+    its ``FASTML_LOCALSGD_<NAME>`` variable, else what the plan records (``Plan.local_steps``, written
+    by ``fastml-autotune``), else :class:`~fastml_strategy.config.LocalSteps`' default. ``plan`` None
+    reads ``FASTML_PLAN`` (default int4). Checked at once by
+    :func:`~fastml_strategy.config.check_local_steps` (errors begin with ``owner``): the same error on
+    every process, before any process group exists."""
+    from fastml_strategy.config import resolve_plan
+
+    unknown = sorted(set(given) - set(LOCAL_STEPS))
+    if unknown:
+        raise TypeError(f"LocalSGD settings {unknown} are not known; use {sorted(LOCAL_STEPS)}")
+    resolved = resolve_plan(plan)
+    recorded = resolved.local_steps.kwargs() if resolved.local_steps is not None else {}
+    out = {}
+    for name in LOCAL_STEPS:
+        value = given.get(name)
+        if value is None:
+            value = from_environment(name, owner=owner)
+        if value is None:
+            value = recorded.get(name, SETTINGS[name].localsgd_default)
+        out[name] = value
+    check_local_steps(**out, owner=owner)
+    return resolved, out
 
 
 # -- the wrapped model ----------------------------------------------------------------------------------------

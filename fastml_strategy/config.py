@@ -204,14 +204,18 @@ def _q(bits: int, **kw: Any) -> CodecConfig:
 OUTER_OPTIMIZERS = ("nesterov", "sgd")
 
 
+# The least value of each whole-number local-step setting: what :func:`check_local_steps` requires,
+# and what a FASTML_LOCALSGD_<NAME> variable is checked against (fastml_strategy._integration).
+LOCAL_STEPS_MINIMUM: dict[str, int] = {"every": 1, "fragments": 1, "delay": 0}
+
+
 def check_local_steps(every: Any, fragments: Any, delay: Any, outer: Any, outer_lr: Any, outer_momentum: Any,
                       owner: str = "local_steps") -> None:
     """Raise ValueError, naming the setting and what to use, for local-step settings no model can take:
     the one check of :class:`LocalSteps` (which runs it on itself) and of LocalSGD's arguments
     (:func:`fastml_strategy.localsgd.check_arguments`). ``owner`` begins the message."""
-    whole_number("every", every, owner=owner)
-    whole_number("fragments", fragments, owner=owner)
-    whole_number("delay", delay, 0, owner=owner)
+    for name, value in (("every", every), ("fragments", fragments), ("delay", delay)):
+        whole_number(name, value, LOCAL_STEPS_MINIMUM[name], owner=owner)
     if outer not in OUTER_OPTIMIZERS:
         raise ValueError(f"{owner}: outer={outer!r}; use one of {list(OUTER_OPTIMIZERS)}")
     for name, v in (("outer_lr", outer_lr), ("outer_momentum", outer_momentum)):

@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
 from typing import Any, Optional
 
 import torch
@@ -81,7 +80,8 @@ import torch.distributed as dist
 from fastml_strategy._checkpoint import (STATE_FORMAT_VERSION, check_saved_state, check_state_kind,
                                          fitting_residuals, gather_states, gather_to_rank_zero, own_rank_state)
 from fastml_strategy._distributed import agreed_machines, agreed_plan, default_group_timeout, model_names
-from fastml_strategy._validate import LAYER_STATS_EVERY_LOCALSGD, env_whole_number, whole_number
+from fastml_strategy._integration import resolve_local_steps
+from fastml_strategy._validate import LAYER_STATS_EVERY_LOCALSGD, whole_number
 from fastml_strategy.collective import CompressedAllReduce, CompressionError, DecodeError, StepChecks
 from fastml_strategy.config import OUTER_OPTIMIZERS, LocalSteps, Plan, check_local_steps
 
@@ -119,7 +119,8 @@ def _fsdp_island(model: torch.nn.Module) -> Optional[list]:
 
 OUTER = OUTER_OPTIMIZERS
 # LocalSGD's defaults (DiLoCo's outer step), from LocalSteps: the settings the framework adapters take by
-# name (Lightning, Fabric, Accelerate); FASTML_LOCALSGD_<NAME> supplies one when the argument is None.
+# name (Lightning, Fabric, Accelerate); FASTML_LOCALSGD_<NAME> supplies one when the argument is None
+# (resolve_settings).
 _DEFAULT = LocalSteps()
 SETTINGS: dict[str, Any] = _DEFAULT.kwargs()
 
@@ -136,49 +137,14 @@ def check_arguments(every: int, outer: str, outer_lr: float, outer_momentum: flo
         raise ValueError(f"LocalSGD: mix={mix!r}; use a number in (0, 1] (1: replicas identical)")
 
 
-# The least value of each whole-number setting (as check_arguments requires it).
-_WHOLE_MINIMUM = {"every": 1, "fragments": 1, "delay": 0}
-
-
-def _from_env(name: str) -> Any:
-    """``FASTML_LOCALSGD_<NAME>`` as the setting's type, or None when it is unset or blank. Whole numbers
-    go through :func:`~fastml_strategy._validate.env_whole_number` (one rule and message for every
-    FASTML_* variable); ``outer`` is a name, ``outer_lr``/``outer_momentum`` are numbers."""
-    var = f"FASTML_LOCALSGD_{name.upper()}"
-    if name in _WHOLE_MINIMUM:
-        return env_whole_number(var, None, None, _WHOLE_MINIMUM[name], owner="LocalSGD")
-    raw = os.environ.get(var, "").strip()
-    if not raw or isinstance(SETTINGS[name], str):
-        return raw or None
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{var}={raw!r} is not a number; set it like {var}={SETTINGS[name]}, or unset it") from None
-
-
 def resolve_settings(plan: Any = None, **given: Any) -> tuple[Plan, dict]:
     """The plan and the settings (``SETTINGS``' names) for a LocalSGD an adapter will build: each is the
     argument, else ``FASTML_LOCALSGD_<NAME>`` (``FASTML_LOCALSGD_EVERY=100``), else what the plan records
     (``Plan.local_steps``, written by ``fastml-autotune``), else LocalSGD's default. ``plan`` None reads
-    ``FASTML_PLAN`` (default int4). Checked at once (:func:`check_arguments`): the same error on every
-    process, before any process group exists."""
-    from fastml_strategy.config import resolve_plan
-
-    unknown = sorted(set(given) - set(SETTINGS))
-    if unknown:
-        raise TypeError(f"LocalSGD settings {unknown} are not known; use {sorted(SETTINGS)}")
-    resolved = resolve_plan(plan)
-    recorded = resolved.local_steps.kwargs() if resolved.local_steps is not None else {}
-    out = {}
-    for name, default in SETTINGS.items():
-        value = given.get(name)
-        if value is None:
-            value = _from_env(name)
-        if value is None:
-            value = recorded.get(name, default)
-        out[name] = value
-    check_arguments(**out)
-    return resolved, out
+    ``FASTML_PLAN`` (default int4). Checked at once (:func:`check_arguments`' rules): the same error on
+    every process, before any process group exists. The adapters' settings table reads the variables
+    (:func:`fastml_strategy._integration.resolve_local_steps`)."""
+    return resolve_local_steps(plan, owner="LocalSGD", **given)
 
 
 def machine_group(ranks_per_node: Optional[int] = None) -> Any:

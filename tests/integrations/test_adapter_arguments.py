@@ -78,6 +78,12 @@ def test_localsgd_variables_are_checked_by_type_and_name_the_variable(monkeypatc
         with pytest.raises(ValueError, match=message):
             resolve_settings("int4")
         monkeypatch.delenv(var)
+    # blanks are ignored and whitespace around a value is not part of it
+    monkeypatch.setenv("FASTML_LOCALSGD_EVERY", "  ")
+    monkeypatch.setenv("FASTML_LOCALSGD_DELAY", " 3 ")
+    monkeypatch.setenv("FASTML_LOCALSGD_OUTER", " ")
+    assert resolve_settings("int4")[1] == {
+        "every": 50, "fragments": 1, "delay": 3, "outer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.9}
 
 
 def test_compression_stats_before_fit_says_when_they_exist():
@@ -225,3 +231,16 @@ def test_the_settings_table_names_every_variable_and_default(monkeypatch):
         setting("layer_stats_every", -1, owner="X")
     assert {n: SETTINGS[n].localsgd_default for n in LocalSteps().kwargs()} == LocalSteps().kwargs()
     assert SETTINGS["every"].variable == "FASTML_LOCALSGD_EVERY"
+    # the table's least values are LocalSteps' own (every >= 1, delay >= 0), and the table's resolver is
+    # what LocalSGD's public resolve_settings runs
+    from fastml_strategy._integration import resolve_local_steps
+    from fastml_strategy.localsgd import resolve_settings
+
+    assert (SETTINGS["every"].minimum, SETTINGS["fragments"].minimum, SETTINGS["delay"].minimum) == (1, 1, 0)
+    for name, least in (("every", 1), ("delay", 0)):
+        with pytest.raises(ValueError, match=f"{name}=-1; use a whole number >= {least}"):
+            LocalSteps(**{name: -1})
+    monkeypatch.setenv("FASTML_LOCALSGD_EVERY", "7")
+    assert resolve_local_steps("int4")[1] == resolve_settings("int4")[1] == {**LocalSteps().kwargs(), "every": 7}
+    with pytest.raises(KeyError, match="resolve_settings"):
+        setting("every", None, owner="X")  # LocalSGD's settings are resolved together, with the plan
