@@ -57,6 +57,11 @@ class ChunkExchange:
         self.bytes_uncompressed = 0.0  # what the uncompressed collective would have sent
         self.layer_error: dict[str, float] = {}  # relative error of each layer's last measured encoding
 
+    def load_counters(self, counters: dict) -> None:
+        """Take the statistics a checkpoint saved (``bytes_sent``, ``bytes_uncompressed``; absent: 0)."""
+        self.bytes_sent = int(counters.get("bytes_sent", 0))
+        self.bytes_uncompressed = float(counters.get("bytes_uncompressed", 0.0))
+
     @staticmethod
     def wait(work) -> None:
         """Wait for one of the asynchronous collectives. A caller whose ranks meet in several groups

@@ -184,6 +184,15 @@ class HierarchicalAllReduce:
     def load_residuals(self, residuals: dict[str, torch.Tensor]) -> None:
         self.cross.load_residuals(residuals)
 
+    def load_counters(self, counters: dict) -> None:
+        """Take the statistics a checkpoint saved: ``bytes_sent_intra``, ``bytes_sent_inter`` (a state
+        saved by the flat path: its ``bytes_sent``, all counted across machines),
+        ``bytes_uncompressed``; absent: 0."""
+        self.bytes_sent_intra = int(counters.get("bytes_sent_intra", 0))
+        self.cross.bytes_sent = int(counters.get("bytes_sent_inter", counters.get("bytes_sent", 0)))
+        self.world.bytes_sent = 0
+        self.bytes_uncompressed = float(counters.get("bytes_uncompressed", 0.0))
+
     def part_sizes(self, sizes: dict[str, int]) -> dict[str, int]:
         """name -> elements of this rank's part of each parameter (the size of its saved residual)."""
         R, l = self.topo.ranks_per_node, self.topo.local_rank
@@ -266,6 +275,37 @@ class HierarchicalAllReduce:
     def commit(self, lay: HierLayout) -> None:
         if lay.shard is not None:
             self.cross.commit(lay.shard)
+
+    # -- shards already split by machine (an FSDP2 island) -------------------------------------------
+    @torch.no_grad()
+    def reduce_shards(self, names, offsets, numels, full_numels, buf: torch.Tensor, step: int,
+                      layer_stats: bool = False, baseline_elem_size: int = 4) -> bool:
+        """Replace ``buf``, this rank's shards of parameters ``names`` (``numels`` elements at
+        ``offsets``; ``full_numels``: the whole parameters', which choose each codec as on the flat
+        path), by their compressed mean with local rank ``l`` of every other machine, which holds the
+        same shards: step 3 alone, since the machine already split the parameters (an FSDP2 island:
+        nothing to reduce-scatter or gather inside it). Then every rank of the world agrees (as
+        :meth:`finish` with ``exchange``): an error anywhere raises the same :class:`CompressionError`
+        everywhere. Returns whether every rank's result was finite; the residuals (on the shards) are
+        committed only then. A collective of every rank: a rank whose shards are all empty still
+        takes part in the agreement. ``bytes_uncompressed`` counts a flat fp32 all-reduce of the
+        whole parameters over all W ranks, as :meth:`start` does."""
+        keep = [i for i, k in enumerate(numels) if k > 0]
+        checks = StepChecks()
+        lay = None
+        if keep:
+            lay = self.cross.layout_for([names[i] for i in keep], [offsets[i] for i in keep],
+                                        [numels[i] for i in keep], buf.device, buf.dtype,
+                                        plan_numels=[full_numels[i] for i in keep])
+            tail = self.cross.start(lay, buf, step, layer_stats, checks)
+            if tail is not None:
+                tail()
+        finite = self.finish(checks, buf.device, exchange=True)
+        if finite and lay is not None:
+            self.cross.commit(lay)
+        W = self.world_size
+        self.bytes_uncompressed += 2.0 * (W - 1) / W * baseline_elem_size * sum(full_numels)
+        return finite
 
     # -- end of step ---------------------------------------------------------------------------------
     @torch.no_grad()

@@ -587,14 +587,7 @@ class FastMLState:
             sizes = self._engine.part_sizes(sizes)
         residuals = fitting_residuals(saved_residuals, sizes, strict, "FastMLState")
         self.step = int(sd["step"])
-        counters = sd.get("counters", {})
-        if self.hierarchical:
-            self._engine.bytes_sent_intra = int(counters.get("bytes_sent_intra", 0))
-            inter = int(counters.get("bytes_sent_inter", counters.get("bytes_sent", 0)))
-            self._engine.cross.bytes_sent, self._engine.world.bytes_sent = inter, 0
-        else:
-            self._engine.bytes_sent = int(counters.get("bytes_sent", 0))
-        self._engine.bytes_uncompressed = float(counters.get("bytes_uncompressed", 0.0))
+        self._engine.load_counters(sd.get("counters", {}))
         self._engine.load_residuals(residuals)
 
     def close(self) -> None:
