@@ -82,6 +82,7 @@ from fastml_strategy._checkpoint import (STATE_FORMAT_VERSION, check_saved_state
                                          fitting_residuals, gather_states, gather_to_rank_zero, own_rank_state)
 from fastml_strategy._distributed import agreed_machines, agreed_plan, default_group_timeout, model_names
 from fastml_strategy._integration import resolve_local_steps
+from fastml_strategy._peers import FailureChannel
 from fastml_strategy._validate import LAYER_STATS_EVERY_LOCALSGD, whole_number
 from fastml_strategy.collective import CompressedAllReduce, CompressionError, DecodeError, StepChecks
 from fastml_strategy.config import OUTER_OPTIMIZERS, LocalSteps, Plan, check_local_steps
@@ -362,6 +363,16 @@ class LocalSGD:
         else:  # one replica per rank, or one machine (nothing crosses machines; DDP averages it all)
             self._engine = CompressedAllReduce(self.plan, process_group, self.rank, self.world_size)
         self._hier = not isinstance(self._engine, CompressedAllReduce)
+        # Islands on CPU (gloo): ranks meet in groups that do not all hold one another, so a rank that
+        # fails publishes it in the job's store and every wait of the synchronisation reads it
+        # (fastml_strategy._peers). Without it, when rank 3 of two machines of two dies, rank 1 (its
+        # counterpart) sees the closed connection, but rank 0 meets rank 2 across machines, which
+        # failed in the island's own collective and never issues its part: rank 0 waited for the
+        # whole group timeout. (A collective: rank 0 draws the key. NCCL's wait does not block.)
+        self._channel: Optional[FailureChannel] = None
+        if groups and not any(p.is_cuda for _, p in named):
+            self._channel = FailureChannel(process_group, self.rank)
+            self._engine.use_channel(self._channel)
         # one thread issues the fragments' collectives in order (every rank in the same order)
         self._runner = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastml-localsgd")
         self.inner_steps = 0
@@ -439,7 +450,17 @@ class LocalSGD:
         return out
 
     def _all_reduce(self, frag: _Fragment, delta: torch.Tensor, outer_step: int) -> tuple:
-        """Runs on the communication thread: the compressed mean of ``delta`` over the ranks."""
+        """Runs on the communication thread: the compressed mean of ``delta`` over the ranks. A failure
+        is published at once (islands: :attr:`_channel`), not when the main thread next waits for
+        this fragment, which may be ``delay`` inner steps later."""
+        try:
+            return self._reduce(frag, delta, outer_step)
+        except BaseException as e:
+            if self._channel is not None:  # ranks of other groups stop waiting for this one
+                self._channel.publish(f"{type(e).__name__}: {e}")
+            raise
+
+    def _reduce(self, frag: _Fragment, delta: torch.Tensor, outer_step: int) -> tuple:
         eng = self._engine
         if delta.is_cuda:
             torch.cuda.set_device(delta.device)  # the current device is per thread

@@ -157,6 +157,68 @@ def test_hierarchical_dead_or_stalled_rank_fails_every_other_rank_fast(tmp_path)
     _check_fault_results(results, 4, "exit", 2, within=DEATH_TIMEOUT / 3)
 
 
+# LocalSGD on FSDP2 islands: the init timeout (every group LocalSGD and the island use inherits it), long
+# enough that a survivor that waited for it instead of hearing of the failure fails the bound below
+ISLAND_TIMEOUT = 30
+
+
+def _fsdp_island_death(rank, world_size, marks):
+    """Two machines of two ranks, FSDP2 inside each, LocalSGD (int4, every 2) across: rank 3 dies
+    before its inner step 3 (index 2). Its machine peer (rank 2) fails in FSDP's own all-gather, rank 1
+    (its counterpart across machines) at the next synchronisation (inner step 4). Rank 0 meets rank 2
+    there, which has raised and never issues its part: rank 0 must hear of rank 1's failure through
+    the failure channel instead of waiting for the group timeout. A survivor that raised stays alive
+    (``marks``) until every survivor has, so that none learns of the failure from another's exit."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    import fastml_strategy as fm
+    from fastml_strategy.localsgd import machine_group
+
+    mesh = DeviceMesh.from_group(machine_group(ranks_per_node=2), "cpu")
+    model = mlp()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    local = fm.LocalSGD(model, opt, every=2, plan="int4")
+    t0 = time.monotonic()
+    for step in range(6):
+        if step == 2:
+            t0 = time.monotonic()
+            if rank == 3:
+                os._exit(17)  # between two synchronisations, before its forward
+        try:
+            loss_of(model, rank, step).backward()
+            opt.step()
+            opt.zero_grad()
+            local.step()
+        except Exception as e:  # noqa: BLE001
+            report = {"step": step, **_error_report(e, t0)}
+            open(os.path.join(marks, str(rank)), "w").close()
+            deadline = time.monotonic() + 60
+            while len(os.listdir(marks)) < world_size - 1 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            return report
+    return {"step": None}
+
+
+def test_fsdp_island_rank_death_fails_every_other_rank_fast(tmp_path):
+    results = run_workers(_fsdp_island_death, 4, str(tmp_path), timeout=120, pg_timeout=ISLAND_TIMEOUT,
+                          allow_deaths=True)
+    assert results[3][0] == "died", results[3]
+    status, res = results[2]  # FSDP's all-gather with the dead rank: gloo's own error, at once
+    assert status == "ok" and res["step"] == 2 and res["elapsed"] < ISLAND_TIMEOUT / 3, res
+    for r in (0, 1):  # at the synchronisation after inner step 4, FastML's error
+        status, res = results[r]
+        assert status == "ok" and res["step"] == 3, (r, res)
+        assert res["type"] == "CompressionError" and "restart from the last checkpoint" in res["msg"], res
+        assert res["elapsed"] < ISLAND_TIMEOUT / 3, (r, res)  # not the group timeout
+    # rank 1 saw the closed connection; rank 0 heard of rank 1's failure through the failure channel
+    assert "another rank failed" in results[0][1]["msg"] and "rank 1" in results[0][1]["msg"], results[0]
+
+
 # -- an exception inside compression on one rank only -------------------------------------------------------
 def _encoder_raises(rank, world_size, stage, ranks_per_node=None):
     import fastml_strategy.codecs as codecs
