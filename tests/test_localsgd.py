@@ -420,6 +420,47 @@ def _fsdp_islands(rank, island):
     out["reloaded"] = all(torch.equal(again._engine.residuals()[n], v) for n, v in sd["residuals"].items())
     again.close()
     local.close()
+    # a setting that differs on one rank (rank 3) is refused on every rank, before any inner step
+    for key, value in (("every", 3), ("outer_lr", 0.5)):
+        try:
+            fm.LocalSGD(sharded(0), None, plan=plan, **{key: value if rank == 3 else fm.LocalSteps().kwargs()[key]})
+            out[f"differ_{key}"] = None
+        except ValueError as e:
+            out[f"differ_{key}"] = str(e)
+    out["nonfinite"] = _fsdp_island_nonfinite(rank, sharded(5), plan)
+    return out
+
+
+def _fsdp_island_nonfinite(rank, model, plan):
+    """An inf in rank 0's shard at the second of three synchronisations (every 2): as for a DDP island
+    or one replica per rank, every rank skips that outer step alike and keeps its residuals, rank 0
+    takes the shared values back, and training goes on."""
+    import fastml_strategy as fm
+
+    inner = torch.optim.SGD(model.parameters(), lr=0.05)
+    local = fm.LocalSGD(model, inner, every=2, plan=plan)
+    out = {}
+    for step in range(6):
+        x, y = _batch(rank, step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        inner.step()
+        inner.zero_grad()
+        if step == 3:
+            before = {n: v.clone() for n, v in local._engine.residuals().items()}
+            shared_before = [a.detach().clone() for a in local._anchor.values()]
+            if rank == 0:
+                with torch.no_grad():
+                    next(model.parameters()).to_local().view(-1)[0] = float("inf")
+        local.step()
+        if step == 3:
+            after = local._engine.residuals()
+            out["residuals_kept"] = bool(before) and all(torch.equal(before[n], after[n]) for n in before)
+            out["shared_kept"] = all(torch.equal(a, b) for a, b in zip(shared_before, local._anchor.values()))
+            out["finite_after_skip"] = all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters())
+    s = local.stats()
+    out.update(nonfinite_syncs=s["nonfinite_syncs"], outer_steps=s["outer_steps"],
+               shards=torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()]).tolist())
+    local.close()
     return out
 
 
@@ -600,6 +641,17 @@ def test_diloco_islands_ddp_inside_a_machine_local_steps_across():
         assert f["stats"]["bytes_sent_inter"] > 0 and f["stats"]["compression_ratio"] > 4, f["stats"]
         assert f["res_numel"] == f["shard_numel"] and f["reloaded"], f
         assert "sharded with FSDP2 over every rank" in f["all"] and "machine_group()" in f["all"], f["all"]
+        # a different setting on one rank: the same error on every rank, naming each rank's value
+        assert f["differ_every"] == res[0]["fsdp"]["differ_every"], f
+        assert "different every (rank 0: 50, rank 1: 50, rank 2: 50, rank 3: 3)" in f["differ_every"], f
+        assert f["differ_outer_lr"] == res[0]["fsdp"]["differ_outer_lr"], f
+        assert "different outer_lr (rank 0: 0.7, rank 1: 0.7, rank 2: 0.7, rank 3: 0.5)" in f["differ_outer_lr"]
+        # an inf in rank 0's shard: that outer step skipped on every rank, residuals and shared values
+        # kept, and after the next synchronisation local rank l's shards agree across machines again
+        nf = f["nonfinite"]
+        assert nf["nonfinite_syncs"] == 1 and nf["outer_steps"] == 3, nf
+        assert nf["residuals_kept"] and nf["shared_kept"] and nf["finite_after_skip"], nf
+        assert nf["shards"] == res[r % 2]["fsdp"]["nonfinite"]["shards"], (r, nf)
     # error feedback on this rank's part only: the two local ranks' parts of each parameter add up to it
     for machine in (0, 2):
         mine, peer = res[machine]["res_numel"], res[machine + 1]["res_numel"]
