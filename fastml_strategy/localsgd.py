@@ -367,7 +367,7 @@ class LocalSGD:
         # fails publishes it in the job's store and every wait of the synchronisation reads it
         # (fastml_strategy._peers). Without it, when rank 3 of two machines of two dies, rank 1 (its
         # counterpart) sees the closed connection, but rank 0 meets rank 2 across machines, which
-        # failed in the island's own collective and never issues its part: rank 0 waited for the
+        # failed in the island's own collective and never issues its part: rank 0 would wait for the
         # whole group timeout. (A collective: rank 0 draws the key. NCCL's wait does not block.)
         self._channel: Optional[FailureChannel] = None
         if groups and not any(p.is_cuda for _, p in named):
