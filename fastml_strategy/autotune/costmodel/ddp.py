@@ -7,29 +7,42 @@
    small enough to underuse an accelerator).
 2. Buckets. Gradients are grouped the way DDP does (reverse parameter order, a 1 MiB first bucket, then
    25 MiB); a bucket is ready when its last gradient is (measured with post-accumulate-grad hooks).
-3. Wire time of a bucket = ``rounds * a + bytes / B``: ``bytes`` sums ``codecs.wire_bytes`` (per-rank
-   traffic: ``2(N-1)/N`` of the compressed size for scatter-reduce-allgather and ring all-reduce,
-   ``(N-1)`` messages for top-k's all_gather, with the codec's own dense fallback at large ``N``);
-   ``rounds = 2(N-1)``: the hook's two collectives per bucket (all_to_all, all_gather), or DDP's ring
-   all-reduce. With a measured link, ``a`` and ``1/B`` are the fitted alpha and beta of timed
+3. Wire. Each bucket is priced as the hook sends it, by the function the hook's layouts are built
+   from (:func:`fastml_strategy._layouts.bucket_wire`; no sizes are restated here): the same groups
+   (one per compressed layer, the uncompressed tensors batched), cut into the same pipeline pieces of
+   about :data:`~fastml_strategy._layouts.PIECE_NUMEL` elements, each piece one all_to_all and one
+   all_gather whose message to every destination starts with a
+   :data:`~fastml_strategy._status.HEADER`-byte header, the all_gather padded to its largest chunk,
+   the bucket's top-k messages in its last piece's all_gather (per-rank traffic about ``2(N-1)/N``
+   of the compressed size for scatter-reduce-allgather, ``(N-1)`` messages for top-k, with the
+   codec's own dense fallback at large ``N``); a bucket with nothing to compress is one plain
+   all-reduce (``2(N-1)/N`` of its fp32 bytes). The bytes equal the hook's ``bytes_sent`` per step
+   (:func:`ddp_bytes_per_rank` for one rank; ``StepBreakdown.bytes_per_rank`` is the mean over
+   ranks). Wire time of a piece = ``2(N-1) a + bytes / B`` (its two collectives, or DDP's ring
+   all-reduce). With a measured link, ``a`` and ``1/B`` are the fitted alpha and beta of timed
    collectives (so link sharing between ranks is already in them).
-4. Overlap. One communication thread takes buckets in order as they become ready and, per bucket,
-   encodes/decodes then transfers. Encoding shares the processor with the backward pass, so backward
-   ends ``T_codec`` later; the step's communication ends when the thread finishes its last bucket,
-   never before that bucket's own encode and transfer. Exposed = what ends after the (stretched)
-   backward pass.
+4. Overlap. One communication thread takes buckets in order as they become ready. A piece's codec
+   work (its share of each layer's, by elements) runs on the thread once its bucket is ready and the
+   wire has finished the piece before the previous one (the thread encodes piece k+1 while piece k
+   travels, then waits for it); its transfer starts once that work and the previous transfer are
+   done. So codec and wire overlap piece by piece, within a bucket and across buckets (the hook
+   decodes a bucket's last piece once the next bucket's first is on the wire); with one piece and
+   one bucket the step pays both in full. Encoding shares the processor with the backward pass, so
+   backward ends ``T_codec`` later; exposed = what ends after the (stretched) backward pass.
 5. Ranks per machine (``A = accelerators_per_node``; :func:`ddp_topology`), as the hook runs them
    (:mod:`fastml_strategy.topology`): with ``N > 1`` machines of ``A > 1`` ranks the hook is
    *hierarchical* (:mod:`fastml_strategy.hierarchical`): per bucket an fp32 reduce-scatter and an
    all-gather inside the machine on the intra-node link (``2(A-1)`` rounds and ``2(A-1)/A x 4 x
    numel`` bytes per rank, at the link's per-rank bandwidth), between them the compressed all-reduce of
    each rank's ``1/A`` part across the ``N`` machines, the machine's ``A`` ranks at once on its one
-   network link (``A x`` the part's ``codecs.wire_bytes`` over ``N``; ``2(N-1)`` rounds); codec time
+   network link (``A x`` the part's bytes, priced as a bucket of parts as in 3, over ``N``;
+   ``2(N-1)`` rounds per piece); codec time
    is that of the part (``1/A`` of the layer). Everything else is *flat*: one machine (``N = 1``: the
    all-reduce over ``A`` ranks on the intra-node link), one rank per machine (the network, as above),
    or flat on request (``topology="flat"``, ``ranks_per_node=1`` in the hook: the scatter-reduce-
    allgather over all ``W`` ranks; a machine's link carries the all_to_all chunks its ``A`` ranks
-   send to the other machines, ``A (W-A)/(W-1)`` of one rank's, and the ring all_gather once). Plain DDP (``hook=False``) is gloo's/NCCL's ring over all ``W``
+   send to the other machines, ``A (W-A)/(W-1)`` of one rank's, and the ring all_gather once, piece
+   by piece). Plain DDP (``hook=False``) is gloo's/NCCL's ring over all ``W``
    ranks: every link of the ring, the machines' included, carries ``2(W-1)/W`` of the fp32 gradient.
    The intra-node link is the option's ``intra_link``, else PCIe class (:data:`DEFAULT_INTRA_LINK`).
    ``StepBreakdown.node_net_bytes``: what leaves each machine per step; ``topology``: which schedule.
@@ -56,7 +69,7 @@ FIRST_BUCKET_BYTES = 1 << 20
 BUCKET_BYTES = 25 << 20
 # Bucket caps (MiB, DDP's bucket_cap_mb) the search tries on each option's chosen plan, beside DDP's
 # default (None: 1 MiB first, then 25). A small model fits in one default bucket, so nothing overlaps
-# backward; smaller buckets overlap more but pay 2(N-1) latency rounds each.
+# backward; smaller buckets overlap more but pay 2(N-1) latency rounds per piece each.
 BUCKET_MB_CHOICES: tuple[int | None, ...] = (None, 1, 2, 4, 8, 16)
 
 
