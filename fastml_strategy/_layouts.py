@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -398,13 +399,18 @@ def bucket_wire(numels: tuple[int, ...], planned: tuple[CodecConfig, ...], world
     for gi, (cfg, idx) in enumerate(groups):
         unit = codecs.chunk_unit(cfg)
         length = sum(numels[i] for i in idx)
+        nbytes: dict[int, int] = {}  # chunks of a slice take one or two sizes: encode each once
         for lo, hi in piece_slices(length, unit, piece_numel):
             b = chunk_bounds(hi - lo, unit, W)
-            segs.append((gi, hi - lo, [codecs.chunk_nbytes(b[j + 1] - b[j], cfg) for j in range(W)]))
+            sizes = [nbytes.get(n) or nbytes.setdefault(n, codecs.chunk_nbytes(n, cfg))
+                     for n in map(operator.sub, b[1:], b[:-1])]
+            segs.append((gi, hi - lo, sizes))
     runs = pack_pieces([n for _, n, _ in segs], piece_numel)
     pieces = []
     for k, run in enumerate(runs):
-        sizes = [HEADER + sum(segs[i][2][j] for i in run) for j in range(W)]
+        sizes = [HEADER] * W
+        for i in run:
+            sizes = list(map(operator.add, sizes, segs[i][2]))
         last = k == len(runs) - 1
         top = tuple(topk) if last else ()
         gather = max(sizes) + sum(codecs.chunk_nbytes(numels[i], cfgs[i]) for i in top)

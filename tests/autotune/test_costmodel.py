@@ -333,3 +333,31 @@ def test_ddp_bytes_match_what_the_hook_sends(case):
         br = step_time(prof, choice, option(nodes=2), bucket_mb=bucket_mb, piece_numel=piece)
         mean = sum(r[i]["bytes"] for r in results) / 2
         assert abs(br.bytes_per_rank - mean) <= len(model_buckets) / 2, (name, br.bytes_per_rank, mean)
+
+
+def test_bucket_wire_is_the_layout_the_hook_builds():
+    """The tensor-free pricing of a bucket gives the message sizes of every piece of the runtime's
+    BucketLayout, for every rank, on odd sizes, several world sizes, fp32 and bf16 buckets."""
+    import random
+
+    from fastml_strategy import Plan
+    from fastml_strategy._layouts import BucketLayout, bucket_wire
+    from fastml_strategy.config import RECIPES
+
+    rng = random.Random(0)
+    recipes = ["int4", "int2", "fp16", "topk1", "none", "int8", "topk1-int4"]
+    for _ in range(25):
+        W, k = rng.choice([2, 3, 5]), rng.randint(1, 6)
+        numels = [rng.choice([3, 37, 5000, 50000, 123457]) for _ in range(k)]
+        names = [f"l{i}" for i in range(k)]
+        plan = Plan(default=RECIPES["none"], layers={n: RECIPES[rng.choice(recipes)] for n in names})
+        dtype, piece = rng.choice([torch.float32, torch.bfloat16]), rng.choice([8192, 30000, 1 << 30])
+        wire = bucket_wire(tuple(numels), tuple(plan.for_parameter(n, m) for n, m in zip(names, numels)), W,
+                           dtype, piece)
+        for r in range(W):
+            lay = BucketLayout(names, [sum(numels[:i]) for i in range(k)], numels, plan, W, r,
+                               torch.device("cpu"), dtype, persistent=False, piece_numel=piece)
+            assert lay.uncompressed == wire.uncompressed
+            if not lay.uncompressed:
+                assert [tuple(p.split_sizes) for p in lay.pieces] == [p.split_sizes for p in wire.pieces]
+                assert [p.gather_size for p in lay.pieces] == [p.gather_size for p in wire.pieces]
