@@ -332,11 +332,16 @@ def inner(args: argparse.Namespace) -> None:
     task = TASKS[args.workload]
     out = Path(args.out or REPO / "benchmarks" / "out" / f"autotune_{task.name}_{_run_tag(args, task)}")
     tune = out / "tune"
-    if tune.exists() and not args.resume:
-        shutil.rmtree(tune)
-    tune_load_before = os.getloadavg()[0]
-    tune_s = _tune(args, task, tune)
-    tune_load = f"{tune_load_before:.1f}-{os.getloadavg()[0]:.1f}"
+    if args.trained_plan:  # another run's tuning: train only
+        if not (tune / "plan.json").is_file():
+            sys.exit(f"bench_autotune: --trained-plan needs {tune}/plan.json from an earlier run (same --out)")
+        tune_s, tune_load = None, ""
+    else:
+        if tune.exists() and not args.resume:
+            shutil.rmtree(tune)
+        tune_load_before = os.getloadavg()[0]
+        tune_s = _tune(args, task, tune)
+        tune_load = f"{tune_load_before:.1f}-{os.getloadavg()[0]:.1f}"
     predicted = {}
     with open(tune / "step_times.csv") as f:
         for row in csv.DictReader(f):
@@ -382,7 +387,7 @@ def inner(args: argparse.Namespace) -> None:
     rows[0]["check"] = (meta.get("checked_against_uniform") or {}).get("verdict", "")
     rows[0].update(_fp16_stretch(tune / "calibration.csv"))
     rows[0]["e_max"] = (meta.get("accuracy_rule") or {}).get("e_max", "")
-    rows[0]["tune_s"] = round(tune_s)
+    rows[0]["tune_s"] = round(tune_s) if tune_s is not None else "reused"
     rows[0]["tune_load_avg"] = tune_load
     from tabulate import tabulate
 
@@ -398,8 +403,8 @@ def inner(args: argparse.Namespace) -> None:
     tuned = rows[0]
     print()
     print(f"{task.name}: 2 ranks x 1 thread, link: {'none (plain loopback)' if args.no_netns else args.rate + ' emulated (tbf)'}; "
-          f"target {task.metric} {args.target}; {_bench.machine_line()}, load {load}; tuning took "
-          f"{tune_s:.0f} s; tuned plan: {_plan_summary(tune / 'plan.json')}"
+          f"target {task.metric} {args.target}; {_bench.machine_line()}, load {load}; tuning "
+          f"{'reused' if tune_s is None else f'took {tune_s:.0f} s'}; tuned plan: {_plan_summary(tune / 'plan.json')}"
           f"{f', bucket_cap_mb {cap}' if cap else ''}")
     print(tabulate([[r["plan"], r["ms_per_step"], r["predicted_ms"], f"{r['prediction_error_pct']:+.1f}%",
                      r["compute_ms"], r["wire_mb_per_step"], r["bound_ms"], r["x_bound"],
@@ -511,6 +516,9 @@ def main() -> None:
                    help="extra fastml-autotune arguments (last on the command line)")
     p.add_argument("--quick", action="store_true", help="few trials and steps: a functional check")
     p.add_argument("--resume", action="store_true", help="keep a previous tuning run's storage")
+    p.add_argument("--trained-plan", action="store_true",
+                   help="do not tune: train OUT/tune/plan.json of an earlier run (same --out) against the "
+                        "recipes, e.g. recipes that run did not train")
     p.add_argument("--no-netns", action="store_true", help="plain loopback, no rate limit")
     p.add_argument("--skip-ddp", action="store_true",
                    help="do not train plain fp32 DDP (the slowest plan on a slow link)")

@@ -14,7 +14,9 @@ all_to_all and all_gather messages. Sizes and offsets come from the codecs
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -25,7 +27,8 @@ from fastml_strategy import codecs
 from fastml_strategy._status import HEADER
 from fastml_strategy.config import RECIPES, CodecConfig, Plan
 
-__all__ = ["BucketLayout", "ShardLayout", "ShardedTensor", "PIECE_NUMEL", "chunk_bounds"]
+__all__ = ["BucketLayout", "ShardLayout", "ShardedTensor", "PIECE_NUMEL", "chunk_bounds", "bucket_groups",
+           "piece_slices", "pack_pieces", "BucketWire", "PieceWire", "bucket_wire"]
 
 def layer_key(name: str) -> int:
     """A seed component that depends on the layer, not on its position in a bucket (buckets are
@@ -250,19 +253,43 @@ def _table_group(g: _DenseGroup) -> bool:
             and (not g.ef or (g.base.res_off >= 0 and g.base.res_next is not None)))
 
 
+def piece_slices(length: int, unit: int, piece_numel: int) -> list[tuple[int, int]]:
+    """``(start, end)`` of the slices a group of ``length`` elements is cut into for the pipeline:
+    the whole group if it is at most ``piece_numel`` long, else near-equal parts on ``unit``
+    boundaries (the codec's chunk unit), about ``piece_numel`` each. Tensor-free: the cost model
+    prices a bucket with it (:func:`bucket_wire`)."""
+    if length <= piece_numel:
+        return [(0, length)]
+    cuts = chunk_bounds(length, unit, math.ceil(length / piece_numel))
+    return [(lo, hi) for lo, hi in zip(cuts[:-1], cuts[1:]) if hi > lo]
+
+
+def pack_pieces(lengths: Sequence[int], piece_numel: int) -> list[list[int]]:
+    """Which segments (by index, in bucket order; ``lengths``: their elements) travel in each piece:
+    a piece closes before a segment that would take it past ``piece_numel`` once it holds a quarter
+    of that, so a small segment joins its neighbours rather than costing a collective of its own.
+    Always at least one piece (a bucket of top-k layers only has an empty one)."""
+    runs: list[list[int]] = [[]]
+    filled = 0
+    for i, n in enumerate(lengths):
+        if runs[-1] and filled + n > piece_numel and 4 * filled >= piece_numel:
+            runs.append([])
+            filled = 0
+        runs[-1].append(i)
+        filled += n
+    return runs
+
+
 def _segments(g: _DenseGroup, W: int, piece_numel: int) -> list[_DenseGroup]:
-    """``g`` itself, or, if it is longer than ``piece_numel``, its slices: near-equal parts on chunk
-    unit boundaries, each cut into W chunks. A slice starts on a multiple of the unit (the
-    quantization block) from the group's start, so every block holds the same elements as when the
-    group is cut into W chunks only: deterministic codecs give the same values either way."""
+    """``g`` itself, or, if it is longer than ``piece_numel``, its slices (:func:`piece_slices`),
+    each cut into W chunks. A slice starts on a multiple of the unit (the quantization block) from
+    the group's start, so every block holds the same elements as when the group is cut into W chunks
+    only: deterministic codecs give the same values either way."""
     if g.length <= piece_numel:
         return [g]
     unit = codecs.chunk_unit(g.cfg)
-    cuts = chunk_bounds(g.length, unit, math.ceil(g.length / piece_numel))
     out = []
-    for lo, hi in zip(cuts[:-1], cuts[1:]):
-        if hi <= lo:
-            continue
+    for lo, hi in piece_slices(g.length, unit, piece_numel):
         bounds = [lo + b for b in chunk_bounds(hi - lo, unit, W)]
         seg = _DenseGroup(g.cfg, g.params, hi - lo, bounds,
                           [codecs.chunk_nbytes(bounds[j + 1] - bounds[j], g.cfg) for j in range(W)],
@@ -270,6 +297,126 @@ def _segments(g: _DenseGroup, W: int, piece_numel: int) -> list[_DenseGroup]:
                           chunk_base=[g.params[0].boff + bounds[j] for j in range(W)] if g.direct else [])
         out.append(seg)
     return out
+
+
+def bucket_groups(numels: Sequence[int], planned: Sequence[CodecConfig], world_size: int,
+                  dtype: torch.dtype = torch.float32) -> tuple[list[CodecConfig], list[tuple[CodecConfig, list[int]]],
+                                                               list[int], bool]:
+    """How a bucket's parameters (``numels``, in bucket order, each with the codec its plan names,
+    ``planned``) travel at ``world_size``: ``(wire codec per parameter, dense groups as (codec,
+    parameter indices), top-k parameter indices, uncompressed)``. Each compressed layer is a group
+    of its own; the uncompressed ones (fp32 in the plan, or a top-k layer's fp32 fall-back) share
+    one batched group per wire codec; ``uncompressed``: nothing is lossy, so one plain all-reduce
+    does the bucket. Tensor-free: the cost model prices a bucket with it (:func:`bucket_wire`)."""
+    configs: list[CodecConfig] = []
+    dense: dict[tuple, list[int]] = {}
+    topk: list[int] = []
+    uncompressed = True
+    for i, (n, p) in enumerate(zip(numels, planned)):
+        eff = codecs.effective_config(p, n, world_size)
+        uncompressed = uncompressed and not eff.lossy
+        cfg = codecs.wire_config(eff, dtype)
+        configs.append(cfg)
+        if codecs.is_sparse(cfg):
+            topk.append(i)
+        elif not eff.lossy:
+            dense.setdefault(("batch", cfg), []).append(i)  # uncompressed: one batched segment
+        else:
+            dense.setdefault((i, cfg), []).append(i)  # one segment per compressed layer
+    return configs, [(cfg, idx) for (_, cfg), idx in dense.items()], topk, uncompressed
+
+
+
+@dataclass(frozen=True)
+class PieceWire:
+    """What one pipeline piece puts on the wire, without tensors: its all_to_all message to each
+    destination (``split_sizes``, headers included) and its all_gather message (``gather_size``:
+    the header, the largest reduced chunk, then the bucket's top-k messages in the last piece), and
+    which gradient elements it carries (``parts``: (dense group index, elements); ``topk``:
+    parameter indices)."""
+
+    split_sizes: tuple[int, ...]
+    gather_size: int
+    parts: tuple[tuple[int, int], ...]
+    topk: tuple[int, ...] = ()
+
+    def all_to_all_bytes(self, rank: int | None = None) -> float:
+        """Bytes ``rank`` sends in the piece's all_to_all (None: the mean over ranks)."""
+        total = sum(self.split_sizes)
+        if rank is None:
+            return total * (len(self.split_sizes) - 1) / len(self.split_sizes)
+        return total - self.split_sizes[rank]
+
+    def all_gather_bytes(self) -> int:
+        """Bytes every rank sends in the piece's all_gather."""
+        return (len(self.split_sizes) - 1) * self.gather_size
+
+    def bytes_sent(self, rank: int | None = None) -> float:
+        return self.all_to_all_bytes(rank) + self.all_gather_bytes()
+
+
+@dataclass(frozen=True)
+class BucketWire:
+    """What one bucket puts on the wire at ``world_size`` (:func:`bucket_wire`): a plain all-reduce
+    of ``numel`` elements of ``elem_size`` bytes when ``uncompressed``, else its ``pieces``, issued in
+    this order. ``groups``: the parameter indices of each dense group; ``configs``: each parameter's
+    wire codec."""
+
+    world_size: int
+    numel: int
+    elem_size: int
+    uncompressed: bool
+    configs: tuple[CodecConfig, ...]
+    groups: tuple[tuple[int, ...], ...]
+    pieces: tuple[PieceWire, ...]
+
+    def bytes_sent(self, rank: int | None = None) -> int:
+        """Bytes ``rank`` sends for this bucket per step, headers included, as
+        :attr:`fastml_strategy.collective.CompressedAllReduce.bytes_sent` counts them (None: the
+        mean over ranks, rounded)."""
+        W = self.world_size
+        if W <= 1:
+            return 0
+        if self.uncompressed:
+            return int(round(2.0 * (W - 1) / W * self.numel * self.elem_size))
+        return int(round(sum(p.bytes_sent(rank) for p in self.pieces)))
+
+
+@functools.lru_cache(maxsize=65536)
+def bucket_wire(numels: tuple[int, ...], planned: tuple[CodecConfig, ...], world_size: int,
+                dtype: torch.dtype = torch.float32, piece_numel: int = PIECE_NUMEL) -> BucketWire:
+    """The messages :class:`BucketLayout` builds for a bucket of parameters of ``numels`` elements
+    (bucket order) whose plan names ``planned``, at ``world_size`` ranks, without allocating a
+    tensor: the same grouping (:func:`bucket_groups`), chunking (:func:`chunk_bounds`), slicing
+    (:func:`piece_slices`), packing (:func:`pack_pieces`), codec sizes
+    (:func:`fastml_strategy.codecs.chunk_nbytes`) and :data:`HEADER` per message. The autotuner's
+    cost model prices a DDP bucket with it (cached: a search asks for the same buckets again)."""
+    W = world_size
+    cfgs, groups, topk, uncompressed = bucket_groups(numels, planned, W, dtype)
+    elem = torch.empty(0, dtype=dtype).element_size()
+    piece_numel = max(1, int(piece_numel))
+    segs: list[tuple[int, int, list[int]]] = []  # (group index, elements, bytes of chunk j)
+    for gi, (cfg, idx) in enumerate(groups):
+        unit = codecs.chunk_unit(cfg)
+        length = sum(numels[i] for i in idx)
+        nbytes: dict[int, int] = {}  # chunks of a slice take one or two sizes: encode each once
+        for lo, hi in piece_slices(length, unit, piece_numel):
+            b = chunk_bounds(hi - lo, unit, W)
+            sizes = [nbytes.get(n) or nbytes.setdefault(n, codecs.chunk_nbytes(n, cfg))
+                     for n in map(operator.sub, b[1:], b[:-1])]
+            segs.append((gi, hi - lo, sizes))
+    runs = pack_pieces([n for _, n, _ in segs], piece_numel)
+    pieces = []
+    for k, run in enumerate(runs):
+        sizes = [HEADER] * W
+        for i in run:
+            sizes = list(map(operator.add, sizes, segs[i][2]))
+        last = k == len(runs) - 1
+        top = tuple(topk) if last else ()
+        gather = max(sizes) + sum(codecs.chunk_nbytes(numels[i], cfgs[i]) for i in top)
+        pieces.append(PieceWire(tuple(sizes), gather, tuple((segs[i][0], segs[i][1]) for i in run), top))
+    return BucketWire(W, int(sum(numels)), elem, uncompressed, tuple(cfgs),
+                      tuple(tuple(idx) for _, idx in groups), tuple(pieces))
 
 
 class BucketLayout(_Messages):
@@ -288,27 +435,16 @@ class BucketLayout(_Messages):
         self.names = tuple(names)
         self.total_numel = int(sum(numels))
         self.world_size, self.rank = world_size, rank
-        self.topk: list[_TopkParam] = []
-        self.configs: dict[str, CodecConfig] = {}
         # plan_numels: the parameters' own sizes, when the bucket holds only a shard of them (HSDP):
         # whether a tensor is small enough to travel uncompressed is a property of the parameter.
-        self.uncompressed = True  # every tensor fp32 in the plan: a plain all-reduce does it
-        dense: dict[tuple, list[_Param]] = {}
-        for name, off, n, pn in zip(names, offsets, numels, plan_numels or numels):
-            planned = codecs.effective_config(plan.for_parameter(name, pn), n, world_size)
-            self.uncompressed = self.uncompressed and not planned.lossy
-            cfg = codecs.wire_config(planned, dtype)
-            self.configs[name] = cfg
-            p = _Param(name, int(off), int(n))
-            if codecs.is_sparse(cfg):
-                self.topk.append(_TopkParam(cfg, p, codecs.chunk_nbytes(n, cfg)))
-            elif not planned.lossy:
-                dense.setdefault(("batch", cfg), []).append(p)  # uncompressed: one batched segment
-            else:
-                dense.setdefault((name, cfg), []).append(p)  # one segment per compressed layer
-        self.dense = [self._group(cfg, params, dtype == torch.float32) for (_, cfg), params in dense.items()]
+        planned = [plan.for_parameter(name, pn) for name, pn in zip(names, plan_numels or numels)]
+        cfgs, groups, topk, self.uncompressed = bucket_groups(numels, planned, world_size, dtype)
+        self.configs = dict(zip(self.names, cfgs))
+        params = [_Param(name, int(off), int(n)) for name, off, n in zip(names, offsets, numels)]
+        self.topk = [_TopkParam(cfgs[i], params[i], codecs.chunk_nbytes(params[i].numel, cfgs[i])) for i in topk]
+        self.dense = [self._group(cfg, [params[i] for i in idx], dtype == torch.float32) for cfg, idx in groups]
         self._alloc_residuals(double_buffer)
-        self.pieces = self._pipeline(max(1, int(piece_numel)))
+        self.pieces = self._pipeline(piece_numel)
         self.send = self.recv = self.gsend = self.grecv = None
         self.topk_acc: dict[str, torch.Tensor] = {}
         if persistent and not self.uncompressed:
@@ -350,18 +486,12 @@ class BucketLayout(_Messages):
             t.residual = torch.zeros(t.param.numel, dtype=t.cfg.residual_torch_dtype, device=device)
 
     def _pipeline(self, piece_numel: int) -> list[_Piece]:
-        """The pieces: segments in bucket order, packed into pieces of about ``piece_numel`` elements
-        (a small segment joins its neighbours rather than costing a collective of its own); the
-        bucket's top-k messages travel in the last piece's all_gather."""
-        runs: list[list[_DenseGroup]] = [[]]
-        filled = 0
-        for g in self.dense:
-            for seg in _segments(g, self.world_size, piece_numel):
-                if runs[-1] and filled + seg.length > piece_numel and 4 * filled >= piece_numel:
-                    runs.append([])
-                    filled = 0
-                runs[-1].append(seg)
-                filled += seg.length
+        """The pieces: segments in bucket order (:func:`piece_slices`), packed into pieces of about
+        ``piece_numel`` elements (:func:`pack_pieces`); the bucket's top-k messages travel in the
+        last piece's all_gather."""
+        piece_numel = max(1, int(piece_numel))
+        segs = [seg for g in self.dense for seg in _segments(g, self.world_size, piece_numel)]
+        runs = [[segs[i] for i in run] for run in pack_pieces([seg.length for seg in segs], piece_numel)]
         return [_Piece(segs, self.topk if i == len(runs) - 1 else [], self.world_size, self.rank, self.device)
                 for i, segs in enumerate(runs)]
 

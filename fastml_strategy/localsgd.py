@@ -240,6 +240,26 @@ def _check_island(island: Optional[list], sharded: bool) -> None:
                          f"(machines hold contiguous ranks; {world} ranks): {fix}")
 
 
+def split_fragments(numels: list, fragments: int) -> list:
+    """The parameters (by index; ``numels``: their sizes, in model order) of each of ``fragments``
+    fragments: consecutive runs of about equal size, every fragment at least one parameter while
+    there are enough. Tensor-free: the autotuner's cost model prices each fragment's all-reduce
+    with it."""
+    total = sum(numels)
+    out: list = []
+    cur: list = []
+    acc = 0
+    for i, n in enumerate(numels):
+        cur.append(i)
+        acc += n
+        left_params, left_frags = len(numels) - i - 1, fragments - len(out) - 1
+        if left_frags > 0 and (acc >= total * (len(out) + 1) / fragments or left_params == left_frags):
+            out.append(cur)
+            cur = []
+    out.append(cur)
+    return out
+
+
 class _Fragment:
     """A run of consecutive parameters synchronised together, with its flat pseudo-gradient buffer."""
 
@@ -419,20 +439,12 @@ class LocalSGD:
     # -- fragments -------------------------------------------------------------------------------------------
     @staticmethod
     def _split(named: list, fragments: int, every: int) -> list:
-        """Consecutive parameters in fragments of about equal size; fragment f first syncs at step
-        ``f * every // fragments`` past a multiple of ``every`` (staggered)."""
-        total = sum(p.numel() for _, p in named)
-        out, cur, acc = [], [], 0
-        for i, (n, p) in enumerate(named):
-            cur.append((n, p))
-            acc += p.numel()
-            left_params, left_frags = len(named) - i - 1, fragments - len(out) - 1
-            if left_frags > 0 and (acc >= total * (len(out) + 1) / fragments or left_params == left_frags):
-                out.append(cur)
-                cur = []
-        out.append(cur)
-        return [_Fragment(f, [n for n, _ in ps], [p for _, p in ps], f * every // fragments)
-                for f, ps in enumerate(out)]
+        """Consecutive parameters in fragments of about equal size (:func:`split_fragments`);
+        fragment f first syncs at step ``f * every // fragments`` past a multiple of ``every``
+        (staggered)."""
+        runs = split_fragments([p.numel() for _, p in named], fragments)
+        return [_Fragment(f, [named[i][0] for i in run], [named[i][1] for i in run], f * every // fragments)
+                for f, run in enumerate(runs)]
 
     def _due(self, frag: _Fragment, t: int) -> bool:
         """Whether fragment ``frag`` synchronises after inner step ``t`` (1-based): at its offset, then

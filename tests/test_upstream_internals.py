@@ -146,7 +146,7 @@ def test_lightning_internals_fastml_sets_and_calls_exist(package):
 
 def test_a_missing_lightning_attribute_is_logged(caplog):
     pytest.importorskip("lightning")
-    from fastml_strategy.lightning import _set_private
+    from fastml_strategy.lightning._common import _set_private
 
     obj = types.SimpleNamespace()
     with caplog.at_level(logging.WARNING, logger="fastml_strategy.lightning"):

@@ -569,7 +569,13 @@ def _calibrate_and_search(s: Settings, profile: Profile, groups: Mapping[str, li
         conv = fit_convergence(cal.points, s.max_accuracy_loss, rule=cal.rule)
         found = _search_options(s, profile, groups, options, conv, local_cal, fp, bar)
         new = _untried_plans(found.best, cal.points)
-        if not new or rnd >= s.verify_rounds:
+        if rnd >= s.verify_rounds:
+            break
+        probe = _gap_probe(s, profile, groups, options, conv, cal.rule, found,
+                           [p["choice"] for p in cal.points] + new, fp)
+        if probe is not None:
+            new.append(probe.choice)
+        if not new:
             break
         if not _fits(optional, cal.run_s * len(new)):
             notes.append(f"--budget: verification round {rnd + 1} ({len(new)} chosen plans) not run")
@@ -577,7 +583,10 @@ def _calibrate_and_search(s: Settings, profile: Profile, groups: Mapping[str, li
         rnd += 1
         bar.phase(f"verifying the chosen plans (round {rnd} of up to {s.verify_rounds})",
                   1 + len(cal.plans) + len(new), "run")
+        e_before = conv.e_max
         cal = _calibrate_again(s, profile, groups, cal, cal.plans + new, cal_name, bar, optional)
+        if probe is not None:
+            notes.append(_probe_note(probe, e_before, cal))
     chosen = _chosen_option(options, found)
     check = _check(s, profile, groups, options, chosen, found, cal, conv, cal_name, bar, deadline, notes)
     return _Searched(points=cal.points, conv=conv, target_steps=float(s.target_steps), rows=found.rows,
@@ -948,6 +957,62 @@ def _baseline_row(profile: Profile, groups: Mapping[str, list[str]], opt: Hardwa
     base.update(option=opt.name, choice={g: "none" for g in groups}, use_hook=False,
                 objective=objective(base, opt), every=1, fragments=1, delay=0)
     return base
+
+
+# A plan the accuracy rule excludes only for want of a calibration run near its error is trained in
+# the verification when the cost model predicts it at least this much faster than the chosen plan.
+PROBE_GAIN = 0.9
+
+
+def _gap_probe(s: Settings, profile: Profile, groups: Mapping[str, list[str]], options: list[HardwareOption],
+               conv: Convergence, rule: AccuracyRule, found: _OptionSearch, tried: list[Any],
+               fp: str) -> Trial | None:
+    """The per-step plan to train beside the chosen ones in a verification round, or None.
+
+    The accuracy rule admits errors up to the largest calibrated one within the limit (``e_max``); an
+    error between it and the next calibrated error, the first that failed (every error above ``e_max``
+    when none failed), is excluded though no run measured anything there. A one-scalar error orders
+    codec families only roughly (a top-k plan's error is large while its loss may match int8's), so
+    the plan the search would choose on plan.json's option with the limit just below that failing
+    error is trained too, when no run has trained it and the cost model predicts it at most
+    :data:`PROBE_GAIN` of the chosen plan's objective. Its run enters the rule like any other: within
+    the limit it raises ``e_max`` to its error, beyond it it confirms the limit.
+    """
+    from fastml_strategy.autotune import search
+
+    name = _chosen_option(options, found)
+    opt = next(o for o in options if o.name == name)
+    failed = [e for e in rule.errors if e > conv.e_max + 1e-12]
+    limit = failed[0] * (1 - 1e-9) if failed else math.inf
+    if limit <= conv.e_max:
+        return None
+    wide = dataclasses.replace(conv, e_max=limit)
+    rows = search.run_search(profile, groups, opt, wide, float(s.target_steps), storage=s.storage,
+                             study_name=f"fastml-{fp}-probe-{opt.name}-{_search_key(s, profile, opt, wide, None)}",
+                             trials=max(s.trials, len(s.options)), seed=s.seed, sharding=s.sharding,
+                             max_residual_bytes=s.max_residual_bytes, local=None,
+                             fragments=s.local_fragments)
+    try:
+        b = search.best_row(rows)
+    except ValueError:
+        return None
+    if (b.error <= conv.e_max + 1e-12 or b.choice in tried
+            or not b.objective <= PROBE_GAIN * found.best[name].objective):
+        return None
+    return b
+
+
+def _probe_note(probe: Trial, e_before: float, cal: _Calibrated) -> str:
+    """The report's words for a probe run (:func:`_gap_probe`) and what it decided."""
+    run = next((p for p in cal.points if p["choice"] == probe.choice), None)
+    what = (f"verification also trained the plan the search prefers just beyond the accuracy rule's "
+            f"limit (error {probe.error:.3g} > e_max {e_before:.3g}; no calibration run had measured "
+            f"an error between)")
+    if run is None:
+        return what + "; its run did not finish, so the limit stands"
+    verdict = (f"within the limit, so plans up to error {cal.rule.e_max:.3g} are admitted"
+               if cal.rule.e_max >= probe.error - 1e-12 else "beyond the limit, which stands")
+    return f"{what}: accuracy loss {float(run['accuracy_loss']):.3g}, {verdict}"
 
 
 def _untried_plans(best: Mapping[str, Mapping[str, Any]], points: list[dict[str, Any]]) -> list[Any]:

@@ -121,3 +121,47 @@ def test_lagrangian_plans_trace_time_against_error():
     errs = [plan_error(prof, expand(group_layers(prof), p)) for p in plans]
     # small multiplier: fast and lossy; large: accurate; in between, error never rises
     assert errs[0] > errs[-1] and all(a >= b for a, b in zip(errs, errs[1:]))
+
+
+def test_verification_probes_the_gap_the_accuracy_rule_has_no_run_in():
+    """The rule admits errors up to the largest calibrated one within the limit; a faster plan whose
+    error lies between that and the first failing calibrated error is trained (probed), not excluded
+    for want of a run; none is probed when nothing in the gap pays or it was trained already."""
+    from types import SimpleNamespace
+
+    from fastml_strategy.autotune import _run
+    from fastml_strategy.autotune.costmodel import accuracy_rule
+    from fastml_strategy.autotune.search import run_search
+
+    base = {"fp16": 0.001, "int8": 0.02, "int6": 0.05, "int4": 0.15, "int3": 0.3, "int2": 1.0,
+            "int4-noef": 0.15, "topk10": 0.4, "topk1": 0.6, "topk1-int4": 0.62}
+    prof = make_profile(numels=(1 << 20, 1 << 18, 1 << 16), codec_s=1e-5,
+                        errors={o: base[o.removesuffix("-rbf16")] for o in CANDIDATES if o != "none"})
+    groups = group_layers(prof)
+    opt = option(gbps=0.1, price=0.0)  # a slow link: the fewer bytes the better
+    s = SimpleNamespace(target_steps=1000, storage=None, trials=60, options=tuple(CANDIDATES), seed=0,
+                        sharding=_run.Sharding(), max_residual_bytes=None, local_fragments=(1,))
+
+    def situation(points):
+        rule = accuracy_rule(points, 0.01)
+        conv = Convergence(k=0.2, gamma=1.0, e_max=rule.e_max)
+        best = best_row(run_search(prof, groups, opt, conv, 1000, storage=None, study_name="t", trials=60,
+                                   seed=0))
+        found = _run._OptionSearch(rows=[], best={opt.name: best}, baseline={}, local_best={})
+        return rule, conv, found
+
+    runs = [{"error": 0.001, "accuracy_loss": 0.0}, {"error": 0.05, "accuracy_loss": 0.002},
+            {"error": 0.15, "accuracy_loss": 0.004}, {"error": 1.0, "accuracy_loss": 0.05}]
+    rule, conv, found = situation(runs)
+    assert conv.e_max == pytest.approx(0.15)
+    probe = _run._gap_probe(s, prof, groups, [opt], conv, rule, found, [], "fp")
+    assert probe is not None and 0.15 < probe.error < 1.0, probe
+    assert probe.objective <= _run.PROBE_GAIN * found.best[opt.name].objective
+    # already trained: nothing new to learn
+    assert _run._gap_probe(s, prof, groups, [opt], conv, rule, found, [probe.choice], "fp") is None
+    # a failing run just above the limit: no gap to probe
+    rule2, conv2, found2 = situation(runs[:3] + [{"error": 0.16, "accuracy_loss": 0.05}])
+    assert _run._gap_probe(s, prof, groups, [opt], conv2, rule2, found2, [], "fp") is None
+    # the probe's run within the limit raises the rule's limit to its error
+    assert accuracy_rule(runs + [{"error": probe.error, "accuracy_loss": 0.003}], 0.01).e_max == \
+        pytest.approx(probe.error)

@@ -167,8 +167,10 @@ def test_report_opens_with_the_answer_in_words(tuned):
     out, _, r = tuned
     md = (out / "report.md").read_text().splitlines()
     first = md[2]  # after the title and a blank line
-    assert first.startswith("- **Use the tuned plan (plan.json) on your cluster") or \
-        first.startswith("- **Use plain DDP on your cluster"), first
+    # which of the three answers depends on the timings measured on this machine; each is a verdict
+    answers = ("- **Use the tuned plan (plan.json) on your cluster", "- **Use plain DDP on your cluster",
+               "- **Use local steps on your cluster: LocalSGD with plan.json")
+    assert first.startswith(answers), first
     verdict = [line for line in md[2:8] if line.startswith("- ")]
     text = " ".join(verdict)
     # human units, no scientific notation, and the saving in words

@@ -1,14 +1,21 @@
 """Unit tests of the cost model: each formula against a hand computation on a synthetic profile."""
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 from fastml_strategy.autotune.catalog import HardwareOption
 from fastml_strategy.autotune.costmodel import (
     BUCKET_BYTES, CANDIDATES, FIRST_BUCKET_BYTES, Convergence, LayerProfile, Profile, ddp_buckets,
     evaluate, fit_alpha_beta, fit_codec_scale, fit_convergence, pareto_front, plan_error, step_time)
+from fastml_strategy._status import HEADER
 from fastml_strategy.codecs import wire_bytes
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _dist import run_workers  # noqa: E402
 
 
 def make_profile(numels=(1 << 18, 1 << 16), ready=None, world_size=2, fwd=0.01, bwd=0.02, opt=0.005,
@@ -85,7 +92,9 @@ def test_compression_cuts_wire_time_and_adds_codec_time():
     none = step_time(prof, {}, opt, hook=False)
     int4 = step_time(prof, {lp.name: "int4" for lp in prof.layers}, opt)
     expect_bytes = sum(wire_bytes(lp.numel, CANDIDATES["int4"], 2) for lp in prof.layers)
-    assert int4.bytes_per_rank == expect_bytes
+    # one bucket of one piece: its all_to_all and its all_gather each send the other rank a header
+    assert len(ddp_buckets(prof)) == 1
+    assert int4.bytes_per_rank == expect_bytes + 2 * (2 - 1) * HEADER
     assert int4.bytes_per_rank < none.bytes_per_rank / 7
     # codec time follows the profiled round trip (twice as slow codecs: twice the time); a dense codec's
     # scatter-reduce-allgather costs more than one round trip per layer and under two
@@ -198,8 +207,9 @@ def test_ddp_on_several_ranks_per_machine_is_priced_as_the_hook_runs_it():
         hier = step_time(prof, int4, opt)
         flat = step_time(prof, int4, opt, topology="flat")
         assert (hier.topology, flat.topology) == ("hierarchical", "flat")
-        # across machines: A parts of n/A elements, each 2(N-1)/N of its encoding = 1.00 x S_c per machine
-        assert hier.node_net_bytes == A * wire_bytes(n // A, cfg, 2)
+        # across machines: A parts of n/A elements, each 2(N-1)/N of its encoding = 1.00 x S_c per
+        # machine, plus the headers of the part's all_to_all and all_gather (one piece each)
+        assert hier.node_net_bytes == A * (wire_bytes(n // A, cfg, 2) + 2 * HEADER)
         assert hier.node_net_bytes == pytest.approx(wire_bytes(n, cfg, 2), rel=0.01)
         # flat: the all_to_all half goes straight to each chunk's owner (A (W-A)/W x S_c leave the
         # machine), the ring all_gather half crosses once ((W-1)/W x S_c): 1.75 x S_c at A = 2 and
@@ -220,3 +230,134 @@ def test_ddp_on_several_ranks_per_machine_is_priced_as_the_hook_runs_it():
     assert step_time(prof, int4, option(nodes=1, per_node=4)).node_net_bytes == 0
     with pytest.raises(ValueError, match="topology='ring'"):
         ddp_topology(2, 2, "ring")
+
+
+# -- against a real run ------------------------------------------------------------------------------
+def _mlp(widths):
+    torch.manual_seed(0)
+    layers = []
+    for a, b in zip(widths[:-1], widths[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def _mlp_profile(widths, min_numel=4096) -> Profile:
+    layers = []
+    for i, (n, p) in enumerate(_mlp(widths).named_parameters()):
+        lp = LayerProfile(name=n, numel=p.numel(), index=i, ready_s=0.01, grad_sq=1.0,
+                          tunable=p.numel() >= min_numel)
+        for o in CANDIDATES:
+            lp.rel_error[o] = 0.0 if o == "none" else 0.1
+            lp.codec_s[o] = 0.0
+        layers.append(lp)
+    return Profile(layers=layers, forward_s=0.01, backward_s=0.02, optimizer_s=0.004, world_size=2,
+                   min_numel=min_numel, options=list(CANDIDATES))
+
+
+def _hook_bytes(rank, world_size, widths, plans, bucket_mb, piece_numel):
+    """Per plan: the bytes this rank's hook counted in its third step (DDP's buckets rebuilt after
+    the first), the buckets that step all-reduced (parameter names) and their pieces."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import fastml_strategy as fm
+
+    out = []
+    for plan in plans:
+        model = _mlp(widths)
+        ddp = DDP(model, bucket_cap_mb=bucket_mb)
+        state = fm.register_hook(ddp, plan=plan)
+        eng = state._engine
+        if piece_numel is not None:
+            eng.piece_numel = piece_numel
+        used = []
+        layout_for = eng.layout_for
+
+        def recording(*a, **k):
+            lay = layout_for(*a, **k)
+            used.append((lay.names, len(lay.pieces)))
+            return lay
+
+        eng.layout_for = recording
+        gen = torch.Generator().manual_seed(rank)
+        before = 0
+        for _ in range(3):
+            used.clear()
+            before = eng.bytes_sent
+            ddp(torch.randn(4, widths[0], generator=gen)).square().mean().backward()
+        out.append({"bytes": eng.bytes_sent - before, "buckets": [n for n, _ in used],
+                    "pieces": [p for _, p in used]})
+        state.close()
+    return out
+
+
+# (widths, plans by name, DDP bucket cap MiB, piece size: None = the runtime's own PIECE_NUMEL)
+_REAL_CASES = {
+    # small pieces: the 60000-element layer is cut into slices, small layers share a piece
+    "pieces": ((64, 300, 200, 100, 10), ["fp32", "int4", "topk1", "mix"], 0.1, 8192),
+    # a layer larger than the runtime's own piece (4196352 > PIECE_NUMEL elements)
+    "default": ((2048, 2049, 10), ["int4"], 25, None),
+}
+_MIX = {"0.weight": "int2", "2.weight": "topk1", "4.weight": "fp16"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", sorted(_REAL_CASES))
+def test_ddp_bytes_match_what_the_hook_sends(case):
+    """The cost model's bytes per rank and step (every message's header, the pipeline pieces, the
+    all_gather padded to its largest chunk, the plain all-reduce of an fp32 bucket) are exactly what
+    the hook counts on two gloo ranks, for fp32, int4, top-k and a mix."""
+    from fastml_strategy.autotune._run import _plan_from_choice
+    from fastml_strategy.autotune.costmodel import bucket_wire_of, ddp_bytes_per_rank
+    from fastml_strategy._layouts import PIECE_NUMEL
+
+    widths, names, bucket_mb, piece = _REAL_CASES[case]
+    prof = _mlp_profile(widths)
+    choices = [_MIX if n == "mix" else {lp.name: ("none" if n == "fp32" else n) for lp in prof.layers}
+               for n in names]
+    plans = [_plan_from_choice(prof, c, n)[0] for c, n in zip(choices, names)]
+    results = run_workers(_hook_bytes, 2, widths, plans, bucket_mb, piece, timeout=200)
+    piece = piece or PIECE_NUMEL
+    for i, (name, choice) in enumerate(zip(names, choices)):
+        model_buckets = [tuple(lp.name for lp in b) for b in ddp_buckets(prof, bucket_mb)]
+        for rank in range(2):
+            got = results[rank][i]
+            assert got["buckets"] == model_buckets, (name, got["buckets"])
+            want = ddp_bytes_per_rank(prof, choice, 2, rank, bucket_mb=bucket_mb, piece_numel=piece)
+            assert got["bytes"] == want, (name, rank, got["bytes"], want)
+            for names_b, pieces in zip(got["buckets"], got["pieces"]):
+                wire = bucket_wire_of([prof.layer(n) for n in names_b], choice, 2, piece_numel=piece)
+                assert pieces == len(wire.pieces), (name, names_b)
+        if name in ("int4", "mix"):  # (top-k layers travel in the all_gather of one piece)
+            assert max(results[0][i]["pieces"]) >= 2, "a bucket must be pipelined"
+        br = step_time(prof, choice, option(nodes=2), bucket_mb=bucket_mb, piece_numel=piece)
+        mean = sum(r[i]["bytes"] for r in results) / 2
+        assert abs(br.bytes_per_rank - mean) <= len(model_buckets) / 2, (name, br.bytes_per_rank, mean)
+
+
+def test_bucket_wire_is_the_layout_the_hook_builds():
+    """The tensor-free pricing of a bucket gives the message sizes of every piece of the runtime's
+    BucketLayout, for every rank, on odd sizes, several world sizes, fp32 and bf16 buckets."""
+    import random
+
+    from fastml_strategy import Plan
+    from fastml_strategy._layouts import BucketLayout, bucket_wire
+    from fastml_strategy.config import RECIPES
+
+    rng = random.Random(0)
+    recipes = ["int4", "int2", "fp16", "topk1", "none", "int8", "topk1-int4"]
+    for _ in range(25):
+        W, k = rng.choice([2, 3, 5]), rng.randint(1, 6)
+        numels = [rng.choice([3, 37, 5000, 50000, 123457]) for _ in range(k)]
+        names = [f"l{i}" for i in range(k)]
+        plan = Plan(default=RECIPES["none"], layers={n: RECIPES[rng.choice(recipes)] for n in names})
+        dtype, piece = rng.choice([torch.float32, torch.bfloat16]), rng.choice([8192, 30000, 1 << 30])
+        wire = bucket_wire(tuple(numels), tuple(plan.for_parameter(n, m) for n, m in zip(names, numels)), W,
+                           dtype, piece)
+        for r in range(W):
+            lay = BucketLayout(names, [sum(numels[:i]) for i in range(k)], numels, plan, W, r,
+                               torch.device("cpu"), dtype, persistent=False, piece_numel=piece)
+            assert lay.uncompressed == wire.uncompressed
+            if not lay.uncompressed:
+                assert [tuple(p.split_sizes) for p in lay.pieces] == [p.split_sizes for p in wire.pieces]
+                assert [p.gather_size for p in lay.pieces] == [p.gather_size for p in wire.pieces]

@@ -17,6 +17,7 @@ from fastml_strategy.autotune.cli import main
 from fastml_strategy.autotune.costmodel import (CANDIDATES, Convergence, LocalCalibration, evaluate,
                                                 evaluate_local, local_step_time)
 from fastml_strategy.autotune.search import TIE_TOLERANCE, best_row, group_layers, run_search
+from fastml_strategy._status import HEADER
 from fastml_strategy.codecs import wire_bytes
 
 from test_costmodel import make_profile, option
@@ -38,7 +39,8 @@ def test_whole_model_sync_is_compute_plus_wire_over_h():
     prof = make_profile(codec_s=0.0)
     opt = option(gbps=0.2, latency_us=1000)
     choice = {lp.name: "int4" for lp in prof.layers}
-    nbytes = sum(wire_bytes(lp.numel, CANDIDATES["int4"], 2) for lp in prof.layers)
+    # one fragment of one piece: its all_to_all and all_gather each carry a header to the other rank
+    nbytes = sum(wire_bytes(lp.numel, CANDIDATES["int4"], 2) for lp in prof.layers) + 2 * HEADER
     wire = 3 * 1e-3 + nbytes / 25e6  # 3(N-1) rounds, 0.2 Gbit/s = 25 MB/s
     for h in (1, 10, 50):
         br = local_step_time(prof, choice, opt, every=h)
@@ -52,7 +54,8 @@ def test_streaming_hides_what_the_delay_covers_and_never_more():
     opt = option(gbps=0.2, latency_us=0)
     choice = {lp.name: "int4" for lp in prof.layers}
     c = prof.compute_s
-    wire = sum(wire_bytes(lp.numel, CANDIDATES["int4"], 2) for lp in prof.layers) / 25e6
+    # F fragments of one layer and one piece each, two headers each
+    wire = sum(wire_bytes(lp.numel, CANDIDATES["int4"], 2) + 2 * HEADER for lp in prof.layers) / 25e6
     H, F = 40, 4
     for d in (0, 1, 3, 9):
         br = local_step_time(prof, choice, opt, every=H, fragments=F, delay=d)

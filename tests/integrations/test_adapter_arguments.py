@@ -37,26 +37,33 @@ def test_strategy_rejects_comm_hook_arguments_and_bad_settings(monkeypatch):
 def test_layer_stats_every_is_one_setting_and_the_old_keyword_still_works(monkeypatch):
     # One name everywhere: the keyword layer_stats_every and the variable FASTML_LAYER_STATS_EVERY; the
     # Trainer strategies' old keyword layer_errors_every_n_steps warns and still sets it.
-    from fastml_strategy.lightning import (FastMLFabricStrategy, FastMLFSDPStrategy, FastMLLocalSGDFabricStrategy,
-                                           FastMLLocalSGDStrategy, FastMLStrategy)
+    from fastml_strategy.lightning import (FastMLFabricStrategy, FastMLFSDPFabricStrategy, FastMLFSDPStrategy,
+                                           FastMLLocalSGDFabricStrategy, FastMLLocalSGDStrategy, FastMLStrategy)
 
     monkeypatch.delenv("FASTML_LAYER_STATS_EVERY", raising=False)
     monkeypatch.setenv("FASTML_PLAN", "int4")
-    for cls in (FastMLStrategy, FastMLFSDPStrategy, FastMLLocalSGDStrategy):
-        assert cls(layer_stats_every=7)._fastml_layer_every == 7
-        assert cls()._fastml_layer_every is None  # ten times the logging interval, decided at fit()
+    # The Trainer strategies log each layer's error every N optimizer steps (_fastml_layer_log_every); the
+    # Fabric ones log nothing and measure every N steps (_fastml_layer_stats_every).
+    trainer = (FastMLStrategy, FastMLFSDPStrategy, FastMLLocalSGDStrategy)
+    fabric = (FastMLFabricStrategy, FastMLFSDPFabricStrategy, FastMLLocalSGDFabricStrategy)
+    for cls in trainer:
+        assert cls(layer_stats_every=7)._fastml_layer_log_every == 7
+        assert cls()._fastml_layer_log_every is None  # ten times the logging interval, decided at fit()
         with pytest.warns(FutureWarning, match=r"layer_errors_every_n_steps= is deprecated.*layer_stats_every=3"):
             s = cls(layer_errors_every_n_steps=3)
-        assert s._fastml_layer_every == 3
+        assert s._fastml_layer_log_every == 3
+        assert not hasattr(s, "_fastml_layer_stats_every")
         with pytest.raises(TypeError, match="pass only layer_stats_every="):
             cls(layer_stats_every=3, layer_errors_every_n_steps=3)
-    assert FastMLFabricStrategy()._fastml_layer_every == 10
-    assert FastMLLocalSGDFabricStrategy()._fastml_layer_every == 1
+    assert FastMLFabricStrategy()._fastml_layer_stats_every == 10
+    assert FastMLFSDPFabricStrategy()._fastml_layer_stats_every == 10
+    assert FastMLLocalSGDFabricStrategy()._fastml_layer_stats_every == 1  # every outer step
+    assert not hasattr(FastMLFabricStrategy(), "_fastml_layer_log_every")
     monkeypatch.setenv("FASTML_LAYER_STATS_EVERY", "4")
-    for cls in (FastMLStrategy, FastMLFSDPStrategy, FastMLLocalSGDStrategy, FastMLFabricStrategy,
-                FastMLLocalSGDFabricStrategy):
-        assert cls()._fastml_layer_every == 4, cls  # the variable, when the argument is not given
-        assert cls(layer_stats_every=0)._fastml_layer_every == 0, cls  # the argument wins
+    for cls in trainer + fabric:
+        attr = "_fastml_layer_log_every" if cls in trainer else "_fastml_layer_stats_every"
+        assert getattr(cls(), attr) == 4, cls  # the variable, when the argument is not given
+        assert getattr(cls(layer_stats_every=0), attr) == 0, cls  # the argument wins
     monkeypatch.setenv("FASTML_LAYER_STATS_EVERY", "often")
     with pytest.raises(ValueError, match="FASTML_LAYER_STATS_EVERY='often' is not a whole number"):
         FastMLStrategy()
@@ -101,6 +108,26 @@ def test_strategy_class_names_the_supported_packages():
     assert lightning.strategy_class("lightning.fabric") is lightning.FastMLFabricStrategy
     with pytest.raises(AttributeError):
         lightning.NoSuchThing  # noqa: B018
+
+
+def test_each_flavour_gets_its_own_class_named_and_documented():
+    # One class statement per mode and framework kind, run on each flavour's base class: the classes are
+    # distinct per flavour, published in fastml_strategy.lightning under their names, with the docstring
+    # of their class statement.
+    import pickle
+
+    from fastml_strategy import lightning
+
+    for (package, name), cls_name in lightning.registry._CLASS_NAMES.items():
+        cls = lightning.strategy_class(package, name)
+        assert cls is getattr(lightning, cls_name) and cls is lightning.strategy_class(package, name)
+        assert repr(cls) == f"<class 'fastml_strategy.lightning.{cls_name}'>"
+        assert cls.__qualname__ == cls.__name__ == cls_name
+        assert cls._fastml_package == package and cls.__bases__[1] is cls._fastml_base
+        assert cls._fastml_base.__module__.startswith(f"{package}.strategies"), cls._fastml_base
+        assert "Args:" in cls.__doc__ and "FastML" in cls.__doc__, cls_name
+        assert pickle.loads(pickle.dumps(cls)) is cls  # found again by name through the module
+    assert lightning.FastMLStrategy is not lightning.strategy_class("pytorch_lightning")
 
 
 def test_accelerate_setup_in_one_process_is_a_no_op_but_checks_the_plan(monkeypatch):
@@ -161,7 +188,7 @@ def test_fsdp_strategies_check_their_arguments_before_any_process_starts(monkeyp
 
 
 def test_fsdp_wrap_policies_pick_the_modules_they_name():
-    from fastml_strategy.lightning import _wrap_policy
+    from fastml_strategy.lightning.fsdp import _wrap_policy
 
     big, small, act = torch.nn.Linear(1024, 1024), torch.nn.Linear(64, 64), torch.nn.ReLU()
     default = _wrap_policy(None)  # own parameters >= 2**20 elements
@@ -178,7 +205,7 @@ def test_lightning_strategies_tell_register_hook_their_ranks_per_node(monkeypatc
     # strategy passes its devices per node; a launcher's or the user's variable wins (None: detect).
     from types import SimpleNamespace
 
-    from fastml_strategy.lightning import _ranks_per_node
+    from fastml_strategy.lightning._common import _ranks_per_node
 
     for var in ("FASTML_RANKS_PER_NODE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
                 "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):

@@ -39,8 +39,8 @@ from fastml_strategy.autotune.costmodel.sharded import (  # noqa: F401
     allreduce_unit_bytes, fit_collective_overhead, fsdp_state_bytes, fsdp_units, reduce_scatter_unit_bytes,
     residual_bytes, sharded_step_time)
 from fastml_strategy.autotune.costmodel.ddp import (  # noqa: F401
-    BUCKET_BYTES, BUCKET_MB_CHOICES, FIRST_BUCKET_BYTES, _layer_cost, ddp_buckets, ddp_node_net_bytes,
-    ddp_topology, step_time)
+    BUCKET_BYTES, BUCKET_MB_CHOICES, FIRST_BUCKET_BYTES, _layer_cost, bucket_wire_of, ddp_buckets, ddp_bytes_per_rank,
+    ddp_node_net_bytes, ddp_topology, step_time)
 from fastml_strategy.autotune.costmodel.evaluate import (  # noqa: F401
     Trial, cost_usd, evaluate, fit_alpha_beta, fit_codec_scale, objective, pareto_front)
 from fastml_strategy.autotune.costmodel.local_steps import evaluate_local, local_step_time  # noqa: F401
@@ -69,6 +69,8 @@ __all__ = [
     "step_time",
     "ddp_topology",
     "ddp_node_net_bytes",
+    "ddp_bytes_per_rank",
+    "bucket_wire_of",
     "evaluate",
     "Trial",
     "objective",

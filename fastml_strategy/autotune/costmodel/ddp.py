@@ -7,29 +7,42 @@
    small enough to underuse an accelerator).
 2. Buckets. Gradients are grouped the way DDP does (reverse parameter order, a 1 MiB first bucket, then
    25 MiB); a bucket is ready when its last gradient is (measured with post-accumulate-grad hooks).
-3. Wire time of a bucket = ``rounds * a + bytes / B``: ``bytes`` sums ``codecs.wire_bytes`` (per-rank
-   traffic: ``2(N-1)/N`` of the compressed size for scatter-reduce-allgather and ring all-reduce,
-   ``(N-1)`` messages for top-k's all_gather, with the codec's own dense fallback at large ``N``);
-   ``rounds = 2(N-1)``: the hook's two collectives per bucket (all_to_all, all_gather), or DDP's ring
-   all-reduce. With a measured link, ``a`` and ``1/B`` are the fitted alpha and beta of timed
+3. Wire. Each bucket is priced as the hook sends it, by the function the hook's layouts are built
+   from (:func:`fastml_strategy._layouts.bucket_wire`; no sizes are restated here): the same groups
+   (one per compressed layer, the uncompressed tensors batched), cut into the same pipeline pieces of
+   about :data:`~fastml_strategy._layouts.PIECE_NUMEL` elements, each piece one all_to_all and one
+   all_gather whose message to every destination starts with a
+   :data:`~fastml_strategy._status.HEADER`-byte header, the all_gather padded to its largest chunk,
+   the bucket's top-k messages in its last piece's all_gather (per-rank traffic about ``2(N-1)/N``
+   of the compressed size for scatter-reduce-allgather, ``(N-1)`` messages for top-k, with the
+   codec's own dense fallback at large ``N``); a bucket with nothing to compress is one plain
+   all-reduce (``2(N-1)/N`` of its fp32 bytes). The bytes equal the hook's ``bytes_sent`` per step
+   (:func:`ddp_bytes_per_rank` for one rank; ``StepBreakdown.bytes_per_rank`` is the mean over
+   ranks). Wire time of a piece = ``2(N-1) a + bytes / B`` (its two collectives, or DDP's ring
+   all-reduce). With a measured link, ``a`` and ``1/B`` are the fitted alpha and beta of timed
    collectives (so link sharing between ranks is already in them).
-4. Overlap. One communication thread takes buckets in order as they become ready and, per bucket,
-   encodes/decodes then transfers. Encoding shares the processor with the backward pass, so backward
-   ends ``T_codec`` later; the step's communication ends when the thread finishes its last bucket,
-   never before that bucket's own encode and transfer. Exposed = what ends after the (stretched)
-   backward pass.
+4. Overlap. One communication thread takes buckets in order as they become ready. A piece's codec
+   work (its share of each layer's, by elements) runs on the thread once its bucket is ready and the
+   wire has finished the piece before the previous one (the thread encodes piece k+1 while piece k
+   travels, then waits for it); its transfer starts once that work and the previous transfer are
+   done. So codec and wire overlap piece by piece, within a bucket and across buckets (the hook
+   decodes a bucket's last piece once the next bucket's first is on the wire); with one piece and
+   one bucket the step pays both in full. Encoding shares the processor with the backward pass, so
+   backward ends ``T_codec`` later; exposed = what ends after the (stretched) backward pass.
 5. Ranks per machine (``A = accelerators_per_node``; :func:`ddp_topology`), as the hook runs them
    (:mod:`fastml_strategy.topology`): with ``N > 1`` machines of ``A > 1`` ranks the hook is
    *hierarchical* (:mod:`fastml_strategy.hierarchical`): per bucket an fp32 reduce-scatter and an
    all-gather inside the machine on the intra-node link (``2(A-1)`` rounds and ``2(A-1)/A x 4 x
    numel`` bytes per rank, at the link's per-rank bandwidth), between them the compressed all-reduce of
    each rank's ``1/A`` part across the ``N`` machines, the machine's ``A`` ranks at once on its one
-   network link (``A x`` the part's ``codecs.wire_bytes`` over ``N``; ``2(N-1)`` rounds); codec time
+   network link (``A x`` the part's bytes, priced as a bucket of parts as in 3, over ``N``;
+   ``2(N-1)`` rounds per piece); codec time
    is that of the part (``1/A`` of the layer). Everything else is *flat*: one machine (``N = 1``: the
    all-reduce over ``A`` ranks on the intra-node link), one rank per machine (the network, as above),
    or flat on request (``topology="flat"``, ``ranks_per_node=1`` in the hook: the scatter-reduce-
    allgather over all ``W`` ranks; a machine's link carries the all_to_all chunks its ``A`` ranks
-   send to the other machines, ``A (W-A)/(W-1)`` of one rank's, and the ring all_gather once). Plain DDP (``hook=False``) is gloo's/NCCL's ring over all ``W``
+   send to the other machines, ``A (W-A)/(W-1)`` of one rank's, and the ring all_gather once, piece
+   by piece). Plain DDP (``hook=False``) is gloo's/NCCL's ring over all ``W``
    ranks: every link of the ring, the machines' included, carries ``2(W-1)/W`` of the fp32 gradient.
    The intra-node link is the option's ``intra_link``, else PCIe class (:data:`DEFAULT_INTRA_LINK`).
    ``StepBreakdown.node_net_bytes``: what leaves each machine per step; ``topology``: which schedule.
@@ -48,6 +61,7 @@ from fastml_strategy.autotune.costmodel.base import (CANDIDATES, DEFAULT_INTRA_L
                                                      Sharding, StepBreakdown, _candidate_name, _cfg,
                                                      _codec_factor, family)
 from fastml_strategy.autotune.costmodel.sharded import sharded_step_time
+from fastml_strategy._layouts import PIECE_NUMEL, BucketWire, bucket_wire
 
 # DDP's bucket sizes (torch.nn.parallel.DistributedDataParallel: bucket_cap_mb=25, and
 # dist._DEFAULT_FIRST_BUCKET_BYTES = 1 MiB for the first bucket, the last layers).
@@ -55,7 +69,7 @@ FIRST_BUCKET_BYTES = 1 << 20
 BUCKET_BYTES = 25 << 20
 # Bucket caps (MiB, DDP's bucket_cap_mb) the search tries on each option's chosen plan, beside DDP's
 # default (None: 1 MiB first, then 25). A small model fits in one default bucket, so nothing overlaps
-# backward; smaller buckets overlap more but pay 2(N-1) latency rounds each.
+# backward; smaller buckets overlap more but pay 2(N-1) latency rounds per piece each.
 BUCKET_MB_CHOICES: tuple[int | None, ...] = (None, 1, 2, 4, 8, 16)
 
 
@@ -113,48 +127,85 @@ def ddp_topology(nodes: int, ranks_per_node: int, topology: str = "auto") -> str
     return "hierarchical"
 
 
+def bucket_wire_of(bucket: Sequence[LayerProfile], choice: Mapping[str, str], world_size: int, parts: int = 1,
+                   piece_numel: int = PIECE_NUMEL) -> BucketWire:
+    """The messages the hook sends for one DDP bucket of these layers at ``world_size`` ranks
+    (:func:`fastml_strategy._layouts.bucket_wire`: the runtime's own grouping, pipeline pieces of
+    about ``piece_numel`` elements and headers); ``parts``: the hierarchical path's ranks per machine,
+    each of which all-reduces ``1/parts`` of every layer."""
+    numels = tuple(-(-lp.numel // parts) for lp in bucket)
+    return bucket_wire(numels, tuple(_cfg(choice, lp)[1] for lp in bucket), world_size, piece_numel=piece_numel)
+
+
+def ddp_bytes_per_rank(profile: Profile, choice: Mapping[str, str], world_size: int, rank: int | None = None,
+                       bucket_mb: float | None = None, piece_numel: int = PIECE_NUMEL) -> int:
+    """Bytes ``rank`` sends per step with the hook on ``world_size`` ranks (flat schedule), headers
+    included, as ``state.stats()["bytes_sent"]`` counts them per step (None: the mean over ranks)."""
+    return sum(bucket_wire_of(b, choice, world_size, piece_numel=piece_numel).bytes_sent(rank)
+               for b in ddp_buckets(profile, bucket_mb))
+
+
+def _piece_codec(profile: Profile, bucket: Sequence[LayerProfile], choice: Mapping[str, str], wire: BucketWire,
+                 speed: float, parts: int = 1) -> list[float]:
+    """Codec seconds of each piece of ``wire``: each layer's (:func:`_layer_cost`) spread over the
+    pieces in proportion to the elements of its group each carries; top-k layers in the last piece,
+    whose all_gather carries them."""
+    W = wire.world_size
+    per_layer = [_layer_cost(profile, lp, choice, W, speed, True, parts)[1] for lp in bucket]
+    group_s = [sum(per_layer[i] for i in idx) for idx in wire.groups]
+    group_n = [sum(-(-bucket[i].numel // parts) for i in idx) for idx in wire.groups]
+    return [sum(group_s[g] * n / group_n[g] for g, n in p.parts if group_n[g])
+            + sum(per_layer[i] for i in p.topk) for p in wire.pieces]
+
+
 def _bucket_comm(profile: Profile, bucket: Sequence[LayerProfile], choice: Mapping[str, str], n: int, A: int,
-                 option: HardwareOption, intra: Link, hook: bool, topology: str) -> tuple[int, int, float, float]:
-    """(bytes one rank sends, bytes leaving each machine, codec seconds, wire seconds) of one DDP
-    bucket on ``n`` machines of ``A`` ranks (module docstring, item 5)."""
+                 option: HardwareOption, intra: Link, hook: bool, topology: str,
+                 piece_numel: int = PIECE_NUMEL) -> tuple[int, int, list[tuple[float, float]]]:
+    """(bytes one rank sends, bytes leaving each machine, (codec seconds, wire seconds) per pipeline
+    stage) of one DDP bucket on ``n`` machines of ``A`` ranks (module docstring, items 3 and 5)."""
     W, speed, net = n * A, option.compute_speed, option.link
     numel = sum(lp.numel for lp in bucket)
     if W <= 1:
-        return 0, 0, 0.0, 0.0
+        return 0, 0, []
     if not hook:  # DDP's ring all-reduce over all W ranks, fp32
-        nbytes = sum(_layer_cost(profile, lp, choice, W, speed, False)[0] for lp in bucket)
+        nbytes = int(round(2.0 * (W - 1) / W * 4 * numel))
         link = net if n > 1 else intra
         lat = intra.latency_s if n <= 1 else max(net.latency_s, intra.latency_s) if A > 1 else net.latency_s
-        return nbytes, nbytes if n > 1 else 0, 0.0, 2 * (W - 1) * lat + nbytes / link.bandwidth_Bps
+        return nbytes, nbytes if n > 1 else 0, [(0.0, 2 * (W - 1) * lat + nbytes / link.bandwidth_Bps)]
     if topology == "hierarchical":
+        # the fp32 reduce-scatter and all-gather inside the machine (before and after), between them
+        # each rank's 1/A part all-reduced across the n machines, the machine's A ranks at once
         inner = int(round(2.0 * (A - 1) / A * 4 * numel))
-        cross = [_layer_cost(profile, lp, choice, n, speed, True, parts=A) for lp in bucket]
-        rank_net = sum(b for b, _ in cross)
-        node_net = A * rank_net  # the machine's A ranks share its network link
-        wire = (2 * (A - 1) * intra.latency_s + inner / intra.bandwidth_Bps
-                + 2 * (n - 1) * net.latency_s + node_net / net.bandwidth_Bps)
-        return inner + rank_net, node_net, sum(c for _, c in cross), wire
-    costs = [_layer_cost(profile, lp, choice, W, speed, True) for lp in bucket]
-    nbytes = sum(b for b, _ in costs)
-    codec = sum(c for _, c in costs)
-    if n <= 1:  # one machine: the intra-node link only
-        return nbytes, 0, codec, 2 * (W - 1) * intra.latency_s + nbytes / intra.bandwidth_Bps
-    # flat over W ranks. The all_to_all sends each chunk straight to its owner: the machine's A ranks
-    # put A (W-A)/(W-1) of their all_to_all bytes on its link; the all_gather (gloo's and NCCL's
-    # ring) crosses each machine's link once: one rank's all_gather bytes. Half of a dense layer's
-    # bytes are each; a top-k layer's are all all_gather. (Measured, DESIGN.md: 1.76 and 2.89 x S_c
-    # per machine at A = 2 and 4 on two machines, against 1.75 and 2.875 here.)
-    from fastml_strategy.codecs import effective_config, is_sparse
-
-    node_net = 0.0
-    for lp, (b, _) in zip(bucket, costs):
-        if is_sparse(effective_config(_cfg(choice, lp)[1], lp.numel, W)):
-            node_net += b
+        inner_s = 2 * (A - 1) * intra.latency_s + inner / intra.bandwidth_Bps
+        wire = bucket_wire_of(bucket, choice, n, parts=A, piece_numel=piece_numel)
+        rank_net = wire.bytes_sent()
+        codec = _piece_codec(profile, bucket, choice, wire, speed, parts=A) if not wire.uncompressed else [0.0]
+        if wire.uncompressed:
+            stages = [(0.0, 2 * (n - 1) * net.latency_s + A * rank_net / net.bandwidth_Bps)]
         else:
-            node_net += b / 2 * (A * (W - A) / (W - 1) + 1)
-    node_net = int(round(node_net))
-    lat = max(net.latency_s, intra.latency_s) if A > 1 else net.latency_s
-    return nbytes, node_net, codec, 2 * (W - 1) * lat + node_net / net.bandwidth_Bps
+            stages = [(c, 2 * (n - 1) * net.latency_s + A * p.bytes_sent() / net.bandwidth_Bps)
+                      for c, p in zip(codec, wire.pieces)]
+        stages = [(0.0, inner_s / 2)] + stages + [(0.0, inner_s / 2)]
+        return inner + rank_net, A * rank_net, stages
+    wire = bucket_wire_of(bucket, choice, W, piece_numel=piece_numel)
+    nbytes = wire.bytes_sent()
+    # one machine: the intra-node link only. Flat over W ranks on n > 1 machines: the all_to_all
+    # sends each chunk straight to its owner, so the machine's A ranks put A (W-A)/(W-1) of their
+    # all_to_all bytes on its link; the all_gather (gloo's and NCCL's ring) crosses each machine's
+    # link once: one rank's all_gather bytes. (Measured, DESIGN.md: 1.76 and 2.89 x S_c per machine
+    # at A = 2 and 4 on two machines, against 1.75 and 2.875 here.)
+    link = intra if n <= 1 else net
+    lat = intra.latency_s if n <= 1 else max(net.latency_s, intra.latency_s) if A > 1 else net.latency_s
+    share = A * (W - A) / (W - 1)
+    if wire.uncompressed:  # the hook's plain all-reduce: DDP's ring
+        node = nbytes if n > 1 else 0
+        return nbytes, node, [(0.0, 2 * (W - 1) * lat + (nbytes if n <= 1 else node) / link.bandwidth_Bps)]
+    stages, node = [], 0.0
+    for c, p in zip(_piece_codec(profile, bucket, choice, wire, speed), wire.pieces):
+        b = p.bytes_sent() if n <= 1 else share * p.all_to_all_bytes() + p.all_gather_bytes()
+        node += b
+        stages.append((c, 2 * (W - 1) * lat + b / link.bandwidth_Bps))
+    return nbytes, int(round(node)) if n > 1 else 0, stages
 
 
 def ddp_node_net_bytes(profile: Profile, choice: Mapping[str, str], option: HardwareOption,
@@ -167,13 +218,14 @@ def ddp_node_net_bytes(profile: Profile, choice: Mapping[str, str], option: Hard
 def step_time(profile: Profile, choice: Mapping[str, str], option: HardwareOption,
               nodes: int | None = None, hook: bool = True,
               sharding: Sharding | None = None, bucket_mb: float | None = None,
-              topology: str = "auto") -> StepBreakdown:
+              topology: str = "auto", piece_numel: int = PIECE_NUMEL) -> StepBreakdown:
     """Predicted step time of a plan (``choice``: layer name -> CANDIDATES key) on ``option``
     (with ``nodes`` overriding the option's node count, for scaling predictions). ``hook=False`` is
     plain DDP (fp32 all-reduce, no encode/decode), the uncompressed baseline. With a sharded
     ``sharding``: :func:`sharded_step_time` (``hook=False``: FSDP's own collectives). ``topology``:
     the hook's schedule on several ranks per machine (:func:`ddp_topology`: ``"auto"`` as the hook
-    runs it, ``"flat"`` as with ``register_hook(ranks_per_node=1)``)."""
+    runs it, ``"flat"`` as with ``register_hook(ranks_per_node=1)``); ``piece_numel``: the hook's
+    pipeline piece (:data:`fastml_strategy._layouts.PIECE_NUMEL`, what it runs with)."""
     if sharding is not None and sharding.sharded:
         return sharded_step_time(profile, choice, option, sharding, nodes=nodes, hook=hook)
     n = option.nodes if nodes is None else nodes
@@ -183,23 +235,28 @@ def step_time(profile: Profile, choice: Mapping[str, str], option: HardwareOptio
     ranks = n * A
     scale = profile.world_size / (ranks * option.compute_speed)
     fwd, bwd, opt = (profile.forward_s * scale, profile.backward_s * scale, profile.optimizer_s * scale)
-    codec_total = 0.0
-    free = 0.0
-    wire_total = 0.0
+    codec_total = wire_total = 0.0
     total_bytes = node_total = 0
+    # Two clocks: the communication thread's (codec work) and the wire's. A stage's codec work
+    # starts when its bucket is ready, the thread is free, and the wire has finished the stage
+    # before the previous one (the thread runs one piece ahead: it encodes piece k+1, then waits for
+    # piece k); its transfer starts when both its codec work and the previous transfer are done.
+    cpu = wire_end = 0.0
+    done: list[float] = [0.0, 0.0]  # wire ends of the last two stages
     for bucket in ddp_buckets(profile, bucket_mb):
-        # the hook issues two collectives per bucket (all_to_all + all_gather), DDP one ring
-        # all-reduce; both take 2(W-1) latency rounds (the hierarchical path 2(A-1) + 2(N-1))
-        nbytes, node_b, codec_b, wire = _bucket_comm(profile, bucket, choice, n, A, option, intra, hook, topo)
+        nbytes, node_b, stages = _bucket_comm(profile, bucket, choice, n, A, option, intra, hook, topo, piece_numel)
         node_total += node_b
-        ready = max(lp.ready_s for lp in bucket) * scale
-        free = max(free, ready) + codec_b + wire
-        wire_total += wire
-        codec_total += codec_b
         total_bytes += nbytes
+        ready = max(lp.ready_s for lp in bucket) * scale
+        for codec_s, wire_s in stages:
+            cpu = max(cpu, ready, done[0]) + codec_s
+            wire_end = max(wire_end, cpu) + wire_s
+            done = [done[1], wire_end]
+            codec_total += codec_s
+            wire_total += wire_s
     # The codec shares the processor with backward, so backward's end moves by the codec time; the
-    # communication thread ends after its last bucket's encode and transfer.
-    end = max(bwd + codec_total, free)
+    # communication ends after its last transfer.
+    end = max(bwd + codec_total, wire_end)
     exposed = max(0.0, end - bwd - codec_total)
     step = fwd + end + opt
     return StepBreakdown(fwd + bwd + opt, codec_total, wire_total, exposed, step, total_bytes,

@@ -4,13 +4,16 @@ the same compressed scatter-reduce-allgather, in F fragments synchronised at sta
 fragment's outer update applied ``d`` inner steps after its all-reduce started (``delay``).
 
 - Per inner step, compute ``c`` is the profile's forward + backward + optimizer time, scaled as in 1.
-- One synchronisation of fragment f: ``wire_f = 3(N-1) a + bytes / (F B)`` (``bytes``: the plan's
-  ``codecs.wire_bytes`` over every layer, as one DDP step of that plan would send; rounds: the
-  all_to_all, the all_gather and the status exchange) and codec time ``T_codec / F``.
+- Fragments are LocalSGD's own (:func:`fastml_strategy.localsgd.split_fragments`: consecutive
+  parameters of about equal size). One synchronisation of fragment f:
+  ``wire_f = (2 P_f + 1)(N-1) a + bytes_f / B``, where ``bytes_f`` and the pieces ``P_f`` are those
+  of the fragment's compressed all-reduce, priced as one DDP bucket
+  (:func:`fastml_strategy._layouts.bucket_wire`: the runtime's pieces and headers); rounds: each
+  piece's all_to_all and all_gather, then the status exchange. Codec time ``T_codec / F``.
 - It runs on LocalSGD's communication thread while the next ``d`` inner steps compute; the step that
   applies it waits for what is left: ``max(0, wire_f - d c)``. Fragments are ``H / F`` steps apart and
   ``d < H / F``, so one fragment's wait never overlaps another's.
-- Over a period of H inner steps: ``H c + T_codec + F max(0, wire_f - d c)``; the step time is that
+- Over a period of H inner steps: ``H c + T_codec + sum_f max(0, wire_f - d c)``; the step time is that
   over H. Whole-model sync (``F = 1, d = 0``): ``c + (wire + T_codec) / H``; streaming with a
   delay long enough to hide each fragment: ``c + T_codec / H`` (``max(H c, wire) / H`` when
   ``d = H / F``, the brief's bound). Bytes per inner step: ``bytes / H``.
@@ -31,7 +34,8 @@ from typing import Mapping
 from fastml_strategy.autotune.catalog import HardwareOption
 from fastml_strategy.autotune.costmodel.base import (Convergence, LocalCalibration, Profile, StepBreakdown,
                                                      plan_error)
-from fastml_strategy.autotune.costmodel.ddp import _layer_cost
+from fastml_strategy.autotune.costmodel.ddp import _layer_cost, bucket_wire_of
+from fastml_strategy.localsgd import split_fragments
 from fastml_strategy.autotune.costmodel.evaluate import Trial
 
 
@@ -45,17 +49,24 @@ def local_step_time(profile: Profile, choice: Mapping[str, str], option: Hardwar
     ranks = n * option.accelerators_per_node
     f = option.compute_speed
     c = profile.compute_s * profile.world_size / (ranks * f)
-    nbytes, codec = 0, 0.0
-    for lp in profile.layers:
-        b, t = _layer_cost(profile, lp, choice, n, f)
-        nbytes += b
-        codec += t
+    layers = sorted(profile.layers, key=lambda lp: lp.index)
+    codec = sum(_layer_cost(profile, lp, choice, n, f)[1] for lp in layers)
     link = option.link
     F = max(1, fragments)
-    wire_f = (3 * (n - 1) * link.latency_s + nbytes / (F * link.bandwidth_Bps)) if n > 1 else 0.0
-    waited = F * max(0.0, wire_f - delay * c)
+    nbytes, wires = 0, []
+    for run in split_fragments([lp.numel for lp in layers], F):
+        if n <= 1:
+            wires.append(0.0)
+            continue
+        wire = bucket_wire_of([layers[i] for i in run], choice, n)
+        b = wire.bytes_sent()
+        nbytes += b
+        # the all_to_all and all_gather of each piece, then the status exchange
+        rounds = (1 if wire.uncompressed else 2 * len(wire.pieces)) + 1
+        wires.append(rounds * (n - 1) * link.latency_s + b / link.bandwidth_Bps)
+    waited = sum(max(0.0, w - delay * c) for w in wires)
     period = every * c + codec + waited
-    return StepBreakdown(c, codec / every, F * wire_f / every, waited / every, period / every,
+    return StepBreakdown(c, codec / every, sum(wires) / every, waited / every, period / every,
                          int(round(nbytes / every)))
 
 

@@ -11,10 +11,12 @@ with FSDP2's schedule over *units* (one ``fully_shard`` module each: see :func:`
   unit ahead; the unit's backward; then its reduction, overlapping the next units' backward:
   FSDP: FastML's compressed reduce-scatter (one all_to_all; bytes from
   ``codecs.reduce_scatter_bytes`` per tensor on FSDP2's dim-0 chunks, ``fsdp.shard_chunks``, plus a
-  64-byte header per destination) or FSDP's own ring reduce-scatter (``(W-1)/W`` of the padded unit
+  :data:`~fastml_strategy._status.HEADER`-byte header per destination: a unit's reduce-scatter is one
+  message per destination, never cut into pieces) or FSDP's own ring reduce-scatter (``(W-1)/W`` of the padded unit
   in the reduce dtype). HSDP: FSDP's own reduce-scatter inside the node (fast link), then the
   cross-node all-reduce of the rank's shard: FastML's scatter-reduce-allgather over the R replicas
-  (``codecs.wire_bytes`` of each shard) or FSDP's ring all-reduce (``2(R-1)/R`` of the padded shard).
+  (the unit's shard as one bucket, priced as DDP's: :func:`fastml_strategy._layouts.bucket_wire`)
+  or FSDP's ring all-reduce (``2(R-1)/R`` of the padded shard).
 - Links: a ring collective crosses each node's link once (``bytes / B``); FastML's all_to_all sends
   each remote chunk directly, so the A ranks of a node put ``A x (W-A)/(W-1)`` of their bytes on
   the node's link at once; in HSDP the S ranks of a node all-reduce their shards at once (``S x``).
@@ -38,6 +40,8 @@ from fastml_strategy.autotune.catalog import HardwareOption, Link
 from fastml_strategy.autotune.costmodel.base import (CANDIDATES, DTYPE_BYTES, LayerProfile, Profile, Sharding,
                                                      StepBreakdown, _candidate_name, _cfg, _codec_factor,
                                                      family)
+from fastml_strategy._layouts import PIECE_NUMEL, bucket_wire
+from fastml_strategy._status import HEADER
 from fastml_strategy.config import Codec, CodecConfig
 
 
@@ -90,7 +94,6 @@ def reduce_scatter_unit_bytes(layers: Sequence[LayerProfile], choice: Mapping[st
     (``codecs.reduce_scatter_bytes``), the uncompressed ones batched per destination in the reduce
     dtype, and a header per destination. FSDP's own: ``(W-1)`` padded rows in the reduce dtype."""
     from fastml_strategy import codecs
-    from fastml_strategy.collective import HEADER
 
     W = world_size
     if W <= 1:
@@ -125,14 +128,13 @@ def _shard_cfg(choice: Mapping[str, str], lp: LayerProfile, shard_numel: int,
 
 def allreduce_unit_bytes(layers: Sequence[LayerProfile], choice: Mapping[str, str], shard_size: int,
                          replicas: int, reduce_dtype: str = "fp32", hook: bool = True,
-                         shard_rank: int | None = None) -> int:
+                         shard_rank: int | None = None, piece_numel: int = PIECE_NUMEL) -> int:
     """HSDP: bytes one rank sends in one unit's cross-replica all-reduce of its shard (``shard_rank``
-    None: the mean over the S shard ranks). FastML: ``codecs.wire_bytes`` of each shard tensor at R
-    replicas plus the headers of its two collectives; FSDP's own ring all-reduce: ``2(R-1)/R`` of the
-    padded shard in the reduce dtype."""
-    from fastml_strategy import codecs
-    from fastml_strategy.collective import HEADER
-
+    None: the mean over the S shard ranks; the mean over the R replicas). FastML: the unit's shard
+    tensors as one bucket of the compressed all-reduce at R replicas
+    (:func:`fastml_strategy._layouts.bucket_wire`: the runtime's groups, pipeline pieces and a
+    header per message), or, with nothing to compress, DDP's own all-reduce of the padded shard;
+    FSDP's own ring all-reduce: ``2(R-1)/R`` of the padded shard in the reduce dtype."""
     R, S = replicas, shard_size
     if R <= 1:
         return 0
@@ -140,19 +142,16 @@ def allreduce_unit_bytes(layers: Sequence[LayerProfile], choice: Mapping[str, st
         return int(round(2.0 * (R - 1) / R * sum(_layout(lp, S)[1] for lp in layers)
                          * DTYPE_BYTES[reduce_dtype]))
     dt = _torch_dtype(reduce_dtype)
+    planned = tuple(_cfg(choice, lp)[1] for lp in layers)  # looked up by the parameter's own size
     ranks = range(S) if shard_rank is None else (shard_rank,)
     total = 0
     for s in ranks:
-        cfgs = [_shard_cfg(choice, lp, _layout(lp, S)[0][s], R)[1] for lp in layers]
-        if all(cfg.codec is Codec.FP32 for cfg in cfgs):
-            # nothing to compress: the collective runs DDP's own all-reduce of the padded shard
+        wire = bucket_wire(tuple(_layout(lp, S)[0][s] for lp in layers), planned, R, dt, piece_numel)
+        if wire.uncompressed:
             padded = sum(_layout(lp, S)[1] for lp in layers)
             total += int(round(2.0 * (R - 1) / R * padded * DTYPE_BYTES[reduce_dtype]))
-            continue
-        total += 2 * (R - 1) * HEADER
-        for lp, cfg in zip(layers, cfgs):
-            n = _layout(lp, S)[0][s]
-            total += codecs.wire_bytes(n, codecs.wire_config(cfg, dt), R)
+        else:
+            total += wire.bytes_sent()
     return int(round(total / len(ranks)))
 
 
