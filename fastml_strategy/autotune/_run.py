@@ -1,6 +1,6 @@
 """The autotuner's driver: validate, profile, calibrate, search, check, measure, report.
 
-The check (:func:`_check`, issue 28): before plan.json is written, the tuned plan of its option and the
+The check (:func:`_check`): before plan.json is written, the tuned plan of its option and the
 obvious uniform alternatives (the fastest uniform plan within the accuracy limit, the best by the cost
 model) are trained side by side from the same weights; a uniform plan that reaches the tuned plan's
 losses sooner (measured stretch x step time: predicted, then, launched distributed, measured,
@@ -661,7 +661,7 @@ def _uniform_alternatives(rows: list[Mapping[str, Any]], option: str, tuned: Map
     objective and, with ``measured`` (codec -> the stretch its calibration run measured), the one of
     the lowest measured stretch x predicted step time, each with why it was picked; the tuned plan
     itself is not its own alternative. The third is the model's blind spot: one error number does
-    not capture every codec family (issue 28, gpt seed 1: top-k plans needed 1.8x the steps at an
+    not capture every codec family (bench_autotune's gpt, seed 1: top-k plans needed 1.8x the steps at an
     error where int2 needed 1.13x, and the fit of g(e) split the difference)."""
     tuned = Trial.of(tuned)
     uni: dict[str, Trial] = {}
@@ -813,8 +813,8 @@ def _calibration_deadline(s: Settings, profile: Profile) -> float | None:
 
 # Runs the check against uniform plans may train (the tuned plan, the fastest and the best uniform
 # plan): their time is reserved from --budget before the optional runs (repeats, local steps,
-# verification) are started, so that a budget cuts those and never the check (issue 28: gpt2 seed 0
-# missed "no later than the best uniform plan" with its check left out by the budget).
+# verification) are started, so that a budget cuts those and never the check (a run whose check the
+# budget left out can write a plan slower than a uniform one).
 CHECK_RUNS = 3
 
 

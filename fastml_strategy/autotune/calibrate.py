@@ -962,11 +962,11 @@ def end_slope(curves: Sequence[Sequence[float]]) -> float:
 def accuracy_within_noise(ref: Mapping[str, Any], losses: Sequence[float], metric: float | None,
                           st: Stretch | None, slope: float) -> dict[str, float]:
     """A run's accuracy loss for the accuracy rule: the part of its final-loss gap that a delay within
-    its stretch interval does not explain (issue 28: the stretch's flaw on the accuracy axis).
+    its stretch interval does not explain (the delay is charged through the stretch already).
 
     Without an eval function the accuracy loss is the relative increase of the final windowed loss.
     Where the reference still descends steeply at the end of a short run, being a few percent of the
-    steps behind is a large vertical gap: on issue 28's second transformer uniform fp16 (error 0.0002,
+    steps behind is a large vertical gap: on the benchmark's second transformer uniform fp16 (error 0.0002,
     stretch 1.00 with interval 0.92-1.10) ended 2.3% above the reference, and the rule, limit 1%,
     excluded every compressed plan; on the first, uniform int2 (stretch 1.13, 1.10-1.15) ended 11%
     above and was excluded, though in training it reached the target at 1.16x the steps and the same

@@ -105,7 +105,7 @@ def measure_distributed(wl: Workload, plans: Mapping[str, Plan | None], steps: i
     :data:`MIN_ROUND_STEPS`) timed steps each, so load from other processes on a shared machine hits
     every plan alike. Each round of a plan starts with one more untimed step: the first step after
     another plan pays for what that plan left behind (on a ``tc``-shaped link, TCP windows collapsed
-    by its drops: after fp32 DDP's 10.8 MB per step, issue 28 timed a plan at 3.66 s per step that
+    by its drops: after fp32 DDP's 10.8 MB per step, a plan was once timed at 3.66 s per step that
     trained at 1.35 s). A step counts at the slowest rank's time; per plan, the median step.
     """
     import torch.distributed as dist

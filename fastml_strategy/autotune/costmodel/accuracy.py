@@ -135,8 +135,8 @@ def accuracy_rule(points: Sequence[Mapping[str, Any]], max_accuracy_loss: float,
        the unpaired figure (an upper bound).
     4. Band of a fitted value resting on ``n`` runs: ``1.645 x 1.2533 sigma / sqrt(n)`` (the median's
        standard error). ``e_max`` is the largest error whose fit is within the limit or within its
-       band (a fitted loss no larger than the band's half-width cannot be told from no loss: issue 28,
-       where one noisy int4 run at +6.9% against a noise of 0.069 excluded every compressed plan);
+       band (a fitted loss no larger than the band's half-width cannot be told from no loss;
+       otherwise one noisy run, say +6.9% against a noise of 0.069, excludes every compressed plan);
        ``e_sure`` the largest whose band's upper edge is within the limit; ``confidence`` =
        Phi((limit - fit) / se) at ``e_max``.
     """
@@ -237,7 +237,7 @@ def _error_limits(errs: list[float], fit: list[float], band: list[float],
 
 
 # The g(e) form cannot match every run closer than this (log units), however precisely the run was
-# measured: the floor of a run's standard error in the fit's weights (issue 28).
+# measured: the floor of a run's standard error in the fit's weights.
 FIT_SE_FLOOR = 0.05
 
 

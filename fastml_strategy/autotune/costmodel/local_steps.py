@@ -16,7 +16,7 @@ fragment's outer update applied ``d`` inner steps after its all-reduce started (
 - Over a period of H inner steps: ``H c + T_codec + sum_f max(0, wire_f - d c)``; the step time is that
   over H. Whole-model sync (``F = 1, d = 0``): ``c + (wire + T_codec) / H``; streaming with a
   delay long enough to hide each fragment: ``c + T_codec / H`` (``max(H c, wire) / H`` when
-  ``d = H / F``, the brief's bound). Bytes per inner step: ``bytes / H``.
+  ``d = H / F``: the wire hidden behind H inner steps). Bytes per inner step: ``bytes / H``.
 - Steps to the target: ``S_ref x s(H) x g(e(p)) / g(e_cal) x H / (H - d)``. ``s(H)`` is the stretch
   the calibration measured for H (local steps with the calibrated outer plan against per-step
   synchronisation at the same world size, >= 1); ``g(e(p)) / g(e_cal)`` charges a plan lossier than
