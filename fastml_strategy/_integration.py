@@ -2,7 +2,7 @@
 settings an adapter takes, finding the model a framework wrapped, and the metrics dict it logs.
 
 A new adapter reads its settings through :func:`setting`, finds what to compress with
-:func:`find_ddp` / :func:`find_fsdp2` / :func:`is_fsdp1`, and logs :func:`metrics` in one of the
+:func:`find_ddp` / :func:`find_fsdp2` / :func:`fsdp2_units` / :func:`is_fsdp1`, and logs :func:`metrics` in one of the
 key styles below, instead of assembling each again::
 
     check_every = setting("check_replicas_every", None, owner="MyAdapter")   # arg, FASTML_*, default
@@ -146,13 +146,26 @@ def find_ddp(model: Any) -> torch.nn.parallel.DistributedDataParallel | None:
     return next((m for m in unwrap(model) if isinstance(m, torch.nn.parallel.DistributedDataParallel)), None)
 
 
-def find_fsdp2(model: Any) -> torch.nn.Module | None:
-    """The FSDP2 root (an ``FSDPModule``: Accelerate's ``fsdp_version: 2`` or your own ``fully_shard``)."""
+def is_fsdp2(module: Any) -> bool:
+    """Whether ``module`` itself is an FSDP2 unit (an ``FSDPModule``: ``fully_shard`` applied to it)."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # torch without FSDP2
-        return None
-    return next((m for m in unwrap(model) if isinstance(m, FSDPModule)), None)
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def find_fsdp2(model: Any) -> torch.nn.Module | None:
+    """The FSDP2 root (an ``FSDPModule``: Accelerate's ``fsdp_version: 2`` or your own ``fully_shard``):
+    ``model`` itself or what torch.compile wraps, or None."""
+    return next((m for m in unwrap(model) if is_fsdp2(m)), None)
+
+
+def fsdp2_units(model: Any) -> Iterator[torch.nn.Module]:
+    """Every FSDP2 unit anywhere inside ``model`` (itself included), in ``modules()`` order: a model
+    whose submodules were sharded with ``fully_shard`` before its root was."""
+    if isinstance(model, torch.nn.Module):
+        yield from (m for m in model.modules() if is_fsdp2(m))
 
 
 def is_fsdp1(model: Any) -> bool:

@@ -158,7 +158,7 @@ class StepChecks:
 
 
 def resolve(checks: StepChecks, group, world_size: int, rank: int, device: torch.device | None = None,
-            exchange: bool = False, stage: str = "decoding", plain: bool = True) -> bool:
+            exchange: bool = False, stage: str = "decoding", plain: bool = True, wait=None) -> bool:
     """Resolve what ``checks`` gathered: one host read of every header's status and every finiteness
     check. If a header reports an error, every rank raises the same :class:`CompressionError`, naming
     the lowest failing rank of the first message (in the order every rank read them) that carried one.
@@ -166,7 +166,9 @@ def resolve(checks: StepChecks, group, world_size: int, rank: int, device: torch
     ranks first all_gather a header of this rank's ``checks.decode_error`` (``rank`` names it), as a
     last message read after all others; without, a decoding error of this rank raises
     :class:`DecodeError` (the caller tells the others). Returns whether every checked result was
-    finite; the results of plain all-reduces are checked only with ``plain``."""
+    finite; the results of plain all-reduces are checked only with ``plain``. ``wait``: how the
+    exchange is waited for (the engine's ``wait``: a failure channel's where one is set; None:
+    ``work.wait()``)."""
     W = world_size
     if plain:
         for buf in checks.plain:
@@ -177,7 +179,11 @@ def resolve(checks: StepChecks, group, world_size: int, rank: int, device: torch
         mine = torch.zeros(HEADER, dtype=torch.uint8, device=dev)
         write_header(mine, checks.decode_error, rank)
         out = torch.zeros(W * HEADER, dtype=torch.uint8, device=dev)
-        dist.all_gather(list(out.view(W, HEADER).unbind(0)), mine, group=group)
+        work = dist.all_gather(list(out.view(W, HEADER).unbind(0)), mine, group=group, async_op=True)
+        if wait is None:
+            work.wait()
+        else:
+            wait(work)
         checks.add_headers(stage, list(out.view(W, HEADER).unbind(0)))
     parts = []
     if checks.headers:

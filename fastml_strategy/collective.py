@@ -214,19 +214,23 @@ class CompressedAllReduce(ChunkExchange):
         with ``exchange``, a 64-byte all_gather of each rank's decoding status first). The results of
         plain all-reduces are checked only with ``plain`` (the hook passes it when the step has
         compressed buckets, whose residuals a NaN holds back)."""
-        return resolve(checks, self.group, self.world_size, self.report_rank, device, exchange, stage, plain)
+        return resolve(checks, self.group, self.world_size, self.report_rank, device, exchange, stage, plain,
+                       wait=self.wait)
 
     def _plain_all_reduce(self, lay: BucketLayout, buf: torch.Tensor, baseline_elem_size: int,
                           checks: StepChecks, divisor: float | None = None) -> None:
         """A bucket with nothing to compress: exactly what DDP's own hook does (divide, then one
         all-reduce in the gradients' dtype), so ``none`` is DDP's result for every dtype (float64 too)
-        and costs one collective; its finiteness is left to :meth:`finish` (``plain``)."""
+        and costs one collective; its finiteness is left to :meth:`finish` (``plain``). Waited for
+        with :meth:`wait`, as every collective of the compressed path, so that a caller's failure
+        channel (the hierarchical path, LocalSGD islands, HSDP on CPU) also stops this wait when a
+        rank of another group fails."""
         W = self.world_size
         div = W if divisor is None else divisor
         if div != 1:
             buf.div_(div)
         if W > 1:
-            dist.all_reduce(buf, group=self.group)
+            self.wait(dist.all_reduce(buf, group=self.group, async_op=True))
         self.count_plain(lay.total_numel, buf, baseline_elem_size)
         checks.plain.append(buf)
 
@@ -250,11 +254,11 @@ class CompressedAllReduce(ChunkExchange):
         """A sparse gradient (its own DDP bucket): the exact sparse all-reduce DDP does, then the mean.
         Every rank sums the same rows in the same order, so replicas stay identical; uncompressed
         whatever the plan says. Returns whether the result is finite (with ``checks``: adds that to
-        them and returns None)."""
+        them and returns None). Waited for with :meth:`wait` (a failure channel's, where one is set)."""
         W = self.world_size
         self.count_sparse(buf)
         if W > 1:
-            dist.all_reduce(buf, group=self.group)
+            self.wait(dist.all_reduce(buf, group=self.group, async_op=True))
             buf.div_(W)
         ok = all_finite(buf._values())
         if checks is None:

@@ -489,7 +489,9 @@ class FastMLState:
         dev = torch.device("cuda", torch.cuda.current_device()) if \
             dist.get_backend(self.process_group) == "nccl" else torch.device("cpu")
         out = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(self.world_size)]
-        dist.all_gather(out, mine.to(dev), group=self.process_group)
+        # waited for as the engine waits (the hierarchical path on CPU: through the failure channel,
+        # so a rank that failed in another group stops this wait too)
+        self._engine.wait(dist.all_gather(out, mine.to(dev), group=self.process_group, async_op=True))
         sums = [int(t.item()) for t in out]
         if len(set(sums)) > 1:
             raise ReplicaDriftError(

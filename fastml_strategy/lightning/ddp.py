@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 import torch
 
-from fastml_strategy._integration import setting
+from fastml_strategy._integration import fsdp2_units, is_fsdp1, setting
 from fastml_strategy.config import Plan
 from fastml_strategy.hook import register_hook
 from fastml_strategy.lightning._common import (_HOOK_KWARGS, _HOOK_KWARGS_FIX, CHECKPOINT_KEY, FSDP_STRATEGY_NAME,
@@ -55,20 +55,17 @@ __all__ = ["trainer_class", "fabric_class"]
 
 def _reject_sharded(module: torch.nn.Module, owner: str) -> None:
     """The DDP strategies compress DDP's all-reduce: a model already sharded by FSDP belongs elsewhere."""
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-    for m in module.modules():
-        if isinstance(m, FullyShardedDataParallel):
-            raise TypeError(
-                f"{owner} (strategy='{STRATEGY_NAME}') is DDP, but the model holds FSDP1 "
-                f"FullyShardedDataParallel modules, which FastML does not compress. Shard with FSDP2 instead: "
-                f"use strategy='{FSDP_STRATEGY_NAME}' and call torch.distributed.fsdp.fully_shard in "
-                f"configure_model (or let the strategy shard by auto_wrap_policy)")
-        if isinstance(m, FSDPModule):
-            raise TypeError(
-                f"{owner} (strategy='{STRATEGY_NAME}') is DDP, but configure_model sharded the model with "
-                f"fully_shard (FSDP2); use strategy='{FSDP_STRATEGY_NAME}', which compresses FSDP2's "
-                f"reduce-scatter")
+    if is_fsdp1(module):
+        raise TypeError(
+            f"{owner} (strategy='{STRATEGY_NAME}') is DDP, but the model holds FSDP1 "
+            f"FullyShardedDataParallel modules, which FastML does not compress. Shard with FSDP2 instead: "
+            f"use strategy='{FSDP_STRATEGY_NAME}' and call torch.distributed.fsdp.fully_shard in "
+            f"configure_model (or let the strategy shard by auto_wrap_policy)")
+    if next(fsdp2_units(module), None) is not None:
+        raise TypeError(
+            f"{owner} (strategy='{STRATEGY_NAME}') is DDP, but configure_model sharded the model with "
+            f"fully_shard (FSDP2); use strategy='{FSDP_STRATEGY_NAME}', which compresses FSDP2's "
+            f"reduce-scatter")
 
 
 # -- DDP: Lightning Trainer -------------------------------------------------------------------------------

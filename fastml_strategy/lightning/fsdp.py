@@ -47,7 +47,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from fastml_strategy._integration import setting
+from fastml_strategy._integration import fsdp2_units, is_fsdp1, is_fsdp2, setting
 from fastml_strategy._validate import whole_number
 from fastml_strategy.config import Plan, resolve_plan
 from fastml_strategy.lightning._common import (CHECKPOINT_KEY, FSDP_STRATEGY_NAME, _FastMLStateHolder,
@@ -117,14 +117,12 @@ def _wrap_policy(policy: Any) -> Callable[[torch.nn.Module], bool]:
 
 def _units_mesh(module: torch.nn.Module) -> Any:
     """The device mesh of the first FSDP2 unit inside ``module`` (its sharded parameters' mesh), or None."""
-    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
-            for p in m.parameters():
-                if isinstance(p, DTensor):
-                    return p.device_mesh
+    for m in fsdp2_units(module):
+        for p in m.parameters():
+            if isinstance(p, DTensor):
+                return p.device_mesh
     return None
 
 
@@ -225,18 +223,18 @@ class _FSDPMixin:
     # -- sharding and registration ----------------------------------------------------------------------------
     def _fastml_shard(self, module: torch.nn.Module, parallelize_fn: Callable | None = None) -> torch.nn.Module:
         """Keep the user's FSDP2 sharding (adding the root unit), or shard by the wrap policy, root last."""
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, fully_shard
+        from torch.distributed.fsdp import fully_shard
 
         owner = type(self).__name__
-        if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+        if is_fsdp1(module):
             raise _fsdp1_error(owner)
         if parallelize_fn is not None:
             module = parallelize_fn(module, self.device_mesh)
             if not isinstance(module, torch.nn.Module):
                 raise TypeError(f"parallelize_fn must return the nn.Module, got {type(module).__name__}")
-            if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+            if is_fsdp1(module):
                 raise _fsdp1_error(owner)
-        if isinstance(module, FSDPModule):
+        if is_fsdp2(module):
             log.debug(f"{owner}: the model is already sharded (root included); keeping it")
             return module
         user_mesh = _units_mesh(module)
@@ -349,10 +347,8 @@ class _TrainerFSDPStrategy(_TrainerLogging, _FSDPMixin, _FastMLStateHolder):
     @contextlib.contextmanager
     def block_backward_sync(self) -> Iterator[None]:
         # Gradient accumulation: no reduce-scatter (compressed or not) until the last micro-batch.
-        from torch.distributed.fsdp import FSDPModule
-
         model = self.model
-        if not isinstance(model, FSDPModule):
+        if not is_fsdp2(model):
             yield None
             return
         model.set_requires_gradient_sync(False)

@@ -49,12 +49,22 @@ def _error_report(e: BaseException, t0: float) -> dict:
             "cause": repr(e.__cause__), "elapsed": time.monotonic() - t0}
 
 
+def _stay_alive(marks, rank, count):
+    """Note in folder ``marks`` that ``rank`` raised, then wait (60 s at most) until ``count`` ranks
+    have: no rank learns of a failure from another one's exit or its next collectives."""
+    open(os.path.join(marks, str(rank)), "w").close()
+    deadline = time.monotonic() + 60
+    while len(os.listdir(marks)) < count and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 # -- a rank dies or stalls at step 3 -------------------------------------------------------------------
 def _rank_fault(rank, world_size, how, victim, plan="int4", ranks_per_node=None, comm_timeout=COMM_TIMEOUT,
                 marks=None):
-    """``marks`` (a folder): a survivor that raised notes it there and stays alive (as a process that
-    logs and waits would) until every survivor has raised, so that none learns of the failure from
-    another one's exit."""
+    """``marks`` (a folder): a rank that raised notes it there and stays alive (as a process that
+    logs and waits would) until every rank that fails has raised, so that none learns of the failure
+    from another one's exit. ``how="raise"``: the victim stays alive but fails before its first
+    collective of step 3 (it never issues it), as after an error outside the collectives."""
     import fastml_strategy.codecs as codecs
 
     model, ddp, state, opt = _setup(plan, ranks_per_node=ranks_per_node, comm_timeout=comm_timeout)
@@ -74,15 +84,17 @@ def _rank_fault(rank, world_size, how, victim, plan="int4", ranks_per_node=None,
                 codecs.encode_chunk = die
             if rank == victim and how == "stall":
                 time.sleep(COMM_TIMEOUT + 3)  # alive but silent: peers must time out, not wait forever
+            if rank == victim and how == "raise":
+                def fail(*a, **k):  # on the communication thread, before the bucket's first collective
+                    raise RuntimeError("injected failure before the step's collectives")
+
+                state._engine.start = fail
         try:
             loss_of(ddp, rank, step).backward()
         except Exception as e:  # noqa: BLE001
             report = {"step": step, **_error_report(e, t0)}
             if marks is not None:
-                open(os.path.join(marks, str(rank)), "w").close()
-                deadline = time.monotonic() + 60
-                while len(os.listdir(marks)) < world_size - 1 and time.monotonic() < deadline:
-                    time.sleep(0.1)
+                _stay_alive(marks, rank, world_size if how == "raise" else world_size - 1)
             return report
         opt.step()
         opt.zero_grad()
@@ -129,17 +141,28 @@ DEATH_TIMEOUT = 30
 
 
 def _hier_faults(rank, world_size, path):
-    """Two machines of two ranks (hierarchical path), two faults in one launch (to keep CI time
-    down): rank 3 stalls at step 3 (rank 2 is its machine peer), then, with a fresh hook and groups
-    whose timeout is long, rank 2 dies at step 3. Rank 1 shares no group with it but the world's:
-    rank 0 (its cross-machine peer) and rank 3 (its machine peer) see the closed connection, and
-    rank 1, waiting on rank 0 inside machine 0, must hear of it through the failure channel."""
+    """Two machines of two ranks (hierarchical path), three faults in one launch (to keep CI time
+    down): rank 3 stalls at step 3 (rank 2 is its machine peer); then, with a fresh hook and groups
+    whose timeout is long, a `none` plan (every bucket takes the plain all-reduce across machines),
+    rank 2 fails before its collectives of step 3 and stays alive: rank 3 waits on it inside
+    machine 1, rank 0 across machines, and rank 1 across machines on rank 3, which has raised; all
+    must hear of it through the failure channel, the plain all-reduce's wait included. Last, with
+    a fresh hook again (int4), rank 2 dies at step 3. Rank 1 shares no group with it but the
+    world's: rank 0 (its cross-machine peer) and rank 3 (its machine peer) see the closed
+    connection, and rank 1, waiting on rank 0 inside machine 0, must hear of it through the
+    failure channel."""
     import json
 
     t0 = time.monotonic()
     stall = _rank_fault(rank, world_size, "stall", 3, "int4", 2)
     with open(os.path.join(path, f"stall{rank}.json"), "w") as f:
         json.dump({**stall, "phase_s": time.monotonic() - t0}, f)
+    t0 = time.monotonic()
+    os.makedirs(os.path.join(path, "raised"), exist_ok=True)
+    raised = _rank_fault(rank, world_size, "raise", 2, "none", 2, comm_timeout=DEATH_TIMEOUT,
+                         marks=os.path.join(path, "raised"))
+    with open(os.path.join(path, f"raise{rank}.json"), "w") as f:
+        json.dump({**raised, "phase_s": time.monotonic() - t0}, f)
     marks = os.path.join(path, "marks")
     os.makedirs(marks, exist_ok=True)
     t0 = time.monotonic()
@@ -153,13 +176,72 @@ def test_hierarchical_dead_or_stalled_rank_fails_every_other_rank_fast(tmp_path)
     results = run_workers(_hier_faults, 4, str(tmp_path), timeout=150, pg_timeout=PG_TIMEOUT, allow_deaths=True)
     stall = [("ok", json.loads((tmp_path / f"stall{r}.json").read_text())) for r in range(4)]
     _check_fault_results(stall, 4, "stall", 3)
+    # a `none` plan: every rank raised at step 3, long before the groups' timeout, and every rank's
+    # error names the one that failed first (the failure channel carries its text)
+    for r in range(4):
+        res = json.loads((tmp_path / f"raise{r}.json").read_text())
+        assert res["step"] == 3 and res["type"] == "CompressionError", (r, res)
+        assert "restart from the last checkpoint" in res["msg"] and "injected failure" in res["msg"], (r, res)
+        assert res["elapsed"] < DEATH_TIMEOUT / 3, (r, res)
     # every survivor, rank 1 included, raised long before the groups' timeout (alive until all had)
     _check_fault_results(results, 4, "exit", 2, within=DEATH_TIMEOUT / 3)
 
 
-# LocalSGD on FSDP2 islands: the init timeout (every group LocalSGD and the island use inherits it), long
+# LocalSGD on islands: the init timeout (every group LocalSGD and the island use inherits it), long
 # enough that a survivor that waited for it instead of hearing of the failure fails the bound below
 ISLAND_TIMEOUT = 30
+
+
+def _ddp_island_failure(rank, world_size, marks):
+    """Two machines of two ranks, DDP inside each, LocalSGD (`none`: the plain all-reduce across
+    machines, every 2) across: rank 2 fails in its second synchronisation (inner step 4), before its
+    first collective, and stays alive. Rank 3 waits on it inside machine 1, rank 0 across machines,
+    rank 1 across machines on rank 3 (which has raised): each must hear of it through the failure
+    channel, not at the group timeout."""
+    import fastml_strategy as fm
+    from fastml_strategy.localsgd import machine_group
+
+    model = mlp()
+    ddp = DDP(model, process_group=machine_group(ranks_per_node=2))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    local = fm.LocalSGD(ddp, opt, every=2, plan="none")
+    assert local._channel is not None and local.ranks_per_node == 2
+    if rank == 2:
+        real, calls = local._engine.start, []
+
+        def start(*a, **k):  # on the communication thread, before the synchronisation's collectives
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("injected failure before the synchronisation's collectives")
+            return real(*a, **k)
+
+        local._engine.start = start
+    t0 = time.monotonic()
+    for step in range(6):
+        if step == 3:
+            t0 = time.monotonic()
+        try:
+            loss_of(ddp, rank, step).backward()
+            opt.step()
+            opt.zero_grad()
+            local.step()
+        except Exception as e:  # noqa: BLE001
+            report = {"step": step, "outer_steps": local.outer_steps, **_error_report(e, t0)}
+            _stay_alive(marks, rank, world_size)
+            return report
+    return {"step": None}
+
+
+def _island_faults(rank, world_size, path):
+    """Two faults in one launch (to keep CI time down): a DDP island's rank fails (alive), then an
+    FSDP2 island's rank dies."""
+    import json
+
+    for sub in ("raised", "marks"):
+        os.makedirs(os.path.join(path, sub), exist_ok=True)
+    with open(os.path.join(path, f"ddp{rank}.json"), "w") as f:
+        json.dump(_ddp_island_failure(rank, world_size, os.path.join(path, "raised")), f)
+    return _fsdp_island_death(rank, world_size, os.path.join(path, "marks"))
 
 
 def _fsdp_island_death(rank, world_size, marks):
@@ -196,17 +278,24 @@ def _fsdp_island_death(rank, world_size, marks):
             local.step()
         except Exception as e:  # noqa: BLE001
             report = {"step": step, **_error_report(e, t0)}
-            open(os.path.join(marks, str(rank)), "w").close()
-            deadline = time.monotonic() + 60
-            while len(os.listdir(marks)) < world_size - 1 and time.monotonic() < deadline:
-                time.sleep(0.1)
+            _stay_alive(marks, rank, world_size - 1)
             return report
     return {"step": None}
 
 
-def test_fsdp_island_rank_death_fails_every_other_rank_fast(tmp_path):
-    results = run_workers(_fsdp_island_death, 4, str(tmp_path), timeout=120, pg_timeout=ISLAND_TIMEOUT,
+def test_island_rank_failure_or_death_fails_every_other_rank_fast(tmp_path):
+    import json
+
+    results = run_workers(_island_faults, 4, str(tmp_path), timeout=150, pg_timeout=ISLAND_TIMEOUT,
                           allow_deaths=True)
+    # DDP island, `none`: every rank raised at the second synchronisation (inner step 4), long before
+    # the group timeout, and every rank's error names the failure that started it
+    for r in range(4):
+        res = json.loads((tmp_path / f"ddp{r}.json").read_text())
+        assert res["step"] == 3 and res["outer_steps"] == 1 and res["type"] == "CompressionError", (r, res)
+        assert "restart from the last checkpoint" in res["msg"] and "injected failure" in res["msg"], (r, res)
+        assert res["elapsed"] < ISLAND_TIMEOUT / 3, (r, res)
+    # FSDP2 island, int4, a rank dies
     assert results[3][0] == "died", results[3]
     status, res = results[2]  # FSDP's all-gather with the dead rank: gloo's own error, at once
     assert status == "ok" and res["step"] == 2 and res["elapsed"] < ISLAND_TIMEOUT / 3, res
