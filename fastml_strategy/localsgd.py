@@ -371,6 +371,17 @@ class LocalSGD:
             self._outer = torch.optim.SGD(params, lr=outer_lr, momentum=outer_momentum)
         self._fragments = self._split(named, fragments, every)
         self.ranks_per_node = R
+        self._engine, self._channel = self._build_engine(topo, groups, named)
+        self._hier = not isinstance(self._engine, CompressedAllReduce)
+        # one thread issues the fragments' collectives in order (every rank in the same order)
+        self._runner = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastml-localsgd")
+        self.inner_steps = 0
+        self.outer_steps = 0
+        self.nonfinite_syncs = 0
+        self._failure: Optional[BaseException] = None
+
+    def _build_engine(self, topo: Any, groups: tuple, named: list) -> tuple[Any, Optional[FailureChannel]]:
+        """The engine of the outer synchronisation and, on CPU islands, its failure channel."""
         if groups:
             # islands: local rank l of every machine reduces part l of each fragment across machines
             # (the hierarchical all-reduce of the DDP hook; inside a machine the pseudo-gradients are
@@ -378,27 +389,21 @@ class LocalSGD:
             # rank l holds, and only the cross-machine stage runs)
             from fastml_strategy.hierarchical import HierarchicalAllReduce
 
-            self._engine = HierarchicalAllReduce(self.plan, process_group, self.rank, self.world_size,
-                                                 topo, *groups)
+            engine = HierarchicalAllReduce(self.plan, self.process_group, self.rank, self.world_size,
+                                            topo, *groups)
         else:  # one replica per rank, or one machine (nothing crosses machines; DDP averages it all)
-            self._engine = CompressedAllReduce(self.plan, process_group, self.rank, self.world_size)
-        self._hier = not isinstance(self._engine, CompressedAllReduce)
+            engine = CompressedAllReduce(self.plan, self.process_group, self.rank, self.world_size)
         # Islands on CPU (gloo): ranks meet in groups that do not all hold one another, so a rank that
         # fails publishes it in the job's store and every wait of the synchronisation reads it
         # (fastml_strategy._peers). Without it, when rank 3 of two machines of two dies, rank 1 (its
         # counterpart) sees the closed connection, but rank 0 meets rank 2 across machines, which
         # failed in the island's own collective and never issues its part: rank 0 would wait for the
         # whole group timeout. (A collective: rank 0 draws the key. NCCL's wait does not block.)
-        self._channel: Optional[FailureChannel] = None
+        channel: Optional[FailureChannel] = None
         if groups and not any(p.is_cuda for _, p in named):
-            self._channel = FailureChannel(process_group, self.rank)
-            self._engine.use_channel(self._channel)
-        # one thread issues the fragments' collectives in order (every rank in the same order)
-        self._runner = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastml-localsgd")
-        self.inner_steps = 0
-        self.outer_steps = 0
-        self.nonfinite_syncs = 0
-        self._failure: Optional[BaseException] = None
+            channel = FailureChannel(self.process_group, self.rank)
+            engine.use_channel(channel)
+        return engine, channel
 
     def _start_identical(self, module: torch.nn.Module, topo: Any, groups: tuple) -> None:
         """Rank 0's parameters and buffers everywhere (an FSDP2 island: each shard from its counterpart
