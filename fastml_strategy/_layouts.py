@@ -27,7 +27,8 @@ from fastml_strategy import codecs
 from fastml_strategy._status import HEADER
 from fastml_strategy.config import RECIPES, CodecConfig, Plan
 
-__all__ = ["BucketLayout", "ShardLayout", "ShardedTensor", "PIECE_NUMEL", "chunk_bounds", "bucket_groups",
+__all__ = ["BucketLayout", "ShardLayout", "ShardedTensor", "PIECE_NUMEL", "chunk_bounds", "part_bounds_of",
+           "bucket_groups",
            "piece_slices", "pack_pieces", "BucketWire", "PieceWire", "bucket_wire"]
 
 def layer_key(name: str) -> int:
@@ -143,6 +144,14 @@ def chunk_bounds(length: int, unit: int, W: int) -> list[int]:
     """W + 1 boundaries cutting ``length`` elements into W near-equal chunks on ``unit`` boundaries."""
     units = math.ceil(length / unit)
     return [min(length, (j * units // W) * unit) for j in range(W)] + [length]
+
+
+def part_bounds_of(cfg: CodecConfig, numel: int, parts: int) -> list[int]:
+    """The ``parts + 1`` boundaries of a parameter of ``numel`` elements whose plan names ``cfg``, cut
+    into the hierarchical all-reduce's parts (part j: local rank j's) on the codec's
+    :meth:`~fastml_strategy.codecs.WireCodec.part_unit`. Tensor-free: the runtime
+    (:func:`fastml_strategy.hierarchical.part_bounds`) and the autotuner's cost model cut with it."""
+    return chunk_bounds(numel, codecs.codec_for(cfg).part_unit(), parts)
 
 
 class _Messages:

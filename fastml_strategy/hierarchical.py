@@ -57,8 +57,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fastml_strategy import codecs
-from fastml_strategy._layouts import chunk_bounds as _chunk_bounds
+from fastml_strategy._layouts import part_bounds_of
 from fastml_strategy._status import HEADER, CompressionError, StepChecks
 from fastml_strategy._status import host as _host
 from fastml_strategy.collective import CompressedAllReduce
@@ -71,8 +70,7 @@ __all__ = ["HierLayout", "HierarchicalAllReduce", "part_bounds"]
 def part_bounds(plan: Plan, name: str, numel: int, ranks_per_node: int) -> list[int]:
     """The R + 1 boundaries of parameter ``name``'s parts (part j: local rank j's), on the codec's
     :meth:`~fastml_strategy.codecs.WireCodec.part_unit`."""
-    unit = codecs.codec_for(plan.for_parameter(name, numel)).part_unit()
-    return _chunk_bounds(numel, unit, ranks_per_node)
+    return part_bounds_of(plan.for_parameter(name, numel), numel, ranks_per_node)
 
 
 class HierLayout:

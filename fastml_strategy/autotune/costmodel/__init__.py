@@ -33,14 +33,14 @@ from __future__ import annotations
 # every model's names, re-exported: costmodel.X is how the rest of the autotuner reaches them
 from fastml_strategy.autotune.costmodel.base import (  # noqa: F401
     BASE_OPTIONS, CANDIDATES, DEFAULT_INTRA_LINK, DEFAULT_LOCAL_EVERY, DEFAULT_LOCAL_FRAGMENTS, DTYPE_BYTES,
-    LOCAL_CALIBRATION_OPTION, SHARDINGS, _BASE_CANDIDATES, Convergence, LayerProfile, LocalCalibration, Profile,
+    INTRA_NODE_BYTES, INTRA_NODE_ERROR, LOCAL_CALIBRATION_OPTION, intra_node_error, SHARDINGS, _BASE_CANDIDATES, Convergence, LayerProfile, LocalCalibration, Profile,
     Sharding, StepBreakdown, _candidate_name, _cfg, _codec_factor, default_options, family, plan_error)
 from fastml_strategy.autotune.costmodel.sharded import (  # noqa: F401
     allreduce_unit_bytes, fit_collective_overhead, fsdp_state_bytes, fsdp_units, reduce_scatter_unit_bytes,
     residual_bytes, sharded_step_time)
 from fastml_strategy.autotune.costmodel.ddp import (  # noqa: F401
-    BUCKET_BYTES, BUCKET_MB_CHOICES, FIRST_BUCKET_BYTES, _layer_cost, bucket_wire_of, ddp_buckets, ddp_bytes_per_rank,
-    ddp_node_net_bytes, ddp_topology, step_time)
+    BUCKET_BYTES, BUCKET_MB_CHOICES, FIRST_BUCKET_BYTES, HierBucketWire, _layer_cost, bucket_wire_of, ddp_buckets,
+    ddp_bytes_per_rank, ddp_node_net_bytes, ddp_topology, hier_bucket_wire, intra_node_choices, step_time)
 from fastml_strategy.autotune.costmodel.evaluate import (  # noqa: F401
     Trial, cost_usd, evaluate, fit_alpha_beta, fit_codec_scale, objective, pareto_front)
 from fastml_strategy.autotune.costmodel.local_steps import evaluate_local, local_step_time  # noqa: F401
@@ -71,6 +71,13 @@ __all__ = [
     "ddp_node_net_bytes",
     "ddp_bytes_per_rank",
     "bucket_wire_of",
+    "HierBucketWire",
+    "hier_bucket_wire",
+    # the hop inside a machine (Plan.intra_node)
+    "intra_node_choices",
+    "intra_node_error",
+    "INTRA_NODE_ERROR",
+    "INTRA_NODE_BYTES",
     "evaluate",
     "Trial",
     "objective",

@@ -268,15 +268,57 @@ def _cfg(choice: Mapping[str, str], lp: LayerProfile) -> tuple[str, CodecConfig]
     return name, CANDIDATES[name]
 
 
-def plan_error(profile: Profile, choice: Mapping[str, str]) -> float:
-    """Relative error of the whole gradient: sqrt(sum_l |g_l|^2 e_l^2 / sum_l |g_l|^2)."""
+def plan_error(profile: Profile, choice: Mapping[str, str], intra_node: str | None = None) -> float:
+    """Relative error of the whole gradient: sqrt(sum_l |g_l|^2 e_l^2 / sum_l |g_l|^2); with a 16-bit
+    hop inside the machine (``intra_node``, :func:`intra_node_error`), that rounding's error added in
+    quadrature (it is independent of the codecs' and applies to every layer alike)."""
     num = den = 0.0
     for lp in profile.layers:
         den += lp.grad_sq
         name, _ = _cfg(choice, lp)
         if name != "none":
             num += lp.grad_sq * lp.rel_error[name] ** 2
-    return math.sqrt(num / den) if den > 0 else 0.0
+    e = math.sqrt(num / den) if den > 0 else 0.0
+    return math.hypot(e, intra_node_error(profile, intra_node)) if intra_node not in (None, "none") else e
+
+
+# The hop inside a machine of the hierarchical all-reduce (``Plan.intra_node``): each choice the search
+# may make -> the relative error of its rounding of the machine's reduced gradient, the format's unit
+# roundoff (8 significand bits for bf16, 11 for fp16). That rounding comes after error feedback, which
+# therefore never corrects it: it is priced as an error of its own, added to the plan's in quadrature
+# (the reduce-scatter's rounding of each rank's copy, averaged over the machine's ranks, is smaller and
+# not counted). "none" (exact fp32) is 0.
+INTRA_NODE_ERROR: dict[str, float] = {"none": 0.0, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
+# Bytes per element on that hop.
+INTRA_NODE_BYTES: dict[str, int] = {"none": 4, "bf16": 2, "fp16": 2}
+
+
+def measured_fp16_error(profile: Profile) -> float | None:
+    """The gradient-weighted relative error the profile measured for the fp16 cast over the tunable
+    layers (overflow and underflow included), or None when it was not profiled."""
+    layers = [lp for lp in profile.layers if lp.tunable]
+    if "fp16" not in profile.options or not layers or any("fp16" not in lp.rel_error for lp in layers):
+        return None
+    den = sum(lp.grad_sq for lp in layers)
+    if not den > 0:
+        return None
+    return math.sqrt(sum(lp.grad_sq * lp.rel_error["fp16"] ** 2 for lp in layers) / den)
+
+
+def intra_node_error(profile: Profile, intra_node: str | None) -> float:
+    """The relative error a hop inside the machine in ``intra_node`` (:data:`INTRA_NODE_ERROR`; None
+    or "none": exact) adds to the gradient. fp16 takes the larger of its unit roundoff and the fp16
+    error the profile measured on the real gradients (its narrow range may flush small gradients);
+    unprofiled, it is not offered (:func:`fastml_strategy.autotune.costmodel.intra_node_choices`)."""
+    key = "none" if intra_node is None else intra_node
+    if key not in INTRA_NODE_ERROR:
+        raise ValueError(f"intra_node {intra_node!r} is not a hop the autotuner prices; use one of "
+                         f"{sorted(INTRA_NODE_ERROR)}")
+    e = INTRA_NODE_ERROR[key]
+    if key == "fp16":
+        measured = measured_fp16_error(profile)
+        e = max(e, measured) if measured is not None else e
+    return e
 
 
 def _codec_factor(cfg: CodecConfig, nodes: int) -> float:

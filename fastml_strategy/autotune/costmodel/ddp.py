@@ -31,13 +31,18 @@
    backward ends ``T_codec`` later; exposed = what ends after the (stretched) backward pass.
 5. Ranks per machine (``A = accelerators_per_node``; :func:`ddp_topology`), as the hook runs them
    (:mod:`fastml_strategy.topology`): with ``N > 1`` machines of ``A > 1`` ranks the hook is
-   *hierarchical* (:mod:`fastml_strategy.hierarchical`): per bucket an fp32 reduce-scatter and an
-   all-gather inside the machine on the intra-node link (``2(A-1)`` rounds and ``2(A-1)/A x 4 x
-   numel`` bytes per rank, at the link's per-rank bandwidth), between them the compressed all-reduce of
-   each rank's ``1/A`` part across the ``N`` machines, the machine's ``A`` ranks at once on its one
-   network link (``A x`` the part's bytes, priced as a bucket of parts as in 3, over ``N``;
-   ``2(N-1)`` rounds per piece); codec time
-   is that of the part (``1/A`` of the layer). Everything else is *flat*: one machine (``N = 1``: the
+   *hierarchical* (:mod:`fastml_strategy.hierarchical`; :func:`hier_bucket_wire`): every layer is cut
+   into ``A`` parts on its codec's part unit, by the runtime's own function
+   (:func:`fastml_strategy._layouts.part_bounds_of`), and local rank ``l``'s row is its part of every
+   layer. Per bucket a reduce-scatter and an all-gather inside the machine on the intra-node link
+   (``2(A-1)`` rounds; each sends ``A-1`` rows padded to the longest, no header, 4 bytes per element,
+   or 2 with a 16-bit ``Plan.intra_node``: ``intra_node`` here), between them each row's compressed
+   all-reduce across the ``N`` machines, priced as a bucket as in 3 over ``N``, the machine's ``A``
+   rows at once on its one network link (piece ``k`` of every row together; ``2(N-1)`` rounds per
+   piece); codec time is that of each row's parts (their share of each layer's), the slowest row
+   setting a piece's. A 16-bit hop also converts the bucket to and from 16 bits where the fp32 hop
+   copies: the profile's fp16 round trip beyond its fp32 one (:func:`_intra_cast_s`). The end-of-step
+   agreement (72 bytes per rank over every rank) is not priced. Everything else is *flat*: one machine (``N = 1``: the
    all-reduce over ``A`` ranks on the intra-node link), one rank per machine (the network, as above),
    or flat on request (``topology="flat"``, ``ranks_per_node=1`` in the hook: the scatter-reduce-
    allgather over all ``W`` ranks; a machine's link carries the all_to_all chunks its ``A`` ranks
@@ -54,14 +59,15 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from fastml_strategy.autotune.catalog import HardwareOption, Link
-from fastml_strategy.autotune.costmodel.base import (CANDIDATES, DEFAULT_INTRA_LINK, LayerProfile, Profile,
-                                                     Sharding, StepBreakdown, _candidate_name, _cfg,
-                                                     _codec_factor, family)
+from fastml_strategy.autotune.costmodel.base import (CANDIDATES, DEFAULT_INTRA_LINK, INTRA_NODE_BYTES,
+                                                     LayerProfile, Profile, Sharding, StepBreakdown,
+                                                     _candidate_name, _cfg, _codec_factor, family)
 from fastml_strategy.autotune.costmodel.sharded import sharded_step_time
-from fastml_strategy._layouts import PIECE_NUMEL, BucketWire, bucket_wire
+from fastml_strategy._layouts import PIECE_NUMEL, BucketWire, bucket_wire, part_bounds_of
 
 # DDP's bucket sizes (torch.nn.parallel.DistributedDataParallel: bucket_cap_mb=25, and
 # dist._DEFAULT_FIRST_BUCKET_BYTES = 1 MiB for the first bucket, the last layers).
@@ -95,16 +101,18 @@ def ddp_buckets(profile: Profile, bucket_mb: float | None = None) -> list[list[L
 
 
 def _layer_cost(profile: Profile, lp: LayerProfile, choice: Mapping[str, str], nodes: int,
-                speed: float, hook: bool = True, parts: int = 1) -> tuple[int, float]:
+                speed: float, hook: bool = True, numel: int | None = None) -> tuple[int, float]:
     """(bytes one rank sends, codec seconds) of one layer in one compressed all-reduce over
-    ``nodes`` (``hook=False``: DDP's fp32 all-reduce, no codec); ``parts``: the hierarchical path's
-    ranks per machine, each of which all-reduces ``1/parts`` of the layer."""
+    ``nodes`` (``hook=False``: DDP's fp32 all-reduce, no codec); ``numel``: the elements all-reduced
+    when that is a part of the layer (the hierarchical path's, :func:`hier_bucket_wire`), whose codec
+    time is that share of the layer's."""
     from fastml_strategy.codecs import effective_config, wire_bytes
 
     if nodes <= 1:
         return 0, 0.0
     name, cfg = _cfg(choice, lp) if hook else ("none", CANDIDATES["none"])
-    numel = -(-lp.numel // parts)
+    numel = lp.numel if numel is None else int(numel)
+    share = numel / lp.numel if lp.numel else 0.0
     nbytes = wire_bytes(numel, cfg, nodes)
     if not (hook and lp.tunable):
         return nbytes, 0.0
@@ -112,7 +120,7 @@ def _layer_cost(profile: Profile, lp: LayerProfile, choice: Mapping[str, str], n
     # a top-k layer past its fallback world size runs its dense fallback codec
     t = lp.codec_s.get(name, 0.0) if eff == cfg else lp.codec_s.get(
         _candidate_name(eff), lp.codec_s.get("int8", 0.0))
-    return nbytes, t * _codec_factor(eff, nodes) * profile.codec_scale.get(family(eff), 1.0) / speed / parts
+    return nbytes, t * _codec_factor(eff, nodes) * profile.codec_scale.get(family(eff), 1.0) / speed * share
 
 
 def ddp_topology(nodes: int, ranks_per_node: int, topology: str = "auto") -> str:
@@ -125,6 +133,71 @@ def ddp_topology(nodes: int, ranks_per_node: int, topology: str = "auto") -> str
     if topology == "flat" or nodes <= 1 or ranks_per_node <= 1:
         return "flat"
     return "hierarchical"
+
+
+def intra_node_choices(profile: Profile, option: HardwareOption, sharding: Sharding | None = None) -> tuple[str, ...]:
+    """The ``Plan.intra_node`` values the search tries on ``option``: none where the hop does not exist
+    (sharded training, one machine, one rank per machine: ``()``, and plans keep no ``intra_node``);
+    else exact (``"none"``), ``"bf16"`` (fp32's range: no gradient overflows or flushes to zero) and
+    ``"fp16"`` only where the profile measured the fp16 cast on the real gradients within twice its
+    unit roundoff (no range loss seen: it then rounds 8x finer than bf16)."""
+    from fastml_strategy.autotune.costmodel.base import INTRA_NODE_ERROR, measured_fp16_error
+
+    if (sharding is not None and sharding.sharded) or ddp_topology(option.nodes, option.accelerators_per_node) != \
+            "hierarchical":
+        return ()
+    fp16 = measured_fp16_error(profile)
+    return ("none", "bf16") + (("fp16",) if fp16 is not None and fp16 <= 2 * INTRA_NODE_ERROR["fp16"] else ())
+
+
+@dataclass(frozen=True)
+class HierBucketWire:
+    """What one DDP bucket puts on the links with the hierarchical hook
+    (:mod:`fastml_strategy.hierarchical`), without tensors: ``parts[l][i]``, the elements of layer
+    ``i`` in local rank ``l``'s row (cut by :func:`fastml_strategy._layouts.part_bounds_of`, as the
+    runtime cuts them); ``rows[l]``, that row's compressed all-reduce across the machines (None: the
+    row is empty and the rank skips it); ``row_numel``, the rows' common padded length (the
+    reduce-scatter's all_to_all and the all-gather inside the machine send equal rows)."""
+
+    ranks_per_node: int
+    row_numel: int
+    parts: tuple[tuple[int, ...], ...]
+    rows: tuple[BucketWire | None, ...]
+
+    def intra_bytes(self, elem_size: int = 4) -> int:
+        """Bytes every rank sends inside its machine per step: the reduce-scatter's all_to_all and the
+        all-gather, ``A - 1`` padded rows each, of ``elem_size`` bytes per element (2 with a 16-bit
+        ``Plan.intra_node``). The hop has no header: its errors surface in the end-of-step agreement."""
+        return 2 * (self.ranks_per_node - 1) * self.row_numel * elem_size
+
+    def inter_bytes(self, local_rank: int, node_rank: int | None = None) -> int:
+        """Bytes local rank ``local_rank`` sends to other machines (of node rank ``node_rank``; None:
+        the mean over machines), as the hook's ``bytes_sent_inter`` counts them."""
+        row = self.rows[local_rank]
+        return 0 if row is None else row.bytes_sent(node_rank)
+
+    def node_bytes(self) -> int:
+        """Bytes leaving each machine: its ranks' rows, all on its one network link."""
+        return sum(self.inter_bytes(l) for l in range(self.ranks_per_node))
+
+
+def hier_bucket_wire(bucket: Sequence[LayerProfile], choice: Mapping[str, str], nodes: int, ranks_per_node: int,
+                     piece_numel: int = PIECE_NUMEL) -> HierBucketWire:
+    """The messages of one DDP bucket of these layers on ``nodes`` machines of ``ranks_per_node``
+    ranks with the hierarchical hook: every layer cut into parts on its codec's part unit (each
+    layer's codec is the plan's for the whole parameter), local rank ``l``'s row (its part of every
+    layer, bucket order, empty parts left out) priced by :func:`fastml_strategy._layouts.bucket_wire`
+    over the ``nodes`` machines, as :class:`fastml_strategy.hierarchical.HierLayout` builds it."""
+    A = ranks_per_node
+    cfgs = [_cfg(choice, lp)[1] for lp in bucket]
+    bounds = [part_bounds_of(cfg, lp.numel, A) for cfg, lp in zip(cfgs, bucket)]
+    parts = tuple(tuple(b[l + 1] - b[l] for b in bounds) for l in range(A))
+    rows = []
+    for row in parts:
+        idx = [i for i, m in enumerate(row) if m > 0]
+        rows.append(bucket_wire(tuple(row[i] for i in idx), tuple(cfgs[i] for i in idx), nodes,
+                                piece_numel=piece_numel) if idx else None)
+    return HierBucketWire(A, max(1, max(sum(row) for row in parts)), parts, tuple(rows))
 
 
 def bucket_wire_of(bucket: Sequence[LayerProfile], choice: Mapping[str, str], world_size: int, parts: int = 1,
@@ -146,23 +219,37 @@ def ddp_bytes_per_rank(profile: Profile, choice: Mapping[str, str], world_size: 
 
 
 def _piece_codec(profile: Profile, bucket: Sequence[LayerProfile], choice: Mapping[str, str], wire: BucketWire,
-                 speed: float, parts: int = 1) -> list[float]:
+                 speed: float, numels: Sequence[int] | None = None) -> list[float]:
     """Codec seconds of each piece of ``wire``: each layer's (:func:`_layer_cost`) spread over the
     pieces in proportion to the elements of its group each carries; top-k layers in the last piece,
-    whose all_gather carries them."""
+    whose all_gather carries them. ``numels``: the elements of each layer the wire carries (the
+    hierarchical path's parts; None: the whole layers)."""
     W = wire.world_size
-    per_layer = [_layer_cost(profile, lp, choice, W, speed, True, parts)[1] for lp in bucket]
+    numels = [lp.numel for lp in bucket] if numels is None else list(numels)
+    per_layer = [_layer_cost(profile, lp, choice, W, speed, True, m)[1] for lp, m in zip(bucket, numels)]
     group_s = [sum(per_layer[i] for i in idx) for idx in wire.groups]
-    group_n = [sum(-(-bucket[i].numel // parts) for i in idx) for idx in wire.groups]
+    group_n = [sum(numels[i] for i in idx) for idx in wire.groups]
     return [sum(group_s[g] * n / group_n[g] for g, n in p.parts if group_n[g])
             + sum(per_layer[i] for i in p.topk) for p in wire.pieces]
 
 
+def _intra_cast_s(profile: Profile, bucket: Sequence[LayerProfile], speed: float) -> float:
+    """Seconds a 16-bit hop inside the machine adds to the communication thread for one bucket: its
+    stage fill and its copy back into the bucket convert to and from 16 bits where the fp32 hop only
+    copies, one conversion each way of the whole bucket, which is what the profile's fp16 round trip
+    costs beyond its fp32 one (tunable layers; the small ones are not timed, and are neglected)."""
+    scale = profile.codec_scale.get("cast", 1.0)
+    return sum(max(0.0, lp.codec_s.get("fp16", 0.0) - lp.codec_s.get("none", 0.0)) for lp in bucket
+               if lp.tunable) * scale / speed
+
+
 def _bucket_comm(profile: Profile, bucket: Sequence[LayerProfile], choice: Mapping[str, str], n: int, A: int,
                  option: HardwareOption, intra: Link, hook: bool, topology: str,
-                 piece_numel: int = PIECE_NUMEL) -> tuple[int, int, list[tuple[float, float]]]:
+                 piece_numel: int = PIECE_NUMEL,
+                 intra_node: str | None = None) -> tuple[int, int, list[tuple[float, float]]]:
     """(bytes one rank sends, bytes leaving each machine, (codec seconds, wire seconds) per pipeline
-    stage) of one DDP bucket on ``n`` machines of ``A`` ranks (module docstring, items 3 and 5)."""
+    stage) of one DDP bucket on ``n`` machines of ``A`` ranks (module docstring, items 3 and 5);
+    ``intra_node``: ``Plan.intra_node`` (the hierarchical hop inside the machine in fp16/bf16)."""
     W, speed, net = n * A, option.compute_speed, option.link
     numel = sum(lp.numel for lp in bucket)
     if W <= 1:
@@ -173,20 +260,32 @@ def _bucket_comm(profile: Profile, bucket: Sequence[LayerProfile], choice: Mappi
         lat = intra.latency_s if n <= 1 else max(net.latency_s, intra.latency_s) if A > 1 else net.latency_s
         return nbytes, nbytes if n > 1 else 0, [(0.0, 2 * (W - 1) * lat + nbytes / link.bandwidth_Bps)]
     if topology == "hierarchical":
-        # the fp32 reduce-scatter and all-gather inside the machine (before and after), between them
-        # each rank's 1/A part all-reduced across the n machines, the machine's A ranks at once
-        inner = int(round(2.0 * (A - 1) / A * 4 * numel))
+        # the reduce-scatter and all-gather inside the machine (before and after; fp32, or 16-bit
+        # with intra_node), between them each local rank's row of parts all-reduced across the n
+        # machines, the machine's A ranks at once on its one link (pipeline piece k of every row
+        # together: the rows' pieces are issued in step)
+        hw = hier_bucket_wire(bucket, choice, n, A, piece_numel=piece_numel)
+        half = intra_node not in (None, "none")
+        inner = hw.intra_bytes(INTRA_NODE_BYTES["none" if intra_node is None else intra_node])
         inner_s = 2 * (A - 1) * intra.latency_s + inner / intra.bandwidth_Bps
-        wire = bucket_wire_of(bucket, choice, n, parts=A, piece_numel=piece_numel)
-        rank_net = wire.bytes_sent()
-        codec = _piece_codec(profile, bucket, choice, wire, speed, parts=A) if not wire.uncompressed else [0.0]
-        if wire.uncompressed:
-            stages = [(0.0, 2 * (n - 1) * net.latency_s + A * rank_net / net.bandwidth_Bps)]
-        else:
-            stages = [(c, 2 * (n - 1) * net.latency_s + A * p.bytes_sent() / net.bandwidth_Bps)
-                      for c, p in zip(codec, wire.pieces)]
-        stages = [(0.0, inner_s / 2)] + stages + [(0.0, inner_s / 2)]
-        return inner + rank_net, A * rank_net, stages
+        cast_s = _intra_cast_s(profile, bucket, speed) if half else 0.0
+        per_row: list[list[tuple[float, float]]] = []  # (codec seconds, bytes) per piece of each row
+        for row, wire in zip(hw.parts, hw.rows):
+            if wire is None:
+                continue
+            if wire.uncompressed:
+                per_row.append([(0.0, float(wire.bytes_sent()))])
+                continue
+            sub = [(lp, m) for lp, m in zip(bucket, row) if m > 0]
+            codec = _piece_codec(profile, [lp for lp, _ in sub], choice, wire, speed, [m for _, m in sub])
+            per_row.append([(c, p.bytes_sent()) for c, p in zip(codec, wire.pieces)])
+        stages = []
+        for k in range(max((len(r) for r in per_row), default=0)):
+            at = [r[k] for r in per_row if k < len(r)]
+            stages.append((max(c for c, _ in at), 2 * (n - 1) * net.latency_s + sum(b for _, b in at) / net.bandwidth_Bps))
+        stages = [(cast_s / 2, inner_s / 2)] + stages + [(cast_s / 2, inner_s / 2)]
+        node = hw.node_bytes()
+        return inner + int(round(node / A)), node, stages
     wire = bucket_wire_of(bucket, choice, W, piece_numel=piece_numel)
     nbytes = wire.bytes_sent()
     # one machine: the intra-node link only. Flat over W ranks on n > 1 machines: the all_to_all
@@ -211,21 +310,24 @@ def _bucket_comm(profile: Profile, bucket: Sequence[LayerProfile], choice: Mappi
 def ddp_node_net_bytes(profile: Profile, choice: Mapping[str, str], option: HardwareOption,
                        hook: bool = True, topology: str = "auto", bucket_mb: float | None = None) -> int:
     """Bytes leaving each machine per DDP step (what a machine's network counter shows), as
-    :func:`step_time` prices them."""
+    :func:`step_time` prices them (``Plan.intra_node`` does not change them)."""
     return step_time(profile, choice, option, hook=hook, bucket_mb=bucket_mb, topology=topology).node_net_bytes
 
 
 def step_time(profile: Profile, choice: Mapping[str, str], option: HardwareOption,
               nodes: int | None = None, hook: bool = True,
               sharding: Sharding | None = None, bucket_mb: float | None = None,
-              topology: str = "auto", piece_numel: int = PIECE_NUMEL) -> StepBreakdown:
+              topology: str = "auto", piece_numel: int = PIECE_NUMEL,
+              intra_node: str | None = None) -> StepBreakdown:
     """Predicted step time of a plan (``choice``: layer name -> CANDIDATES key) on ``option``
     (with ``nodes`` overriding the option's node count, for scaling predictions). ``hook=False`` is
     plain DDP (fp32 all-reduce, no encode/decode), the uncompressed baseline. With a sharded
     ``sharding``: :func:`sharded_step_time` (``hook=False``: FSDP's own collectives). ``topology``:
     the hook's schedule on several ranks per machine (:func:`ddp_topology`: ``"auto"`` as the hook
     runs it, ``"flat"`` as with ``register_hook(ranks_per_node=1)``); ``piece_numel``: the hook's
-    pipeline piece (:data:`fastml_strategy._layouts.PIECE_NUMEL`, what it runs with)."""
+    pipeline piece (:data:`fastml_strategy._layouts.PIECE_NUMEL`, what it runs with); ``intra_node``:
+    ``Plan.intra_node`` (None or "none": exact; "bf16"/"fp16": the hierarchical hop inside the machine
+    at 2 bytes per element; no effect on a flat schedule, as in the hook)."""
     if sharding is not None and sharding.sharded:
         return sharded_step_time(profile, choice, option, sharding, nodes=nodes, hook=hook)
     n = option.nodes if nodes is None else nodes
@@ -244,7 +346,8 @@ def step_time(profile: Profile, choice: Mapping[str, str], option: HardwareOptio
     cpu = wire_end = 0.0
     done: list[float] = [0.0, 0.0]  # wire ends of the last two stages
     for bucket in ddp_buckets(profile, bucket_mb):
-        nbytes, node_b, stages = _bucket_comm(profile, bucket, choice, n, A, option, intra, hook, topo, piece_numel)
+        nbytes, node_b, stages = _bucket_comm(profile, bucket, choice, n, A, option, intra, hook, topo, piece_numel,
+                                              intra_node)
         node_total += node_b
         total_bytes += nbytes
         ready = max(lp.ready_s for lp in bucket) * scale
