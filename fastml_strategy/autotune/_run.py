@@ -30,7 +30,8 @@ from fastml_strategy.autotune.catalog import HardwareOption, Link
 from fastml_strategy.autotune.costmodel import (CANDIDATES, BUCKET_MB_CHOICES, AccuracyRule, Convergence,
                                                 LocalCalibration, Profile, Sharding, Trial, accuracy_rule, evaluate,
                                                 family, fit_alpha_beta, fit_codec_scale, fit_collective_overhead,
-                                                fit_convergence, objective, pareto_front, step_time)
+                                                fit_convergence, intra_node_choices, objective, pareto_front,
+                                                step_time)
 # the inputs and the result, defined in their own modules, are this module's public names too
 from fastml_strategy.autotune._settings import (DEFAULT_BUDGET_MIN, Settings, _refuse_finished_out,  # noqa: F401
                                                 prepare)
@@ -152,11 +153,14 @@ def _broadcast(obj: Any, distributed: bool) -> Any:
 
 def _plan_from_choice(profile: Profile, choice: Mapping[str, str], name: str,
                       meta: Mapping[str, Any] | None = None,
-                      local_steps: LocalSteps | None = None) -> tuple[Plan, dict[str, Any]]:
+                      local_steps: LocalSteps | None = None,
+                      intra_node: str | None = None) -> tuple[Plan, dict[str, Any]]:
+    """The plan of a layer choice, and its plan.json dict (with ``meta``); ``intra_node`` ("bf16",
+    "fp16"; None or "none": exact, and the file has no ``intra_node``) the hop inside the machine."""
     layers = {lp.name: CANDIDATES[choice.get(lp.name, "none") if lp.tunable else "none"]
               for lp in profile.layers}
     plan = Plan(default=CANDIDATES["none"], layers=layers, min_numel=profile.min_numel, name=name,
-                local_steps=local_steps)
+                local_steps=local_steps, intra_node=None if intra_node in (None, "none") else intra_node)
     d = plan.to_dict()
     if meta:
         d["meta"] = dict(meta)
@@ -203,9 +207,11 @@ def _option_plan(profile: Profile, groups: Mapping[str, list[str]], result: "Aut
         meta["accuracy_rule"] = {"e_max": rule.e_max, "e_noise": rule.e_noise, "e_sure": rule.e_sure,
                                  "confidence": f(rule.confidence), "sigma": f(rule.sigma),
                                  "runs": rule.trials, "repeats": rule.repeats, "paired": rule.paired}
+    per_step_hook = w.use_hook and not uses_local_steps(w)
     return _plan_from_choice(
         profile, search.expand(groups, w.choice), f"autotuned-{option}", meta=meta,
-        local_steps=_local_steps_of(w, result.local_calibration))
+        local_steps=_local_steps_of(w, result.local_calibration),
+        intra_node=w.intra_node if per_step_hook else None)
 
 
 def autotune(target: str | Workload | Any, **kwargs: Any) -> AutotuneResult:
@@ -469,9 +475,11 @@ def _scaling(profile: Profile, options: list[HardwareOption], groups: Mapping[st
     rows = []
     for opt in options:
         c = search.expand(groups, best[opt.name].choice) if best[opt.name].use_hook else None
+        intra = Trial.of(best[opt.name]).intra_node
         for n in SCALING_NODES:
             for label, ch in (("tuned", c), (base_label, None)):
-                br = step_time(profile, ch or {}, opt, nodes=n, hook=ch is not None, sharding=sh)
+                br = step_time(profile, ch or {}, opt, nodes=n, hook=ch is not None, sharding=sh,
+                               intra_node=intra if ch is not None else None)
                 rows.append({"option": opt.name, "nodes": n, "plan": label, "step_s": br.step_s,
                              "compute_s": br.compute_s, "codec_s": br.codec_s,
                              "exposed_comm_s": br.exposed_s, "bytes_per_rank": br.bytes_per_rank,
@@ -946,6 +954,9 @@ def _search_key(s: Settings, profile: Profile, opt: HardwareOption, conv: Conver
                  profile.collective_overhead_s]
     if local_cal is not None:  # runs without local steps keep their study names
         what += [local_cal.to_dict(), list(s.local_fragments)]
+    intra = intra_node_choices(profile, opt, sh)
+    if intra:  # options with no hop inside a machine keep their study names
+        what += [list(intra)]
     return _hash(what)
 
 
@@ -1060,7 +1071,8 @@ def _best_bucket(profile: Profile, groups: Mapping[str, list[str]], opt: Hardwar
     hook = row.use_hook
     out = row.replace(bucket_mb=None)
     for mb in BUCKET_MB_CHOICES[1:]:
-        r = evaluate(profile, choice, opt, conv, target_steps, hook=hook, bucket_mb=mb)
+        r = evaluate(profile, choice, opt, conv, target_steps, hook=hook, bucket_mb=mb,
+                     intra_node=row.get("intra_node"))
         obj = objective(r, opt)
         if obj < out.objective * (1 - 1e-9):
             out.update({k: r[k] for k in ("step_s", "exposed_s", "tta_s", "cost_usd", "wire_s")},

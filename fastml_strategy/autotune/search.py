@@ -29,6 +29,15 @@ calibrated outer plan (uniform int4) at every (H, F) and every uniform plan at e
 
 The Pareto front of (time to accuracy, cost) over all feasible trials of all options is computed after
 the studies (a multi-objective study would lose the per-option constraint handling and pruning).
+
+The hop inside a machine (``Plan.intra_node``): on an option of several machines of several ranks,
+where the DDP hook is hierarchical, one more dimension ``intra_node`` (per-step rows only) picks the
+dtype of the reduce-scatter and all-gather inside the machine among
+:func:`~fastml_strategy.autotune.costmodel.intra_node_choices` ("none" = exact fp32, "bf16", and
+"fp16" where the profile shows its range suffices): half the bytes on the intra-node link against one
+uncorrected 16-bit rounding added to the plan's error. Seeds add every per-step seed with the
+finest 16-bit choice offered. Every other option's study is unchanged (its rows have no
+``intra_node``).
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ import numpy as np
 from fastml_strategy.autotune.catalog import HardwareOption
 from fastml_strategy.autotune.costmodel import (DEFAULT_LOCAL_FRAGMENTS, LOCAL_CALIBRATION_OPTION, Convergence,
                                                 LocalCalibration, Profile, Sharding, Trial, evaluate, evaluate_local,
-                                                objective)
+                                                intra_node_choices, objective)
 
 __all__ = ["group_layers", "lagrangian_plans", "run_search", "expand", "best_row", "local_fragments"]
 
@@ -148,10 +157,19 @@ def run_search(profile: Profile, groups: Mapping[str, list[str]], option: Hardwa
     sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(10, max(1, trials // 5)))
     study = optuna.create_study(direction="minimize", sampler=sampler)
     frags = local_fragments(profile, fragments) if local is not None else [1]
-    for gc, h, f in _first_trials(profile, groups, option, sharding, local, frags)[:trials]:
+    intra = intra_node_choices(profile, option, sharding)
+    first = _first_trials(profile, groups, option, sharding, local, frags)
+    seeds: list[tuple[dict[str, str], int, int, str | None]] = [(gc, h, f, None) for gc, h, f in first]
+    if intra:  # the per-step seeds with the exact hop, then again with the finest 16-bit one offered
+        per_step = [gc for gc, h, _ in first if h == 1]
+        seeds = ([(gc, 1, 1, i) for i in ("none", intra[-1]) for gc in per_step]
+                 + [x for x in seeds if x[1] != 1])
+    for gc, h, f, i in seeds[:trials]:
         params: dict[str, Any] = {keys[g]: o for g, o in gc.items()}
         if local is not None:
             params.update(every=h, fragments=f)
+        if i is not None and h == 1:
+            params["intra_node"] = i
         study.enqueue_trial(params, skip_if_exists=True)
 
     def tick(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
@@ -159,7 +177,7 @@ def run_search(profile: Profile, groups: Mapping[str, list[str]], option: Hardwa
             progress.update(1)
 
     study.optimize(_trial_objective(profile, groups, option, conv, target_steps, keys, frags, sharding=sharding,
-                                    max_residual_bytes=max_residual_bytes, local=local),
+                                    max_residual_bytes=max_residual_bytes, local=local, intra=intra),
                    n_trials=trials, callbacks=[tick])
     done = [t for t in study.get_trials(deepcopy=False) if t.state is optuna.trial.TrialState.COMPLETE]
     rows = _rows(done, option, names, keys)
@@ -208,9 +226,10 @@ def _first_trials(profile: Profile, groups: Mapping[str, list[str]], option: Har
 def _trial_objective(profile: Profile, groups: Mapping[str, list[str]], option: HardwareOption,
                      conv: Convergence, target_steps: float, keys: Mapping[str, str], frags: list[int], *,
                      sharding: Sharding | None, max_residual_bytes: float | None,
-                     local: LocalCalibration | None) -> Callable[[Any], float]:
-    """The study's objective: the option's objective of the trial's plan (and H, F), with the error
-    (and residual memory) limits as constraints, every predicted figure kept on the trial."""
+                     local: LocalCalibration | None, intra: tuple[str, ...] = ()) -> Callable[[Any], float]:
+    """The study's objective: the option's objective of the trial's plan (and H, F, and the hop inside
+    the machine where ``intra`` offers choices), with the error (and residual memory) limits as
+    constraints, every predicted figure kept on the trial."""
     every = [1] + (local.every if local is not None else [])
 
     def run_trial(trial: Any) -> float:
@@ -219,15 +238,17 @@ def _trial_objective(profile: Profile, groups: Mapping[str, list[str]], option: 
         f = trial.suggest_categorical("fragments", frags) if local is not None else 1
         choice = expand(groups, gchoice)
         if h == 1:
+            i = trial.suggest_categorical("intra_node", intra) if intra else None
             r = evaluate(profile, choice, option, conv, target_steps, sharding=sharding,
-                         max_residual_bytes=max_residual_bytes)
+                         max_residual_bytes=max_residual_bytes, intra_node=i)
             r.update(every=1, fragments=1, delay=0)
             limit = conv.e_max
         else:
             r = evaluate_local(profile, choice, option, conv, local, target_steps, h, f)
             limit = max(conv.e_max, local.e_cal) if local.feasible(h) else -math.inf
         for k, v in r.items():
-            trial.set_user_attr(k, bool(v) if k in ("feasible", "memory_ok") else float(v))
+            trial.set_user_attr(k, v if isinstance(v, str) else bool(v) if k in ("feasible", "memory_ok")
+                                else float(v))
         # <= 0 is feasible; TPE reads it (Trial.set_constraint replaces v4's constraints_func)
         trial.set_constraint("error_over_limit", min(r.error - limit, 1e9))
         if max_residual_bytes is not None:

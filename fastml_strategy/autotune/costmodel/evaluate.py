@@ -139,6 +139,13 @@ class Trial(MutableMapping[str, Any]):
         return bool(self._d.get("use_hook", True))
 
     @property
+    def intra_node(self) -> str | None:
+        """The hop inside the machine chosen for the plan (``Plan.intra_node``): "bf16" or "fp16", or
+        None (exact fp32, or an option with no such hop)."""
+        v = self._d.get("intra_node")
+        return None if v in (None, "none") or (isinstance(v, float) and math.isnan(v)) else str(v)
+
+    @property
     def bucket_mb(self) -> float | None:
         """DDP's ``bucket_cap_mb`` chosen for the plan (None: DDP's default buckets)."""
         return self._d.get("bucket_mb")
@@ -207,12 +214,17 @@ def objective(row: Mapping[str, Any], option: HardwareOption) -> float:
 
 def evaluate(profile: Profile, choice: Mapping[str, str], option: HardwareOption, conv: Convergence,
              target_steps: float, hook: bool = True, sharding: Sharding | None = None,
-             max_residual_bytes: float | None = None, bucket_mb: float | None = None) -> Trial:
+             max_residual_bytes: float | None = None, bucket_mb: float | None = None,
+             intra_node: str | None = None) -> Trial:
     """All the numbers of one (plan, option) pair: error, steps, step time, time to accuracy, cost.
     Sharded: also the bytes per collective and the memory per rank; a plan whose residuals exceed
-    ``max_residual_bytes`` per rank is infeasible."""
-    e = plan_error(profile, choice)
-    br = step_time(profile, choice, option, hook=hook, sharding=sharding, bucket_mb=bucket_mb)
+    ``max_residual_bytes`` per rank is infeasible. ``intra_node`` (DDP on several machines of several
+    ranks: ``Plan.intra_node``, "none", "bf16" or "fp16"): the hop inside the machine's bytes and
+    rounding error (:func:`~fastml_strategy.autotune.costmodel.plan_error`), kept on the row as
+    ``intra_node``; None: no such hop is searched (the row has no ``intra_node``)."""
+    e = plan_error(profile, choice, intra_node if hook else None)
+    br = step_time(profile, choice, option, hook=hook, sharding=sharding, bucket_mb=bucket_mb,
+                   intra_node=intra_node if hook else None)
     steps = target_steps * conv.g(e)
     tta = steps * br.step_s
     memory_ok = max_residual_bytes is None or br.residual_bytes <= max_residual_bytes
@@ -221,6 +233,8 @@ def evaluate(profile: Profile, choice: Mapping[str, str], option: HardwareOption
         extra.update(allgather_bytes=br.allgather_bytes, reduce_scatter_bytes=br.reduce_scatter_bytes,
                      allreduce_bytes=br.allreduce_bytes, residual_bytes=br.residual_bytes,
                      state_bytes=br.state_bytes, memory_ok=memory_ok)
+    if intra_node is not None:
+        extra["intra_node"] = intra_node if hook else "none"
     return Trial.predicted(error=e, feasible=e <= conv.e_max + 1e-12 and memory_ok, g=conv.g(e), steps=steps,
                            br=br, tta_s=tta, option=option, node_net_bytes=br.node_net_bytes, **extra)
 
