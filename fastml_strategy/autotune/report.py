@@ -194,6 +194,15 @@ def _baseline_words(result: "AutotuneResult") -> str:
     return "plain DDP" if not result.sharding.sharded else _base(result)[1]
 
 
+def _intra_words(row: Mapping[str, Any]) -> str:
+    """The hop inside each machine of a per-step row, in words ("" when exact or absent)."""
+    v = row.get("intra_node")
+    if not isinstance(v, str) or v == "none":
+        return ""
+    return (f"the hop inside each machine in {v} (plan.json's intra_node: half its bytes, one rounding "
+            f"that error feedback does not correct, counted in the error)")
+
+
 def _verdict(result: "AutotuneResult") -> str:
     """What to run on plan.json's option (local steps, the tuned plan, or the uncompressed baseline)
     and what it saves against the baseline."""
@@ -218,10 +227,12 @@ def _verdict(result: "AutotuneResult") -> str:
         how = ("register it with fastml_strategy.register_hook(model, plan=...) or FASTML_PLAN"
                if not result.sharding.sharded else "pass it to fastml_strategy.fsdp.register after fully_shard")
         money = f", {human_money(b['cost_usd'])} instead of {human_money(d['cost_usd'])}" if priced else ""
+        intra = _intra_words(b)
         return (f"**Use the tuned plan (plan.json) on {where}**: predicted {speed:.2f}x faster than "
                 f"{base}, {human_time(b['tta_s'])} instead of {human_time(d['tta_s'])}{money} "
                 f"({_ms(b['step_s'])} per step instead of {_ms(d['step_s'])}, "
-                f"{_pct(100 * (b['g'] - 1))} more steps for the compression error); {how}.")
+                f"{_pct(100 * (b['g'] - 1))} more steps for the compression error"
+                + (f"; {intra}" if intra else "") + f"); {how}.")
     bc = _best_compressed(result, name)
     worse = ""
     if bc is not None and d["tta_s"] > 0:
@@ -830,6 +841,7 @@ def _summary(result: "AutotuneResult", s: "Settings") -> list[str]:
     prof = result.profile
     _, words = _base(result)
     short = _short(result)
+    intra = "" if uses_local_steps(result.winner(result.option)) else _intra_words(b)  # local steps: no hop
     lines = [
         f"Target `{s.target}`, reference world size {s.world_size}, {len(prof.layers)} parameters "
         f"({sum(lp.tunable for lp in prof.layers)} tuned in {len(result.groups)} groups), "
@@ -837,7 +849,8 @@ def _summary(result: "AutotuneResult", s: "Settings") -> list[str]:
         f"plan.json is tuned for **{result.option}**: predicted {_ms(b['step_s'])} per step "
         f"({words} {_ms(d['step_s'])}), gradient error {b['error']:.3g}, "
         f"{_pct(100 * (b['g'] - 1))} extra steps, time to target {human_time(b['tta_s'])} "
-        f"({short} {human_time(d['tta_s'])}).",
+        f"({short} {human_time(d['tta_s'])})"
+        + (f"; {intra}" if intra else "") + ".",
         f"Compute per step {_ms(prof.compute_s)} (forward {_ms(prof.forward_s)}, backward "
         f"{_ms(prof.backward_s)}, optimizer {_ms(prof.optimizer_s)})."
         + (f" Link: {prof.link.describe()}." if prof.link else " Link: from the catalog."),
