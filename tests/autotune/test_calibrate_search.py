@@ -165,3 +165,49 @@ def test_verification_probes_the_gap_the_accuracy_rule_has_no_run_in():
     # the probe's run within the limit raises the rule's limit to its error
     assert accuracy_rule(runs + [{"error": probe.error, "accuracy_loss": 0.003}], 0.01).e_max == \
         pytest.approx(probe.error)
+
+
+def _hier_option(intra_gbps):
+    from fastml_strategy.autotune.catalog import HardwareOption, Link
+
+    return HardwareOption(name="hier", nodes=2, accelerators_per_node=4, price_per_hour=1.0, bandwidth_gbps=10.0,
+                          latency_us=0.0, compute_speed=1.0, intra_link=Link(intra_gbps * 1e9 / 8, 0.0, "given"))
+
+
+def test_search_halves_a_slow_hop_inside_the_machine_unless_the_error_limit_forbids_it():
+    """On 2 machines of 4 ranks whose intra-node link is slow (1 Gbit/s against 10 across, compute
+    negligible), the search sends the hop inside the machine in bf16 (half its bytes) when the error
+    limit has room; with a limit below bf16's rounding (2^-8) it keeps the hop exact."""
+    prof = make_profile(numels=(1 << 20, 1 << 18), codec_s=1e-6, fwd=1e-3, bwd=1e-3, opt=1e-4,
+                        errors={"fp16": 2e-3})
+    groups = group_layers(prof)
+    roomy = Convergence(k=0.01, gamma=1.0, e_max=0.5)
+    rows = run_search(prof, groups, _hier_option(1.0), roomy, 1000, storage=None, study_name="t", trials=60, seed=0)
+    assert all(r["intra_node"] in ("none", "bf16") for r in rows)  # fp16 measured 2e-3: not offered
+    best = best_row(rows)
+    assert best.intra_node == "bf16", dict(best)
+    # tight: only fp16 (error 2e-3) or exact layers fit under 3e-3, and bf16's rounding alone is 3.9e-3
+    tight = Convergence(k=0.01, gamma=1.0, e_max=3e-3)
+    rows = run_search(prof, groups, _hier_option(1.0), tight, 1000, storage=None, study_name="t", trials=60, seed=0)
+    best = best_row(rows)
+    assert best.intra_node is None and best["intra_node"] == "none" and best.error <= 3e-3, dict(best)
+    assert any(r["intra_node"] == "bf16" for r in rows)  # it was tried, and infeasible
+    assert all(not r["feasible"] for r in rows if r["intra_node"] == "bf16")
+
+
+def test_plan_json_carries_the_chosen_intra_node():
+    """plan.json holds the chosen hop inside the machine and round-trips it; an exact hop (or none
+    searched) writes the file as before, with no intra_node."""
+    from fastml_strategy import RECIPES, Plan
+    from fastml_strategy.autotune._run import _plan_from_choice
+
+    prof = make_profile()
+    choice = {"l0.weight": "int4", "l1.weight": "int8"}
+    plan, d = _plan_from_choice(prof, choice, "t", meta={"x": 1}, intra_node="bf16")
+    assert plan.intra_node == RECIPES["bf16"] and d["intra_node"] == RECIPES["bf16"].to_dict()
+    assert Plan.from_dict(d) == plan
+    assert Plan.from_dict(__import__("json").loads(plan.to_json())) == plan
+    before, d0 = _plan_from_choice(prof, choice, "t", meta={"x": 1})
+    for i in (None, "none"):
+        p, di = _plan_from_choice(prof, choice, "t", meta={"x": 1}, intra_node=i)
+        assert "intra_node" not in di and p.to_json() == before.to_json() and di == d0

@@ -232,6 +232,79 @@ def test_ddp_on_several_ranks_per_machine_is_priced_as_the_hook_runs_it():
         ddp_topology(2, 2, "ring")
 
 
+def test_hierarchical_parts_are_the_runtimes():
+    """The cost model cuts each layer into the runtime's parts (hierarchical.part_bounds, on the codec's
+    part unit), not into ceil(numel / A): on odd sizes the rows differ, and so do the bytes."""
+    from fastml_strategy.autotune._run import _plan_from_choice
+    from fastml_strategy.autotune.costmodel import hier_bucket_wire
+    from fastml_strategy.hierarchical import part_bounds
+
+    prof = make_profile(numels=(1000003, 70001, 4099))
+    choice = {"l0.weight": "int4", "l1.weight": "topk1", "l2.weight": "int8"}
+    plan, _ = _plan_from_choice(prof, choice, "t")
+    for A in (2, 3, 4, 8):
+        hw = hier_bucket_wire(prof.layers, choice, 2, A)
+        for i, lp in enumerate(prof.layers):
+            b = part_bounds(plan, lp.name, lp.numel, A)
+            assert [hw.parts[l][i] for l in range(A)] == [b[l + 1] - b[l] for l in range(A)], (A, lp.name)
+        assert hw.row_numel == max(sum(row) for row in hw.parts)
+    # blocks of 256 (int4's part unit) cannot be cut into 8 parts of ceil(1000003 / 8) elements
+    hw = hier_bucket_wire(prof.layers[:1], choice, 2, 8)
+    assert hw.parts[0][0] % 256 == 0 and hw.parts[0][0] != -(-1000003 // 8)
+
+
+def test_intra_node_bf16_halves_the_hop_inside_the_machine():
+    """Plan.intra_node = bf16 (or fp16): the reduce-scatter and all-gather inside the machine send 2
+    bytes per element, the bytes across machines stay, and the intra-node wire time drops; a flat
+    schedule (one rank per machine) has no such hop and is unchanged."""
+    from fastml_strategy.autotune.catalog import Link
+    from fastml_strategy.autotune.costmodel import hier_bucket_wire, intra_node_error
+
+    n, A = 1 << 20, 4
+    prof = make_profile(numels=(n,))
+    int4 = {"l0.weight": "int4"}
+    slow_intra = HardwareOption(name="x", nodes=2, accelerators_per_node=A, price_per_hour=1.0, bandwidth_gbps=10.0,
+                                latency_us=0.0, compute_speed=1.0, intra_link=Link(1e9 / 8, 0.0, "given"))
+    exact = step_time(prof, int4, slow_intra)
+    half = step_time(prof, int4, slow_intra, intra_node="bf16")
+    fp16 = step_time(prof, int4, slow_intra, intra_node="fp16")
+    assert step_time(prof, int4, slow_intra, intra_node="none") == exact
+    assert half.node_net_bytes == exact.node_net_bytes == fp16.node_net_bytes > 0
+    hw = hier_bucket_wire(prof.layers, int4, 2, A)
+    intra32, intra16 = hw.intra_bytes(4), hw.intra_bytes(2)
+    assert intra32 == 2 * (A - 1) * (n // A) * 4 == 2 * intra16
+    assert exact.bytes_per_rank - half.bytes_per_rank == intra32 - intra16
+    assert half.bytes_per_rank == fp16.bytes_per_rank
+    # the hop's wire time halves (1 Gbit/s inside, 10 Gbit/s across: it dominated)
+    assert exact.wire_s - half.wire_s == pytest.approx(intra16 / (1e9 / 8), rel=1e-9)
+    assert half.step_s < exact.step_s
+    # the rounding is priced as error: in quadrature with the plan's
+    e = plan_error(prof, int4)
+    assert plan_error(prof, int4, "bf16") == pytest.approx(math.hypot(e, 2 ** -8))
+    assert plan_error(prof, int4, "none") == e and intra_node_error(prof, None) == 0.0
+    with pytest.raises(ValueError, match="intra_node 'int8'"):
+        plan_error(prof, int4, "int8")
+    # one rank per machine (flat): nothing to halve
+    flat = option(nodes=8, per_node=1)
+    assert step_time(prof, int4, flat, intra_node="bf16") == step_time(prof, int4, flat)
+
+
+def test_intra_node_choices_where_the_hop_exists():
+    """The search offers none/bf16 only on several machines of several ranks (DDP), and fp16 too only
+    where the profile measured the fp16 cast within twice its unit roundoff (no range loss)."""
+    from fastml_strategy.autotune.costmodel import Sharding, intra_node_choices, intra_node_error
+
+    prof = make_profile()
+    assert intra_node_choices(prof, option(nodes=4, per_node=1)) == ()
+    assert intra_node_choices(prof, option(nodes=1, per_node=8)) == ()
+    assert intra_node_choices(prof, option(nodes=2, per_node=4), Sharding("hsdp")) == ()
+    assert intra_node_choices(prof, option(nodes=2, per_node=4)) == ("none", "bf16")  # fp16 measured 0.1
+    fine = make_profile(errors={"fp16": 3e-4})
+    assert intra_node_choices(fine, option(nodes=2, per_node=4)) == ("none", "bf16", "fp16")
+    assert intra_node_error(fine, "fp16") == 2 ** -11  # the larger of the roundoff and the measured
+    assert intra_node_error(prof, "fp16") == pytest.approx(0.1)
+
+
 # -- against a real run ------------------------------------------------------------------------------
 def _mlp(widths):
     torch.manual_seed(0)
