@@ -84,6 +84,32 @@ def _contracts(rank, world_size):
     state.close()
     ref_state.close()
 
+    # 1c. what the cost model prices (autotune's hier_bucket_wire): this rank's bytes across and inside
+    # the machine in the third step (DDP's buckets rebuilt), and the buckets that step reduced
+    out["model_bytes"] = {}
+    import dataclasses
+    for name, plan in (("mixed", mixed), ("mixed_bf16", dataclasses.replace(mixed, intra_node=RECIPES["bf16"]))):
+        model = _mlp()
+        ddp = DDP(model, bucket_cap_mb=0.02)
+        state = fm.register_hook(ddp, plan=plan, ranks_per_node=R)
+        eng = state._engine
+        used, layout_for = [], eng.layout_for
+
+        def recording(names, *a, _used=used, _layout_for=layout_for, **k):
+            _used.append(tuple(names))
+            return _layout_for(names, *a, **k)
+
+        eng.layout_for = recording
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        for step in range(3):
+            used.clear()
+            before = (eng.bytes_sent_inter, eng.bytes_sent_intra)
+            _steps(ddp, opt, rank, step, step + 1)
+        out["model_bytes"][name] = {"buckets": list(used), "inter": eng.bytes_sent_inter - before[0],
+                                    "intra": eng.bytes_sent_intra - before[1],
+                                    "local": eng.topo.local_rank, "node": eng.topo.node_rank}
+        state.close()
+
     # 2. `none` through the hierarchy is DDP's all-reduce (within 1e-6 after 10 steps)
     model, _, state, _ = _run("none", rank, 10)
     ref = _mlp()
@@ -150,6 +176,22 @@ def test_hierarchical_contracts():
         c = res[r]["intra_bf16"]
         assert c["identical"] and c["inter"][0] == c["inter"][1] and 2 * c["intra"][0] == c["intra"][1], c
         assert 0 < c["rel_diff"] < 1e-2, c  # one bf16 rounding of each step's gradient apart
+    # the cost model's bytes are the counters' (every layer cut on the runtime's part boundaries)
+    from fastml_strategy.autotune.costmodel import LayerProfile, hier_bucket_wire
+
+    layers = {n: LayerProfile(name=n, numel=p.numel(), index=i, ready_s=0.0, grad_sq=1.0, tunable=p.numel() >= 4096)
+              for i, (n, p) in enumerate(_mlp().named_parameters())}
+    choice = {"0.weight": "int4", "2.weight": "topk1-int4", "4.weight": "int8"}
+    for name, elem in (("mixed", 4), ("mixed_bf16", 2)):
+        for r in range(W):
+            got = res[r]["model_bytes"][name]
+            assert got["buckets"], got
+            want_inter = want_intra = 0
+            for names in got["buckets"]:
+                hw = hier_bucket_wire([layers[n] for n in names], choice, W // R, R)
+                want_inter += hw.inter_bytes(got["local"], got["node"])
+                want_intra += hw.intra_bytes(elem)
+            assert (got["inter"], got["intra"]) == (want_inter, want_intra), (name, r, got, want_inter, want_intra)
     assert all(res[r]["none_hier"] for r in range(W))
     assert max(res[r]["none_vs_ddp"] for r in range(W)) < 1e-6, [res[r]["none_vs_ddp"] for r in range(W)]
     assert all(res[r]["resume_exact"] for r in range(W)), [res[r]["resume_exact"] for r in range(W)]
