@@ -32,6 +32,12 @@ def test_autotune_api_with_a_workload_object(tmp_path):
     assert random.getstate() == before[1]
     assert all(np.array_equal(a, b) for a, b in zip(np.random.get_state(), before[2]))
     assert Plan.load(tmp_path / "o" / "plan.json") == res.plan
+    # one rank per machine (the local cluster): no hop inside a machine, plan.json as before
+    assert res.plan.intra_node is None and "intra_node" not in (tmp_path / "o" / "plan.json").read_text()
+    # the catalog's options of several machines of several ranks searched it (trials.csv's intra_node)
+    searched = {r["option"] for r in res.trials if isinstance(r.get("intra_node"), str)}
+    assert searched == {o.name for o in res.options if o.nodes > 1 and o.accelerators_per_node > 1} != set()
+    assert "intra_node" in (tmp_path / "o" / "trials.csv").read_text().splitlines()[0]
     names = {n for n, _ in workload().model.named_parameters()}
     assert {k for k, _ in res.plan.layers} == names
     local = res.best["local"]
