@@ -199,8 +199,8 @@ def _intra_words(row: Mapping[str, Any]) -> str:
     v = row.get("intra_node")
     if not isinstance(v, str) or v == "none":
         return ""
-    return (f"the hop inside each machine in {v} (plan.json's intra_node: half its bytes, one rounding "
-            f"that error feedback does not correct, counted in the error)")
+    return (f"plan.json's intra_node sends the hop inside each machine in {v}: half its bytes, at one "
+            f"rounding that error feedback does not correct, counted in the error")
 
 
 def _verdict(result: "AutotuneResult") -> str:
