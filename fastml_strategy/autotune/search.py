@@ -158,18 +158,8 @@ def run_search(profile: Profile, groups: Mapping[str, list[str]], option: Hardwa
     study = optuna.create_study(direction="minimize", sampler=sampler)
     frags = local_fragments(profile, fragments) if local is not None else [1]
     intra = intra_node_choices(profile, option, sharding)
-    first = _first_trials(profile, groups, option, sharding, local, frags)
-    seeds: list[tuple[dict[str, str], int, int, str | None]] = [(gc, h, f, None) for gc, h, f in first]
-    if intra:  # the per-step seeds with the exact hop, then again with the finest 16-bit one offered
-        per_step = [gc for gc, h, _ in first if h == 1]
-        seeds = ([(gc, 1, 1, i) for i in ("none", intra[-1]) for gc in per_step]
-                 + [x for x in seeds if x[1] != 1])
-    for gc, h, f, i in seeds[:trials]:
-        params: dict[str, Any] = {keys[g]: o for g, o in gc.items()}
-        if local is not None:
-            params.update(every=h, fragments=f)
-        if i is not None and h == 1:
-            params["intra_node"] = i
+    for params in _seed_params(_first_trials(profile, groups, option, sharding, local, frags), keys, intra,
+                               local is not None)[:trials]:
         study.enqueue_trial(params, skip_if_exists=True)
 
     def tick(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
@@ -185,6 +175,27 @@ def run_search(profile: Profile, groups: Mapping[str, list[str]], option: Hardwa
         saved.set_user_attr("option", option.name)
         _save_rows(saved, rows)
     return rows
+
+
+def _seed_params(first: list[tuple[dict[str, str], int, int]], keys: Mapping[str, str], intra: tuple[str, ...],
+                 local: bool) -> list[dict[str, Any]]:
+    """The study's first trials as Optuna parameters: ``first`` (group choice, every, fragments), and
+    where ``intra`` offers choices of the hop inside the machine, the per-step ones with the exact hop,
+    then again with the finest 16-bit one offered."""
+    seeds: list[tuple[dict[str, str], int, int, str | None]] = [(gc, h, f, None) for gc, h, f in first]
+    if intra:
+        per_step = [gc for gc, h, _ in first if h == 1]
+        seeds = ([(gc, 1, 1, i) for i in ("none", intra[-1]) for gc in per_step]
+                 + [x for x in seeds if x[1] != 1])
+    out = []
+    for gc, h, f, i in seeds:
+        params: dict[str, Any] = {keys[g]: o for g, o in gc.items()}
+        if local:
+            params.update(every=h, fragments=f)
+        if i is not None and h == 1:
+            params["intra_node"] = i
+        out.append(params)
+    return out
 
 
 # A study's rows are saved as JSON text cut into user attributes of at most this many characters:

@@ -243,6 +243,40 @@ def _intra_cast_s(profile: Profile, bucket: Sequence[LayerProfile], speed: float
                if lp.tunable) * scale / speed
 
 
+def _hier_bucket_comm(profile: Profile, bucket: Sequence[LayerProfile], choice: Mapping[str, str], n: int,
+                      A: int, option: HardwareOption, intra: Link, piece_numel: int,
+                      intra_node: str | None) -> tuple[int, int, list[tuple[float, float]]]:
+    """:func:`_bucket_comm` of the hierarchical schedule (``n`` machines of ``A`` ranks, the hook's
+    default there)."""
+    speed, net = option.compute_speed, option.link
+    # the reduce-scatter and all-gather inside the machine (before and after; fp32, or 16-bit
+    # with intra_node), between them each local rank's row of parts all-reduced across the n
+    # machines, the machine's A ranks at once on its one link (pipeline piece k of every row
+    # together: the rows' pieces are issued in step)
+    hw = hier_bucket_wire(bucket, choice, n, A, piece_numel=piece_numel)
+    half = intra_node not in (None, "none")
+    inner = hw.intra_bytes(INTRA_NODE_BYTES["none" if intra_node is None else intra_node])
+    inner_s = 2 * (A - 1) * intra.latency_s + inner / intra.bandwidth_Bps
+    cast_s = _intra_cast_s(profile, bucket, speed) if half else 0.0
+    per_row: list[list[tuple[float, float]]] = []  # (codec seconds, bytes) per piece of each row
+    for row, wire in zip(hw.parts, hw.rows):
+        if wire is None:
+            continue
+        if wire.uncompressed:
+            per_row.append([(0.0, float(wire.bytes_sent()))])
+            continue
+        sub = [(lp, m) for lp, m in zip(bucket, row) if m > 0]
+        codec = _piece_codec(profile, [lp for lp, _ in sub], choice, wire, speed, [m for _, m in sub])
+        per_row.append([(c, p.bytes_sent()) for c, p in zip(codec, wire.pieces)])
+    stages = []
+    for k in range(max((len(r) for r in per_row), default=0)):
+        at = [r[k] for r in per_row if k < len(r)]
+        stages.append((max(c for c, _ in at), 2 * (n - 1) * net.latency_s + sum(b for _, b in at) / net.bandwidth_Bps))
+    stages = [(cast_s / 2, inner_s / 2)] + stages + [(cast_s / 2, inner_s / 2)]
+    node = hw.node_bytes()
+    return inner + int(round(node / A)), node, stages
+
+
 def _bucket_comm(profile: Profile, bucket: Sequence[LayerProfile], choice: Mapping[str, str], n: int, A: int,
                  option: HardwareOption, intra: Link, hook: bool, topology: str,
                  piece_numel: int = PIECE_NUMEL,
@@ -260,32 +294,7 @@ def _bucket_comm(profile: Profile, bucket: Sequence[LayerProfile], choice: Mappi
         lat = intra.latency_s if n <= 1 else max(net.latency_s, intra.latency_s) if A > 1 else net.latency_s
         return nbytes, nbytes if n > 1 else 0, [(0.0, 2 * (W - 1) * lat + nbytes / link.bandwidth_Bps)]
     if topology == "hierarchical":
-        # the reduce-scatter and all-gather inside the machine (before and after; fp32, or 16-bit
-        # with intra_node), between them each local rank's row of parts all-reduced across the n
-        # machines, the machine's A ranks at once on its one link (pipeline piece k of every row
-        # together: the rows' pieces are issued in step)
-        hw = hier_bucket_wire(bucket, choice, n, A, piece_numel=piece_numel)
-        half = intra_node not in (None, "none")
-        inner = hw.intra_bytes(INTRA_NODE_BYTES["none" if intra_node is None else intra_node])
-        inner_s = 2 * (A - 1) * intra.latency_s + inner / intra.bandwidth_Bps
-        cast_s = _intra_cast_s(profile, bucket, speed) if half else 0.0
-        per_row: list[list[tuple[float, float]]] = []  # (codec seconds, bytes) per piece of each row
-        for row, wire in zip(hw.parts, hw.rows):
-            if wire is None:
-                continue
-            if wire.uncompressed:
-                per_row.append([(0.0, float(wire.bytes_sent()))])
-                continue
-            sub = [(lp, m) for lp, m in zip(bucket, row) if m > 0]
-            codec = _piece_codec(profile, [lp for lp, _ in sub], choice, wire, speed, [m for _, m in sub])
-            per_row.append([(c, p.bytes_sent()) for c, p in zip(codec, wire.pieces)])
-        stages = []
-        for k in range(max((len(r) for r in per_row), default=0)):
-            at = [r[k] for r in per_row if k < len(r)]
-            stages.append((max(c for c, _ in at), 2 * (n - 1) * net.latency_s + sum(b for _, b in at) / net.bandwidth_Bps))
-        stages = [(cast_s / 2, inner_s / 2)] + stages + [(cast_s / 2, inner_s / 2)]
-        node = hw.node_bytes()
-        return inner + int(round(node / A)), node, stages
+        return _hier_bucket_comm(profile, bucket, choice, n, A, option, intra, piece_numel, intra_node)
     wire = bucket_wire_of(bucket, choice, W, piece_numel=piece_numel)
     nbytes = wire.bytes_sent()
     # one machine: the intra-node link only. Flat over W ranks on n > 1 machines: the all_to_all
