@@ -180,10 +180,7 @@ def resolve(checks: StepChecks, group, world_size: int, rank: int, device: torch
         write_header(mine, checks.decode_error, rank)
         out = torch.zeros(W * HEADER, dtype=torch.uint8, device=dev)
         work = dist.all_gather(list(out.view(W, HEADER).unbind(0)), mine, group=group, async_op=True)
-        if wait is None:
-            work.wait()
-        else:
-            wait(work)
+        (wait or type(work).wait)(work)
         checks.add_headers(stage, list(out.view(W, HEADER).unbind(0)))
     parts = []
     if checks.headers:

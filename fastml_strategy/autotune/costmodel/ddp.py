@@ -200,13 +200,12 @@ def hier_bucket_wire(bucket: Sequence[LayerProfile], choice: Mapping[str, str], 
     return HierBucketWire(A, max(1, max(sum(row) for row in parts)), parts, tuple(rows))
 
 
-def bucket_wire_of(bucket: Sequence[LayerProfile], choice: Mapping[str, str], world_size: int, parts: int = 1,
+def bucket_wire_of(bucket: Sequence[LayerProfile], choice: Mapping[str, str], world_size: int,
                    piece_numel: int = PIECE_NUMEL) -> BucketWire:
     """The messages the hook sends for one DDP bucket of these layers at ``world_size`` ranks
     (:func:`fastml_strategy._layouts.bucket_wire`: the runtime's own grouping, pipeline pieces of
-    about ``piece_numel`` elements and headers); ``parts``: the hierarchical path's ranks per machine,
-    each of which all-reduces ``1/parts`` of every layer."""
-    numels = tuple(-(-lp.numel // parts) for lp in bucket)
+    about ``piece_numel`` elements and headers; the hierarchical path's rows: :func:`hier_bucket_wire`)."""
+    numels = tuple(lp.numel for lp in bucket)
     return bucket_wire(numels, tuple(_cfg(choice, lp)[1] for lp in bucket), world_size, piece_numel=piece_numel)
 
 
