@@ -11,7 +11,10 @@ what ranks agree on before the first step, and what they need to.
   process groups of the hierarchical path;
 - :func:`default_group_timeout`: the timeout the user gave ``init_process_group``, for the groups
   FastML makes itself;
-- :func:`model_names`: a module's parameter names, with tied weights and frozen parameters apart.
+- :func:`model_names`: a module's parameter names, with tied weights and frozen parameters apart;
+- :func:`checked_plan`: the one check of a plan against a model that every entry point and adapter makes
+  (tied-weight aliases accepted with a note, frozen parameters kept): agreed on every rank when a
+  process group of several ranks is up and asked for, else here.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from fastml_strategy import codecs
 from fastml_strategy.config import Plan, resolve_plan
 from fastml_strategy.topology import agreed_topology, node_groups
 
-__all__ = ["agreed_plan", "agreed_machines", "default_group_timeout", "model_names"]
+__all__ = ["agreed_plan", "agreed_machines", "checked_plan", "default_group_timeout", "model_names"]
 
 log = logging.getLogger(__name__)
 
@@ -79,13 +82,37 @@ def model_names(module: torch.nn.Module) -> tuple:
             [n for n, p in named.items() if not p.requires_grad])
 
 
+def checked_plan(plan: Any, module: torch.nn.Module, *, agree: bool = False, check: Any = None,
+                 owner: str = "FastML") -> Plan:
+    """``plan`` resolved and checked against ``module``'s parameters: the check every adapter makes
+    (``accelerate``, ``lightning`` through ``register_hook``, ``transformers``, ``fsdp``), so a plan
+    naming a tied weight's other name (``lm_head.weight`` of GPT-2, tied to ``transformer.wte.weight``)
+    is accepted with a note everywhere, and a frozen parameter is kept for when it trains.
+
+    With ``agree`` and a process group of several ranks up, the ranks agree (:func:`agreed_plan` on
+    the default group, ``check`` and ``plan`` as there): every rank raises the same error, before any
+    other collective. Otherwise ``check()`` runs and the plan is checked here. Returns the plan with
+    aliases resolved."""
+    names, aliases, frozen = model_names(module)
+    if agree and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return agreed_plan(plan, names, None, dist.get_world_size(), check=check, aliases=aliases, frozen=frozen,
+                           owner=owner)
+    if check is not None:
+        check()
+    plan_obj, notes = resolve_plan(plan() if callable(plan) else plan).resolve_names(names, aliases, frozen)
+    for note in notes:
+        warnings.warn(f"FastML plan: {note}", stacklevel=3)
+    return plan_obj
+
+
 def agreed_plan(plan: Any, names: list, group: Any, world_size: int, check: Any = None,
                 aliases: Optional[dict] = None, frozen: Any = (), local_steps: bool = False,
                 settings: Optional[dict] = None, owner: str = "FastML") -> Plan:
     """Resolve ``plan`` and check it against the parameter ``names`` on every rank (``aliases`` and
     ``frozen``: see :meth:`Plan.resolve_names`), then agree: every rank raises the same ValueError if
     the plan (or ``check()``, any further validation) failed on any rank, or if ranks hold different
-    plans. A collective on ``group``. Returns the plan with aliases resolved; notes are warned, and so
+    plans. ``plan`` may be a function of no argument that returns it, called after ``check()`` (a plan
+    that ``check()`` builds). A collective on ``group``. Returns the plan with aliases resolved; notes are warned, and so
     is a plan tuned for local steps (``Plan.local_steps``) given to a per-step user (``local_steps``
     False: the DDP hook, FSDP).
 
@@ -102,7 +129,7 @@ def agreed_plan(plan: Any, names: list, group: Any, world_size: int, check: Any 
             except (TypeError, ValueError, RuntimeError) as e:
                 failed_check = type(e).__name__
                 raise
-        plan_obj, notes = resolve_plan(plan).resolve_names(names, aliases, frozen)
+        plan_obj, notes = resolve_plan(plan() if callable(plan) else plan).resolve_names(names, aliases, frozen)
         digest = plan_obj.digest()
     except Exception as e:  # noqa: BLE001 - any local failure must reach every rank, or they hang
         error = str(e) if isinstance(e, ValueError) or failed_check else f"{type(e).__name__}: {e}"

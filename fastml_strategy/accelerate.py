@@ -104,6 +104,7 @@ import torch
 import torch.distributed as dist
 
 from fastml_strategy._checkpoint import STATE_FORMAT_VERSION, gather_to_rank_zero, own_rank_state
+from fastml_strategy._distributed import checked_plan
 from fastml_strategy._integration import find_ddp, find_fsdp2, is_fsdp1, setting
 from fastml_strategy.config import Plan, resolve_plan
 from fastml_strategy.hook import FastMLState, register_hook
@@ -192,7 +193,7 @@ def setup(
                          all_gather_bits=all_gather_bits, layer_stats_every=layer_every)
     else:
         inner = accelerator.unwrap_model(model) if hasattr(accelerator, "unwrap_model") else model
-        resolved.check_parameters([n for n, p in inner.named_parameters() if p.requires_grad])
+        checked_plan(resolved, inner)  # the check register_hook makes (tied names, frozen parameters)
         if getattr(accelerator, "num_processes", 1) > 1:
             warnings.warn(
                 f"fastml_strategy.accelerate.setup: the prepared model is a {type(model).__name__}, neither a "
@@ -308,7 +309,7 @@ def local_sgd(
             f"model with accelerator.prepare_model(model, evaluation_mode=True)")
     inner = accelerator.unwrap_model(model) if hasattr(accelerator, "unwrap_model") else model
     if getattr(accelerator, "num_processes", 1) <= 1:
-        resolved.check_parameters([n for n, p in inner.named_parameters() if p.requires_grad])
+        checked_plan(resolved, inner)  # the check LocalSGD makes (tied names, frozen parameters)
         return None
     optimizers = [] if optimizer is None else list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     # a DDP island (DDP over the ranks of one machine, prepare_local_sgd's islands): LocalSGD takes the DDP

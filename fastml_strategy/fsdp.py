@@ -61,10 +61,10 @@ from fastml_strategy._validate import LAYER_STATS_EVERY, whole_number
 from fastml_strategy._layouts import ShardedTensor
 from fastml_strategy._reduce_scatter import CompressedReduceScatter
 from fastml_strategy.collective import CompressedAllReduce, CompressionError
-from fastml_strategy.config import Plan, resolve_plan
+from fastml_strategy.config import Plan
 from fastml_strategy._checkpoint import (STATE_FORMAT_VERSION, check_saved_state, check_state_kind,
                                          fitting_residuals, gather_states, own_rank_state)
-from fastml_strategy._distributed import agreed_plan, model_names
+from fastml_strategy._distributed import agreed_plan, checked_plan, model_names
 
 __all__ = ["register", "FSDPState", "shard_chunks", "save_distributed", "load_distributed", "TESTED_TORCH"]
 
@@ -777,9 +777,7 @@ def _inspect(model, replicate_group, shard_plan, all_gather_bits, layer_stats_ev
         raise ValueError(f"{_OWNER}: shard_plan is for HSDP (the intra-node reduce-scatter); with plain FSDP, "
                          f"give the plan as plan=")
     if shard_plan is not None:
-        sp = resolve_plan(shard_plan)
-        sp.check_parameters(trainable, al, fr)
-        found["shard_plan"] = sp
+        found["shard_plan"] = checked_plan(shard_plan, model)  # the check every adapter makes
     found.update(units=units, native_hsdp=native_hsdp, shard_size=shard_size, rep=rep)
     settings.update(shard_size=shard_size, replicate_size=rep_size)
 

@@ -13,23 +13,35 @@ takes only its closed enum. What it does offer is the callback system, and ``tra
 What the callback (:class:`FastMLCallback`) does, on every process:
 
 1. ``setup`` resolves the plan (the argument, else ``FASTML_PLAN``: a recipe name or a plan JSON; default
-   ``int4``) at once, so a typo fails on the line that names it, before any step.
+   ``int4``) and checks it against ``trainer.model``'s parameters at once (a tied weight's other name,
+   ``lm_head.weight`` of GPT-2, is accepted with a note, as ``register_hook`` does), so a typo fails on
+   the line that names it, before any step. When the launcher's process group is up (``Trainer(...)``
+   starts it), the ranks agree there: a bad plan file on one rank, or ranks given different plans,
+   raise the same one-line ValueError on every rank, before DDP is built. A launch of several
+   processes whose Trainer would train each alone (``TrainingArguments.parallel_mode`` not
+   distributed: on a machine without GPUs, ``use_cpu=True`` is missing) raises there too, naming
+   the fix, instead of training uncompressed and reporting a plan it never ran.
 2. ``on_train_begin`` (after ``accelerator.prepare``, before the first backward) hands
    ``trainer.model_wrapped`` to :func:`fastml_strategy.accelerate.setup`: FastML's comm hook on a DDP
    model (every rank agrees on the plan first, or every rank raises the same one-line ValueError),
    FSDP2's compressed reduce-scatter on an FSDP2 model, nothing in one process. Plan names are the
    names of ``trainer.model.named_parameters()``: for a PEFT model, the adapter names you see
-   (``base_model.model....lora_A.default.weight``), only the trainable ones compressed.
+   (``base_model.model....lora_A.default.weight``), only the trainable ones compressed. LoRA's
+   matrices (r x width) are under a recipe's ``min_numel`` of 4096 elements, so for a model that
+   trains PEFT adapters a recipe name (or the default) gets ``min_numel`` lowered to the smallest
+   adapter matrix, said in one INFO line; a Plan, dict or plan JSON keeps its own ``min_numel``.
 3. ``on_log``, at the logging interval, adds ``fastml/compression_ratio`` and ``fastml/bytes_per_step``
    (this rank's bytes on the wire per optimizer step since the last log, against a ring all-reduce of
    fp32) and ``fastml/error/<parameter>`` (the relative compression error of each compressed
-   parameter, measured every ``layer_stats_every`` steps) to the logs: they reach
+   parameter, measured every ``layer_stats_every`` steps: logged once, at the first logging step after
+   each measurement, never repeated in between) to the logs: they reach
    ``trainer.state.log_history`` and the reporting callbacks (TensorBoard, W&B), which run after it.
 4. ``on_save`` writes every rank's FastML state (error-feedback residuals, step, plan) into the
    checkpoint folder (``checkpoint-N/fastml_state.pt``, atomically; gathering it is a collective, and
    Trainer calls ``on_save`` on every process). ``trainer.train(resume_from_checkpoint=...)`` loads it
    back in ``on_train_begin``, so the resumed run continues on the same trajectory as an uninterrupted
-   one, bit for bit.
+   one, bit for bit. A checkpoint saved under another plan is refused, naming the file and the
+   ``setup(trainer, plan=...)`` that resumes it (or deleting the file, to start error feedback anew).
 
 Gradient accumulation (``gradient_accumulation_steps``) needs nothing: Trainer runs the micro-batches
 before the last inside ``accelerator.no_sync``, which calls no comm hook, so only the synchronising
@@ -67,13 +79,16 @@ warns that the residuals start from zero unless ``TrainingArguments(resume_from_
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 try:
     from transformers import TrainerCallback
@@ -82,11 +97,12 @@ except ImportError as e:  # pragma: no cover - the extra is missing
     raise ImportError("fastml_strategy.transformers needs Hugging Face transformers: pip install "
                       "'fastml-strategy[transformers]' (or pip install transformers)") from e
 
+from fastml_strategy._distributed import checked_plan
 from fastml_strategy._io import atomic_open
 from fastml_strategy._integration import TRAINER_KEYS, counters, find_ddp, metrics, setting
 from fastml_strategy.accelerate import LocalSGDCheckpoint
 from fastml_strategy.accelerate import setup as accelerate_setup
-from fastml_strategy.config import Plan, resolve_plan
+from fastml_strategy.config import DEFAULT_RECIPE, RECIPES, Codec, Plan, resolve_plan
 from fastml_strategy.hook import suggest_bucket_cap_mb
 from fastml_strategy.localsgd import LocalSGD, resolve_settings
 
@@ -142,6 +158,7 @@ class FastMLCallback(TrainerCallback):
         self._local_ckpt: LocalSGDCheckpoint | None = None  # every rank's model/optimizer/LocalSGD state
         self._model: Any = None  # the wrapped model the state belongs to
         self._last = (0, 0, 0.0)  # (steps, bytes_sent, bytes_uncompressed) at the last log
+        self._logged_errors: dict[str, float] = {}  # fastml/error/<layer> as last logged (not logged again)
 
     def bind(self, trainer: Any) -> "FastMLCallback":
         """Attach to ``trainer`` (first in its callback list); returns self."""
@@ -182,6 +199,7 @@ class FastMLCallback(TrainerCallback):
         if self.state is not None and state.global_step > 0:
             self._resume(args, state)
         self._last = self._counters()
+        self._logged_errors = {}
         log.debug("FastMLCallback: registered on a %s (plan %s)", type(wrapped).__name__, self.plan.name)
 
     def _start_local_sgd(self, trainer, wrapped, ddp) -> LocalSGD | None:
@@ -194,7 +212,7 @@ class FastMLCallback(TrainerCallback):
                 raise ValueError(f"LocalSGD (every=H) needs Trainer's DDP model; this one is a "
                                  f"{type(wrapped).__name__} (FSDP or DeepSpeed): drop every= to compress "
                                  f"its gradients instead")
-            self.plan.check_parameters([n for n, p in trainer.model.named_parameters() if p.requires_grad])
+            checked_plan(self.plan, trainer.model)  # one process: nothing to agree with
             return None
         ddp.register_comm_hook(None, _local_gradients_hook)
         layer_every = setting("layer_stats_every", self.layer_stats_every, owner="fastml_strategy.transformers",
@@ -224,12 +242,21 @@ class FastMLCallback(TrainerCallback):
         return (0, 0, 0.0) if self.state is None else counters(self.state.stats())
 
     def metrics(self) -> dict:
-        """FastML's figures since the last call (what ``on_log`` adds to the logs)."""
+        """FastML's figures since the last call (what ``on_log`` adds to the logs). A layer's error is
+        measured every ``layer_stats_every`` steps: it is in the figures of the first call after each
+        measurement only, so a dashboard shows each measurement once, at about the step it was made,
+        and no stale value repeated at the logging steps in between."""
         if self.state is None:
             return {}
         s = self.state.stats()
         out = metrics(s, TRAINER_KEYS, since=self._last, layers=self.layer_metrics)
         self._last = counters(s)
+        prefix = f"fastml/{TRAINER_KEYS.layer_error}"
+        for key in [k for k in out if k.startswith(prefix)]:
+            if self._logged_errors.get(key) == out[key]:
+                del out[key]  # the same measurement as at the last log: not measured since
+            else:
+                self._logged_errors[key] = out[key]
         return out
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -288,7 +315,14 @@ class FastMLCallback(TrainerCallback):
                                  f"{saved.get('kind', 'ddp')} run, this one is {kind} (every= "
                                  f"{'given' if kind == 'localsgd' else 'not given'}); resume it the way it "
                                  f"was trained, or delete the file to restart FastML's state from zero")
-            (self._local_ckpt or self.state).load_state_dict(saved["fastml"])
+            self._check_saved_plan(path, saved["fastml"], args.process_index)
+            try:
+                (self._local_ckpt or self.state).load_state_dict(saved["fastml"])
+            except ValueError as e:
+                raise ValueError(f"fastml_strategy.transformers: cannot resume FastML's state from {str(path)!r} "
+                                 f"({' '.join(str(e).split())}); resume with the processes and plan it was saved "
+                                 f"with, or delete {path.name} from {str(folder)!r} to start the error-feedback "
+                                 f"residuals from zero") from None
             log.debug("FastMLCallback: resumed the FastML state of step %d from %s", step, path)
             return
         if args.should_log:
@@ -297,6 +331,30 @@ class FastMLCallback(TrainerCallback):
                           f"goes on, not bit-exactly as an uninterrupted run). If you resumed from a folder "
                           f"outside output_dir, name it in TrainingArguments(resume_from_checkpoint=...)",
                           stacklevel=2)
+
+    def _check_saved_plan(self, path: Path, saved: dict, rank: int) -> None:
+        """Refuse, on every rank (each reads the same file), a checkpoint whose residuals belong to another
+        plan, naming the file and the ``setup`` call that resumes it: a Trainer user cannot reach
+        ``load_state_dict(strict=...)``, which the state's own message would suggest."""
+        per = saved.get("per_rank") or [saved]
+        own = per[rank] if rank < len(per) else per[0]  # another world size: load_state_dict says so
+        own = own.get("localsgd", own)  # LocalSGD: the plan is in each rank's LocalSGD state
+        if not isinstance(own.get("plan"), dict):
+            return
+        theirs, ours = Plan.from_dict(own["plan"]), getattr(self.state, "plan", self.plan)
+        if theirs.digest() == ours.digest():
+            return
+        if theirs.name in RECIPES:
+            fix = f"fastml_strategy.transformers.setup(trainer, plan={theirs.name!r}) (or FASTML_PLAN={theirs.name})"
+        else:
+            fix = (f"fastml_strategy.transformers.setup(trainer, plan=...) with the plan JSON that run used "
+                   f"(its plan is named {theirs.name!r})")
+        raise ValueError(
+            f"fastml_strategy.transformers: {str(path)!r} ({path.parent.name}/{path.name}) holds the "
+            f"error-feedback residuals of plan {theirs.name!r}, and this run's plan is {ours.name!r}"
+            f"{' (the same name, other settings)' if theirs.name == ours.name else ''}; to resume exactly, "
+            f"call {fix}; to train on with the new plan, delete {path.name} from that folder (the residuals "
+            f"then start from zero)")
 
 
 def _shard_on_cpu(trainer: Any, every: int | None) -> bool:
@@ -386,6 +444,77 @@ def _is_distributed(trainer: Any) -> bool:
     return getattr(trainer.accelerator, "num_processes", 1) > 1
 
 
+def _launched_processes() -> int:
+    """How many processes the launcher started: the process group's size once it is up (``Trainer(...)``
+    starts it under torchrun, even when it then trains each process alone), else ``WORLD_SIZE``."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1") or 1)
+    except ValueError:
+        return 1
+
+
+def _check_data_parallel(trainer: Any) -> None:
+    """Refuse a launch of several processes whose Trainer trains each one alone.
+
+    transformers 5 on a machine without GPUs, under ``torchrun --nproc_per_node 2`` without
+    ``TrainingArguments(use_cpu=True)``: Accelerate's state is ``NO`` (it looks for an accelerator
+    device, and takes the CPU as a distributed device only when asked to), ``parallel_mode`` is
+    ``not_parallel``, and ``train()`` builds no DDP model, so every rank trains its own model on the
+    whole data set and FastML would have nothing to compress. transformers only logs a warning; FastML
+    raises, naming the fix."""
+    processes = _launched_processes()
+    mode = getattr(trainer.args, "parallel_mode", None)
+    if processes <= 1 or getattr(mode, "name", None) not in ("NOT_PARALLEL", "NOT_DISTRIBUTED"):
+        return
+    kind = getattr(getattr(trainer.accelerator, "distributed_type", None), "value", "?")
+    raise ValueError(
+        f"this is one of {processes} processes, but the Trainer trains each process alone "
+        f"(TrainingArguments.parallel_mode is {mode.value!r}, Accelerate's distributed_type {kind!r}): no "
+        f"DistributedDataParallel model, no gradient all-reduced, nothing for FastML to compress. On a machine "
+        f"without GPUs pass TrainingArguments(use_cpu=True) (or set ACCELERATE_USE_CPU=1), so that the "
+        f"processes train data-parallel over gloo; with GPUs, make one visible to every process")
+
+
+def _trains_adapters(model: Any) -> bool:
+    """Whether ``model`` holds PEFT adapter layers (``peft.tuners.tuners_utils.BaseTunerLayer``: a
+    ``get_peft_model`` model, TRL's ``peft_config=``, or transformers' ``model.add_adapter``). peft is
+    imported only if it already is: a model with adapters imported it."""
+    if "peft" not in sys.modules or not isinstance(model, torch.nn.Module):
+        return False
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:  # pragma: no cover - a peft without the class
+        return False
+    return any(isinstance(m, BaseTunerLayer) for m in model.modules())
+
+
+def _fit_adapters(plan: Plan, given: Any, trainer: Any) -> Plan:
+    """A recipe's plan (``plan="int4"``, or None: a recipe in ``FASTML_PLAN``, else the default) for a
+    model that trains PEFT adapters, with ``min_numel`` lowered to its smallest trainable matrix.
+
+    A recipe keeps tensors under 4096 elements (biases, norms) uncompressed, and LoRA's matrices are
+    r x width (8 x 768 = 6144 for GPT-2, 8 x 64 = 512 for a tiny model): with adapters, that is the
+    whole gradient, and the recipe would compress none of it. A Plan, dict or plan JSON names its own
+    ``min_numel`` and is kept as given; so is ``none`` (nothing to compress)."""
+    name = given if given is not None else (os.environ.get("FASTML_PLAN") or DEFAULT_RECIPE)
+    if not isinstance(name, str) or name not in RECIPES or plan.default.codec is Codec.FP32:
+        return plan
+    if not _trains_adapters(trainer.model):
+        return plan
+    sizes = [p.numel() for p in trainer.model.parameters() if p.requires_grad and p.dim() >= 2]
+    if not sizes or min(sizes) >= plan.min_numel:
+        return plan
+    fitted = dataclasses.replace(plan, min_numel=min(sizes))
+    if trainer.is_world_process_zero():
+        log.info("FastML: the model trains PEFT adapters whose matrices have as few as %d elements, under plan "
+                 "%r's min_numel=%d; using min_numel=%d so that they are compressed (pass a Plan, e.g. "
+                 "Plan.from_recipe(%r, min_numel=N), to choose it yourself)", min(sizes), plan.name,
+                 plan.min_numel, fitted.min_numel, plan.name)
+    return fitted
+
+
 def setup(trainer: Any, plan: Plan | str | os.PathLike | dict | None = None, *,
           layer_stats_every: int | None = None, check_replicas_every: int | None = None,
           layer_metrics: bool = True, every: int | None = None, **localsgd: Any) -> FastMLCallback:
@@ -400,6 +529,12 @@ def setup(trainer: Any, plan: Plan | str | os.PathLike | dict | None = None, *,
     ``FASTML_CHECK_REPLICAS_EVERY``). ``layer_metrics=False`` leaves the per-layer errors out of the
     logs. Raises ValueError for a bad plan, here or (for one naming no parameter of the model) when
     training begins, on every process, before the first step.
+
+    When the process group is up, the ranks agree on the plan here (a collective: call ``setup`` on
+    every process): a plan that fails on one rank, or ranks given different plans, raise the same
+    ValueError on every rank. A launch of several processes whose Trainer trains each alone (no
+    ``use_cpu=True`` on a machine without GPUs) raises ValueError too. For a model that trains PEFT
+    adapters, a recipe name (or None) compresses the adapters: see :func:`_fit_adapters`.
 
     ``every=H`` opts in to local steps (:class:`~fastml_strategy.LocalSGD`, below 1 Gbit/s): DDP's
     per-step all-reduce is switched off, each rank takes H optimizer steps on its own, then the ranks
@@ -416,14 +551,23 @@ def setup(trainer: Any, plan: Plan | str | os.PathLike | dict | None = None, *,
     if any(isinstance(cb, FastMLCallback) for cb in getattr(trainer.callback_handler, "callbacks", [])):
         raise ValueError("fastml_strategy.transformers.setup: this Trainer has a FastML callback already; "
                          "call setup once per Trainer and keep the callback it returned")
-    named = list(trainer.model.named_parameters())
-    try:
+    made: list = []
+
+    def build() -> None:  # everything checked on this rank; the ranks then agree (checked_plan)
         cb = FastMLCallback(plan, layer_stats_every=layer_stats_every, check_replicas_every=check_replicas_every,
                             layer_metrics=layer_metrics, every=every, **localsgd)
-        # the plan's names against the model's parameters, at once, in any world size
-        cb.plan.check_parameters([n for n, p in named if p.requires_grad],
-                                 frozen=[n for n, p in named if not p.requires_grad])
+        cb.plan = _fit_adapters(cb.plan, plan, trainer)
+        _check_data_parallel(trainer)
+        made.append(cb)
+
+    try:
+        # the plan's names against trainer.model's parameters (tied names and frozen ones as register_hook
+        # takes them), in any world size; agreed by every rank when the process group is up, before DDP
+        agreed = checked_plan(lambda: made[0].plan, trainer.model, agree=True, check=build,
+                              owner="fastml_strategy.transformers")
     except ValueError as e:
         raise ValueError(f"fastml_strategy.transformers: {' '.join(str(e).split())}") from None
+    cb = made[0]
+    cb.plan = agreed
     _shard_on_cpu(trainer, every)
     return cb.bind(trainer)
