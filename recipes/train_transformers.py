@@ -8,7 +8,8 @@ The FastML part of an existing Trainer script is one line, after building the Tr
     fastml_strategy.transformers.setup(trainer, plan="int4")   # or plan=None: $FASTML_PLAN, else int4
     trainer.train()
 
-Run (CPU, 2 processes; on GPUs drop --cpu and the backend becomes NCCL)::
+Run (2 processes; without a GPU the recipe trains on CPU over gloo, ``--cpu`` forces it where GPUs are;
+on GPUs the backend is NCCL)::
 
     torchrun --nproc_per_node 2 recipes/train_transformers.py --cpu --max-steps 50
     torchrun --nproc_per_node 2 recipes/train_transformers.py --cpu --plan none     # DDP's own all-reduce
@@ -72,7 +73,8 @@ def params_sha256(model: torch.nn.Module) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plan", default=None, help="recipe name or plan JSON (default: $FASTML_PLAN or int4)")
-    ap.add_argument("--cpu", action="store_true", help="train on CPU even if a GPU is present")
+    ap.add_argument("--cpu", action="store_true", help="train on CPU even if a GPU is present (without one, "
+                                                          "the recipe trains on CPU anyway)")
     ap.add_argument("--gpt2", action="store_true", help="a GPT-2 model instead of Llama")
     ap.add_argument("--width", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
@@ -100,9 +102,11 @@ def main() -> None:
     training_args = TrainingArguments(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.accumulate, learning_rate=args.lr, bf16=args.bf16,
-        gradient_checkpointing=args.gradient_checkpointing, ddp_bucket_cap_mb=args.bucket_cap_mb,
+        activation_checkpointing=args.gradient_checkpointing, ddp_bucket_cap_mb=args.bucket_cap_mb,
         logging_steps=args.logging_steps, save_strategy="steps" if args.save_steps else "no",
-        save_steps=args.save_steps or 500, report_to=args.report_to, use_cpu=args.cpu, seed=0,
+        save_steps=args.save_steps or 500, report_to=args.report_to, seed=0,
+        # without use_cpu, transformers 5 on a machine without GPUs trains each process alone (no DDP)
+        use_cpu=args.cpu or not torch.cuda.is_available(),
         disable_tqdm=True, lr_scheduler_type="constant")
     trainer = Trainer(model=model, args=training_args, train_dataset=train)
 

@@ -12,10 +12,11 @@ The FastML part is the same one line as for ``transformers.Trainer``::
 Only the adapters train, so only their gradients travel; plan names are the names that
 ``trainer.model.named_parameters()`` shows (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.
 default.weight``...). LoRA matrices are small (r x width), under the default plan's ``min_numel`` of
-4096 elements, so this recipe's default plan is ``Plan.from_recipe("int4", min_numel=256)``, which
-compresses them too.
+4096 elements; for a model that trains PEFT adapters, ``setup`` lowers a recipe's ``min_numel`` to the
+smallest adapter matrix (here 8 x 128 = 1024 elements), so the default plan (int4) compresses them. A
+Plan or plan JSON keeps its own ``min_numel``.
 
-Run (CPU, 2 processes)::
+Run (CPU, 2 processes; without a GPU the recipe trains on CPU anyway)::
 
     torchrun --nproc_per_node 2 recipes/train_trl.py --cpu --max-steps 30
     torchrun --nproc_per_node 2 recipes/train_trl.py --cpu --plan none      # uncompressed, for comparison
@@ -32,7 +33,6 @@ import sys
 import torch
 
 import fastml_strategy.transformers
-from fastml_strategy import Plan
 
 
 def corpus() -> list[str]:
@@ -61,7 +61,7 @@ def word_tokenizer(texts: list[str], size: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plan", default=None,
-                    help="recipe name or plan JSON (default: $FASTML_PLAN, else int4 with min_numel=256)")
+                    help="recipe name or plan JSON (default: $FASTML_PLAN, else int4)")
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--max-steps", type=int, default=30)
     ap.add_argument("--batch-size", type=int, default=8)
@@ -83,16 +83,14 @@ def main() -> None:
                                          max_position_embeddings=64))
     config = SFTConfig(output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
                        learning_rate=args.lr, logging_steps=5, save_strategy="no", report_to="none",
-                       use_cpu=args.cpu, seed=0, disable_tqdm=True, max_length=32, packing=False)
+                       use_cpu=args.cpu or not torch.cuda.is_available(), seed=0, disable_tqdm=True, max_length=32, packing=False)
     trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_dict({"text": texts}),
                          processing_class=tokenizer,
                          peft_config=LoraConfig(r=args.rank, lora_alpha=2 * args.rank,
                                                 target_modules=["q_proj", "v_proj"]))
-    plan = args.plan if args.plan is not None or os.environ.get("FASTML_PLAN") else \
-        Plan.from_recipe("int4", min_numel=256)
     rank = int(os.environ.get("RANK", "0"))
     try:
-        callback = fastml_strategy.transformers.setup(trainer, plan=plan)  # the one FastML line
+        callback = fastml_strategy.transformers.setup(trainer, plan=args.plan)  # the one FastML line
         trainer.train()
     except ValueError as e:  # a bad plan: the same one-line error on every rank, before the first step
         if "fastml_strategy.transformers" not in str(e):

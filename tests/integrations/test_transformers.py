@@ -7,10 +7,11 @@ keeps the suite's added time to about a minute on 2 loaded cores."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import pytest
 
-from _launch import ROOT, rank_files, run, torchrun
+from _launch import ROOT, rank_files, run, run_ranks, torchrun
 
 # find_spec, not importorskip: importing TRL and transformers at collection would cost every run ~20 s
 _MISSING = [m for m in ("transformers", "peft", "trl") if importlib.util.find_spec(m) is None]
@@ -50,6 +51,13 @@ def test_int4_keeps_replicas_identical_loss_falls_and_figures_reach_log_history(
     errors = {k[len("fastml/error/"):]: v for k, v in logged.items() if k.startswith("fastml/error/")}
     assert "model.layers.0.mlp.up_proj.weight" in errors and 0 < errors["model.layers.0.mlp.up_proj.weight"] < 0.5
     assert "model.norm.weight" not in errors  # exact (uncompressed) layers report no error
+
+
+def test_layer_errors_are_logged_once_per_measurement_not_repeated_in_between(ranks):
+    """layer_stats_every=4 measures at optimizer steps 1, 5 and 9; with logging_steps=2 the errors appear in
+    the logs of steps 2, 6 and 10 and in none of 4 and 8, where they would repeat the last measurement."""
+    r0, _, _ = ranks
+    assert r0["int4"]["error_steps"] == [2, 6, 10], r0["int4"]["error_steps"]
 
 
 def test_accumulation_compresses_only_the_syncing_micro_batch_and_keeps_the_bucket_cap(ranks):
@@ -92,7 +100,39 @@ def test_trl_sft_trainer_runs_with_the_same_line(ranks):
     assert r0["trl"]["fastml_step"] == r0["trl"]["global_step"] == 4
     assert r0["trl"]["digest"] == r1["trl"]["digest"]
     assert r0["trl"]["layers"] and all("lora_" in n for n in r0["trl"]["layers"])
-    assert r0["trl"]["logged"]["fastml/compression_ratio"] > 2
+
+
+def test_a_recipe_name_compresses_peft_adapters_under_its_min_numel(ranks):
+    """plan="int4" on SFTTrainer + LoRA (8 x 64 matrices, under int4's min_numel of 4096): setup lowers
+    min_numel to the smallest adapter matrix and says so once; every adapter is compressed."""
+    r0, r1, _ = ranks
+    trl = r0["trl"]
+    assert trl["min_numel"] == 512 and r1["trl"]["min_numel"] == 512
+    assert set(trl["layers"].values()) == {"int4"}, trl["layers"]  # none left as fp32
+    assert 5 < trl["logged"]["fastml/compression_ratio"] < 8
+    assert len(trl["fit_logged"]) == 1 and "min_numel=512" in trl["fit_logged"][0]
+    assert r1["trl"]["fit_logged"] == []  # rank 0 says it
+
+
+def test_a_plan_naming_a_tied_weight_applies_to_it_in_the_trainer(ranks):
+    """GPT-2's lm_head.weight is transformer.wte.weight: a plan naming it is taken with the alias note
+    (as register_hook takes it), not refused by setup."""
+    r0, r1, _ = ranks
+    for r in (r0, r1):
+        assert r["gpt2"]["global_step"] == r["gpt2"]["fastml_step"] == 2
+        assert r["gpt2"]["layers"]["transformer.wte.weight"] == "int8" and "lm_head.weight" not in r["gpt2"]["layers"]
+        assert r["gpt2_alias_noted"]
+    assert r0["gpt2"]["digest"] == r1["gpt2"]["digest"]
+
+
+def test_resume_under_another_plan_names_the_file_and_the_setup_call(ranks):
+    r0, r1, _ = ranks
+    for r in (r0, r1):
+        msg = r["resume_other_plan"]
+        assert msg is not None and "\n" not in msg and msg.startswith("fastml_strategy.transformers: "), msg
+        assert "checkpoint-4/fastml_state.pt" in msg and "setup(trainer, plan='int4')" in msg, msg
+        assert "delete fastml_state.pt" in msg and "strict=False" not in msg and "Plan.from_dict" not in msg, msg
+    assert r0["resume_other_plan"] == r1["resume_other_plan"]
 
 
 def test_bad_plans_stop_before_the_first_step_on_every_rank_with_one_line(ranks):
@@ -106,6 +146,33 @@ def test_bad_plans_stop_before_the_first_step_on_every_rank_with_one_line(ranks)
             assert msg.startswith("fastml_strategy.transformers: ")
         assert r["bad_disagree_step"] == 0
     assert r0["bad_disagree"] == r1["bad_disagree"]  # the same error on both ranks
+
+
+def test_refusals_reach_every_rank_before_any_step(tmp_path):
+    """Ranks started without torchrun's agent (each rank's own outcome shows, none killed for another's
+    failure): (1) TrainingArguments without use_cpu on this GPU-less machine trains each process alone:
+    setup raises on both, naming use_cpu=True, instead of reporting a plan it never runs; (2) a bad plan
+    file on rank 1 only: both ranks raise the same error in setup, before DDP's constructor (where rank 0
+    would get gloo's "Connection closed by peer")."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("without use_cpu, a machine with GPUs trains data-parallel on them: nothing to refuse")
+    out = tmp_path / "out"
+    results = run_ranks([sys.executable, JOB, str(out), "refusals"], world=2, timeout=300)
+    for rank, res in enumerate(results):
+        assert res.returncode == 0, f"rank {rank} exited {res.returncode}:\n{res.tail()}"
+    r0, r1 = rank_files(out)
+    for r in (r0, r1):
+        assert r["alone_mode"] == "not_parallel"
+        msg = r["alone"]
+        assert msg is not None and "\n" not in msg and msg.startswith("fastml_strategy.transformers: "), msg
+        assert "trains each process alone" in msg and "use_cpu=True" in msg, msg
+        msg = r["bad_file"]
+        assert msg is not None and msg.startswith("fastml_strategy.transformers: ") and "\n" not in msg, msg
+        assert "found on rank(s) [1]" in msg and "plan.rank1.json" in msg, msg
+        assert r["bad_file_step"] == 0
+    assert r0["alone"] == r1["alone"] and r0["bad_file"] == r1["bad_file"]
 
 
 def test_localsgd_opt_in_syncs_every_h_steps_and_resumes_each_rank_exactly(ranks):
@@ -150,7 +217,7 @@ def test_fsdp2_through_training_arguments_on_cpu(ranks):
     assert int4["digest"] != r0["fsdp_none"]["digest"]
     assert int4["losses"][-1] < int4["losses"][0] - 0.5, int4["losses"]
     assert 7.0 < int4["logged"]["fastml/compression_ratio"] < 8.0
-    assert any(k.startswith("fastml/error/model.layers.") for k in int4["logged"])
+    assert any(k.startswith("fastml/error/model.layers.") for k in int4["error_keys"])
     assert r0["fsdp_saved"] == {"global_step": 4, "ranks": [0, 1], "steps": [4, 4]}
     for r in (r0, r1):  # checkpoint-4 (Trainer's FSDP checkpoint + fastml_state.pt) + 4 steps == 8 straight
         assert r["fsdp_resumed"]["digest"] == r["fsdp_int4"]["digest"] and r["fsdp_resumed"]["fastml_step"] == 8

@@ -7,14 +7,19 @@ LoRA model (plan names as model.named_parameters() shows them); resume bit-exact
 not bit-exact without FastML's state); TRL's SFTTrainer with the same line; bad plans (before any step,
 on every rank); torch_compile=True (aot_eager backend); FSDP2 through fsdp/fsdp_config (setup switches
 Accelerate to its FSDP2 path on CPU): plan `none` against plain DDP, int4, resume from Trainer's FSDP
-checkpoint, accumulation with bf16. Each rank writes its findings to OUT.rank<R>.json for
-tests/integrations/test_transformers.py.
+checkpoint, accumulation with bf16; a GPT-2 plan naming the tied lm_head.weight; a resume under another
+plan. Each rank writes its findings to OUT.rank<R>.json for tests/integrations/test_transformers.py.
+
+``transformers_job.py OUT refusals`` runs, instead, what setup must refuse on every rank before any step
+(started as ranks without torchrun's agent, so each rank's own outcome shows): TrainingArguments without
+use_cpu on a machine without GPUs (each process would train alone), and a bad plan file on rank 1 only.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -26,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 import fastml_strategy.transformers as fmt
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 VOCAB, SEQ = 64, 16
 OUT = Path(sys.argv[1])
@@ -81,10 +86,11 @@ def losses(trainer) -> list:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-def train(name: str, plan=None, fastml: bool = True, model=None, resume=None, every=None, **kw) -> tuple:
+def train(name: str, plan=None, fastml: bool = True, model=None, resume=None, every=None, stats_every=None,
+          **kw) -> tuple:
     trainer = Trainer(model=model if model is not None else tiny_llama(), args=targs(name, **kw),
                       train_dataset=Progressions())
-    cb = fmt.setup(trainer, plan=plan, every=every) if fastml else None
+    cb = fmt.setup(trainer, plan=plan, every=every, layer_stats_every=stats_every) if fastml else None
     t = time.monotonic()
     trainer.train(resume_from_checkpoint=resume)
     return trainer, cb, time.monotonic() - t
@@ -97,7 +103,14 @@ def summary(trainer, cb) -> dict:
             "fastml_step": s.get("steps", s.get("inner_steps")) if s else None, "outer_steps": (s or {}).get(
                 "outer_steps"), "logged": logged[-1] if logged else {},
             "layers": {n: r["codec"] for n, r in s["layers"].items()} if s else {},
-            "wrapped": type(trainer.model_wrapped).__name__}
+            "wrapped": type(trainer.model_wrapped).__name__, **error_logs(logged)}
+
+
+def error_logs(logged: list) -> dict:
+    """The logging steps whose logs carry fastml/error/* figures, and every such key logged."""
+    keys = [[k for k in h if k.startswith("fastml/error/")] for h in logged]
+    return {"error_steps": [h["step"] for h, ks in zip(logged, keys) if ks],
+            "error_keys": sorted({k for ks in keys for k in ks})}
 
 
 def one_line_error(fn) -> str | None:
@@ -119,8 +132,9 @@ def main() -> None:
     r["none_max_abs_diff"] = float((flat(plain.model) - flat(none.model)).abs().max())
     r["none_vs_init_max_abs_diff"] = float((flat(none.model) - flat(tiny_llama())).abs().max())
 
-    # 2. int4: replicas identical, loss falls, figures in the logs
-    int4, cb4, r["t_int4"] = train("int4", plan="int4")
+    # 2. int4: replicas identical, loss falls, figures in the logs (per-layer errors measured at optimizer
+    # steps 1, 5, 9: in the logs of steps 2, 6, 10 only)
+    int4, cb4, r["t_int4"] = train("int4", plan="int4", stats_every=4)
     r["int4"] = summary(int4, cb4)
 
     # 3. accumulation: 2 micro-batches of 2 per step; the hook runs once per optimizer step
@@ -130,7 +144,7 @@ def main() -> None:
     r["acc_bucket_bytes_cap"] = acc.model_wrapped.bucket_bytes_cap
 
     # 4. bf16 autocast + gradient checkpointing
-    bf, cb_bf, _ = train("bf16", plan="int4", max_steps=6, bf16=True, gradient_checkpointing=True)
+    bf, cb_bf, _ = train("bf16", plan="int4", max_steps=6, bf16=True, activation_checkpointing=True)
     r["bf16"] = summary(bf, cb_bf)
     r["bf16_checkpointing"] = bool(bf.model.is_gradient_checkpointing)
     r["bf16_mixed_precision"] = str(bf.accelerator.mixed_precision)
@@ -171,6 +185,18 @@ def main() -> None:
         bare_run, cb_bare, _ = train("bare", plan="int4", max_steps=8, resume=str(WORK / "bare" / "checkpoint-4"))
     r["bare"] = summary(bare_run, cb_bare)
     r["bare_warned"] = any("residuals start from zero" in str(w.message) for w in caught)
+    # the same checkpoint resumed under another plan: refused, naming the file and the plan it was saved with
+    r["resume_other_plan"] = one_line_error(lambda: train("resume", plan="int8", max_steps=8, save_strategy="steps",
+                                                          save_steps=4, resume=str(ck)))
+
+    # 6b. GPT-2 ties lm_head.weight to transformer.wte.weight: a plan naming the tied name applies to it
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gpt, cb_gpt, _ = train("gpt2", model=tiny_gpt2(), max_steps=2, plan={
+            "format_version": 1, "layers": {"lm_head.weight": {"codec": "quantize", "bits": 8}}})
+    r["gpt2"] = summary(gpt, cb_gpt)
+    r["gpt2_alias_noted"] = any("'lm_head.weight' is another name of 'transformer.wte.weight'" in str(w.message)
+                                for w in caught)
 
     # 7. LocalSGD (every=3): checkpoint-4 falls between two synchronisations (the ranks' models differ
     # there); resuming from it gives each rank its own model, optimizer and LocalSGD state back
@@ -195,8 +221,7 @@ def main() -> None:
     r["bad_name"] = one_line_error(lambda: train("bad_name", plan={
         "format_version": 1, "layers": {"model.layers.7.mlp.up_proj.weight": {"codec": "quantize", "bits": 2}}}))
     disagree = Trainer(model=tiny_llama(), args=targs("disagree"), train_dataset=Progressions())
-    fmt.setup(disagree, plan="int4" if RANK == 0 else "int8")
-    r["bad_disagree"] = one_line_error(disagree.train)
+    r["bad_disagree"] = one_line_error(lambda: fmt.setup(disagree, plan="int4" if RANK == 0 else "int8"))
     r["bad_disagree_step"] = disagree.state.global_step
 
     # 10. torch_compile=True (Accelerate compiles the DDP model; FastML finds DDP inside): the aot_eager
@@ -234,10 +259,11 @@ def fsdp_summary(trainer, cb) -> dict:
     for name in sorted(params):
         h.update(name.encode() + params[name].contiguous().numpy().tobytes())
     s = cb.state.stats()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
     return {"digest": h.hexdigest(), "losses": losses(trainer), "global_step": trainer.state.global_step,
             "fastml_step": s["steps"], "state": type(cb.state).__name__, "wrapped": type(trainer.model_wrapped).__name__,
             "fsdp_units": sum(type(m).__name__.startswith("FSDP") for m in trainer.model.modules()),
-            "logged": [h for h in trainer.state.log_history if "loss" in h][-1]}
+            "logged": logged[-1], **error_logs(logged)}
 
 
 def fsdp_contracts(r: dict, plain) -> None:
@@ -303,18 +329,57 @@ def trl_sft() -> dict:
                      max_length=SEQ, packing=False)
     trainer = SFTTrainer(model=tiny_llama(), args=args, train_dataset=Dataset.from_dict({"text": texts}),
                          processing_class=tok, peft_config=LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
-    cb = fmt.setup(trainer, plan=fastml_plan_small())
+    records = Records()
+    logging.getLogger("fastml_strategy.transformers").addHandler(records)
+    logging.getLogger("fastml_strategy.transformers").setLevel(logging.INFO)
+    cb = fmt.setup(trainer, plan="int4")  # a recipe name: setup fits min_numel to the adapters (8 x 64)
+    logging.getLogger("fastml_strategy.transformers").removeHandler(records)
     trainer.train()
     out = summary(trainer, cb)
     out["trainer"] = type(trainer).__name__
+    out["min_numel"] = cb.plan.min_numel
+    out["fit_logged"] = [m for m in records.messages if "PEFT adapters" in m]
     return out
 
 
-def fastml_plan_small():
-    from fastml_strategy import Plan
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list = []
 
-    return Plan.from_recipe("int4", min_numel=256)  # LoRA adapters (8 x 64) are compressed too
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def tiny_gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)  # 64 x 64 embeddings (4096 elements: compressed), tied to the head
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=1, n_head=4, n_positions=SEQ,
+                                      bos_token_id=0, eos_token_id=0))
+
+
+def refusals() -> None:
+    """What setup must refuse on every rank alike, before any step: a Trainer that would train each process
+    alone (no use_cpu on a machine without GPUs: Accelerate's state NO, no DDP), and a plan file that is bad
+    on rank 1 only (the ranks agree in setup, before DDP's constructor, whose collectives would otherwise
+    fail on rank 0 with gloo's "Connection closed by peer")."""
+    r: dict = {"rank": RANK}
+    alone = Trainer(model=tiny_llama(), args=targs("alone", use_cpu=False), train_dataset=Progressions())
+    r["alone_mode"] = alone.args.parallel_mode.value
+    r["alone"] = one_line_error(lambda: fmt.setup(alone, plan="int4"))
+    WORK.mkdir(parents=True, exist_ok=True)
+    path = WORK / f"plan.rank{RANK}.json"
+    path.write_text(json.dumps({"format_version": 1, "default": {"codec": "quantize", "bits": 4 if RANK == 0 else 9}}))
+    trainer = Trainer(model=tiny_llama(), args=targs("bad_file"), train_dataset=Progressions())
+
+    def setup_and_train() -> None:
+        fmt.setup(trainer, plan=str(path))
+        trainer.train()
+
+    r["bad_file"] = one_line_error(setup_and_train)
+    r["bad_file_step"] = trainer.state.global_step
+    with open(f"{OUT}.rank{RANK}.json", "w") as f:
+        json.dump(r, f, indent=1, default=str)
 
 
 if __name__ == "__main__":
-    main()
+    refusals() if sys.argv[2:] == ["refusals"] else main()
