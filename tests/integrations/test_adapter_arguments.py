@@ -151,6 +151,32 @@ def test_accelerate_setup_in_one_process_is_a_no_op_but_checks_the_plan(monkeypa
         fa.setup(acc, model)
 
 
+def test_accelerate_setup_in_one_process_takes_a_tied_weights_other_name(recwarn):
+    """The check every adapter shares (fastml_strategy._distributed.checked_plan): a plan naming a tied
+    weight's other name applies to the weight, with the note register_hook gives, in accelerate.setup and
+    accelerate.local_sgd in one process as in register_hook; a name the model lacks is still refused."""
+    from accelerate import Accelerator
+
+    import fastml_strategy.accelerate as fa
+
+    class Tied(torch.nn.Module):  # head.weight is emb.weight, as GPT-2's lm_head.weight is transformer.wte.weight
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(64, 64)
+            self.head = torch.nn.Linear(64, 64, bias=False)
+            self.head.weight = self.emb.weight
+
+    acc = Accelerator(cpu=True)
+    model = acc.prepare(Tied())
+    plan = Plan.from_recipe("int4").with_layers({"head.weight": Plan.from_recipe("int8").default})
+    assert fa.setup(acc, model, plan) is None
+    assert fa.local_sgd(acc, model, plan=plan, every=4) is None
+    notes = [str(w.message) for w in recwarn if "another name of 'emb.weight'" in str(w.message)]
+    assert len(notes) == 2, [str(w.message) for w in recwarn]
+    with pytest.raises(ValueError, match=r"\['head.bias'\].*no such parameter"):
+        fa.setup(acc, model, plan.with_layers({"head.bias": Plan.from_recipe("int8").default}))
+
+
 def test_fsdp_strategies_check_their_arguments_before_any_process_starts(monkeypatch):
     import functools
 

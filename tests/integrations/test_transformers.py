@@ -288,3 +288,36 @@ def test_cpu_fsdp2_switch_refuses_what_trainer_refuses_with_fsdp():
     wrapped = trainer()
     wrapped.model_wrapped = object()
     assert _shard_on_cpu(wrapped, None) is False
+
+
+def test_only_a_recipe_name_on_a_peft_model_gets_min_numel_fitted(monkeypatch):
+    """_fit_adapters lowers min_numel to the smallest trainable matrix for a model with PEFT adapters and a
+    recipe name (given, or FASTML_PLAN, or the default); a Plan, the `none` recipe and a model without
+    adapters keep theirs."""
+    import types
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from fastml_strategy import Plan
+    from fastml_strategy.transformers import _fit_adapters
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(96, 96)
+
+    def trainer(model):
+        return types.SimpleNamespace(model=model, is_world_process_zero=lambda: True)
+
+    peft = trainer(get_peft_model(Net(), LoraConfig(r=4, target_modules=["lin"])))  # lora_A 4 x 96: 384
+    int4 = Plan.from_recipe("int4")
+    assert _fit_adapters(int4, "int4", peft).min_numel == 384
+    assert _fit_adapters(int4, None, peft).min_numel == 384  # the default recipe
+    monkeypatch.setenv("FASTML_PLAN", "int8")
+    assert _fit_adapters(Plan.from_recipe("int8"), None, peft).min_numel == 384
+    assert _fit_adapters(int4, int4, peft) is int4  # a Plan names its own min_numel
+    monkeypatch.delenv("FASTML_PLAN")
+    none = Plan.from_recipe("none")
+    assert _fit_adapters(none, "none", peft) is none
+    assert _fit_adapters(int4, "int4", trainer(Net())) is int4  # no adapters
