@@ -112,9 +112,9 @@ def agreed_plan(plan: Any, names: list, group: Any, world_size: int, check: Any 
     ``frozen``: see :meth:`Plan.resolve_names`), then agree: every rank raises the same ValueError if
     the plan (or ``check()``, any further validation) failed on any rank, or if ranks hold different
     plans. ``plan`` may be a function of no argument that returns it, called after ``check()`` (a plan
-    that ``check()`` builds). A collective on ``group``. Returns the plan with aliases resolved; notes are warned, and so
-    is a plan tuned for local steps (``Plan.local_steps``) given to a per-step user (``local_steps``
-    False: the DDP hook, FSDP).
+    that ``check()`` builds). A collective on ``group``. Returns the plan with aliases resolved; notes
+    are warned, and so is a plan tuned for local steps (``Plan.local_steps``) given to a per-step user
+    (``local_steps`` False: the DDP hook, FSDP).
 
     ``settings``: the caller's other settings that ranks must share (they change the bytes on the wire
     or the schedule of collectives: ``{"every": 50, ...}``, compared by value); if any differs between

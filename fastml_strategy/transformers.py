@@ -350,8 +350,8 @@ class FastMLCallback(TrainerCallback):
             fix = (f"fastml_strategy.transformers.setup(trainer, plan=...) with the plan JSON that run used "
                    f"(its plan is named {theirs.name!r})")
         raise ValueError(
-            f"fastml_strategy.transformers: {str(path)!r} ({path.parent.name}/{path.name}) holds the "
-            f"error-feedback residuals of plan {theirs.name!r}, and this run's plan is {ours.name!r}"
+            f"fastml_strategy.transformers: {str(path)!r} holds the error-feedback residuals of plan "
+            f"{theirs.name!r}, and this run's plan is {ours.name!r}"
             f"{' (the same name, other settings)' if theirs.name == ours.name else ''}; to resume exactly, "
             f"call {fix}; to train on with the new plan, delete {path.name} from that folder (the residuals "
             f"then start from zero)")
