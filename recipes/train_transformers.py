@@ -107,7 +107,8 @@ def main() -> None:
         save_steps=args.save_steps or 500, report_to=args.report_to, seed=0,
         # without use_cpu, transformers 5 on a machine without GPUs trains each process alone (no DDP)
         use_cpu=args.cpu or not torch.cuda.is_available(),
-        disable_tqdm=True, lr_scheduler_type="constant")
+        disable_tqdm=True, lr_scheduler_type="constant",
+        ddp_find_unused_parameters=False)  # every parameter trains each step (else DDP warns)
     trainer = Trainer(model=model, args=training_args, train_dataset=train)
 
     rank = int(os.environ.get("RANK", "0"))

@@ -83,7 +83,8 @@ def main() -> None:
                                          max_position_embeddings=64))
     config = SFTConfig(output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
                        learning_rate=args.lr, logging_steps=5, save_strategy="no", report_to="none",
-                       use_cpu=args.cpu or not torch.cuda.is_available(), seed=0, disable_tqdm=True, max_length=32, packing=False)
+                       use_cpu=args.cpu or not torch.cuda.is_available(), seed=0, disable_tqdm=True, max_length=32, packing=False,
+                       ddp_find_unused_parameters=False)  # the adapters train each step (else DDP warns)
     trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_dict({"text": texts}),
                          processing_class=tokenizer,
                          peft_config=LoraConfig(r=args.rank, lora_alpha=2 * args.rank,
