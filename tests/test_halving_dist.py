@@ -137,3 +137,54 @@ def test_halving_schedule_result(world_size):
     mean = sum(res[r]["halving"]["bytes"] for r in range(W)) / W
     # the ring's mean, less its all_gather's padding to the largest chunk (halving sends chunks as they are)
     assert mean <= 2 * wire.bytes_sent(), mean
+
+
+def _ddp_case(rank, W, steps=3):
+    """DDP with the hook: int4 ("auto": halving above 3 ranks) and `none` forced through halving
+    against plain DDP, on one small multi-bucket MLP."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import fastml_strategy as fm
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(32, 96), torch.nn.ReLU(), torch.nn.Linear(96, 96),
+                                   torch.nn.ReLU(), torch.nn.Linear(96, 10))
+
+    def train(plan):
+        m = model()
+        ddp = DDP(m, bucket_cap_mb=0.02)
+        state = fm.register_hook(ddp, plan=plan) if plan is not None else None
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for step in range(steps):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            ddp(torch.randn(8, 32, generator=g)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        flat = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+        stats = state.stats() if state is not None else None
+        if state is not None:
+            state.close()
+        return flat, stats
+
+    int4, s4 = train(fm.Plan.from_recipe("int4"))
+    none, sn = train(fm.Plan.from_recipe("none", schedule="halving"))
+    ddp, _ = train(None)
+    every = [torch.zeros_like(int4) for _ in range(W)]
+    dist.all_gather(every, int4)
+    return {"identical": all(torch.equal(e, int4) for e in every), "s4": s4["schedules"],
+            "none_err": float((none - ddp).abs().max()), "sn": sn["schedules"],
+            "moved": float((int4 - ddp).abs().max())}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [4, 8])
+def test_ddp_hook_runs_halving(world_size):
+    """Through DDP's hook: "auto" runs halving above 3 ranks (stats() says so), replicas stay
+    bit-identical, `none` forced through halving trains as plain DDP does within 1e-6."""
+    for r in run_workers(_ddp_case, world_size, timeout=280):
+        assert r["identical"]
+        assert set(r["s4"]) == {"halving", "plain"} and r["s4"]["halving"]["buckets"] > 0, r["s4"]
+        assert set(r["sn"]) == {"halving"}, r["sn"]
+        assert r["none_err"] <= 1e-6, r["none_err"]
+        assert r["moved"] > 0

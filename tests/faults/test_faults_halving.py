@@ -39,10 +39,10 @@ def _halving_faults(rank, world_size, path):
     return _rank_fault(rank, world_size, "exit", 5, _plan(), comm_timeout=DEATH_TIMEOUT, marks=marks)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_halving_dead_or_stalled_rank_fails_every_other_rank_fast(tmp_path):
     W = 8
-    results = run_workers(_halving_faults, W, str(tmp_path), timeout=280, pg_timeout=PG_TIMEOUT,
+    results = run_workers(_halving_faults, W, str(tmp_path), timeout=580, pg_timeout=PG_TIMEOUT,
                           allow_deaths=True)
     stall = [("ok", json.loads((tmp_path / f"stall{r}.json").read_text())) for r in range(W)]
     _check_fault_results(stall, W, "stall", 7, within=COMM_TIMEOUT + 6)
