@@ -90,7 +90,26 @@ def _schedule_case(rank, W, recipe):
     dist.all_reduce(ref)
     out["none_err"] = float((buf - ref).abs().max())
     out["none_schedules"] = eng.schedule_counts()
+    out["failure"] = _one_rank_fails(plan, rank, W)
     return out
+
+
+def _one_rank_fails(plan, rank, W):
+    """Rank 0's first-stage encoding raises (a folded rank where N is not a power of two): every rank
+    completes the bucket's messages and raises the same CompressionError, naming rank 0."""
+    from fastml_strategy.collective import CompressionError
+
+    eng, lay = _engine(plan, rank, W, "halving")
+    if rank == 0:
+        def boom(*a, **k):
+            raise RuntimeError("injected encoder failure")
+
+        eng._encode_group = boom
+    try:
+        eng.run(lay, _grads(rank, 0), 0)
+    except CompressionError as e:
+        return str(e)
+    return None
 
 
 @pytest.mark.timeout(240)
@@ -122,6 +141,8 @@ def test_halving_schedule_result(world_size):
             assert e_h <= 2.5 * e_r + 1e-6, (W, step, e_h, e_r)
             assert not torch.equal(hs["buf"], exact)  # it did compress
         assert res[r]["none_err"] <= 1e-6, res[r]["none_err"]
+        assert res[r]["failure"] == res[0]["failure"] and "rank 0" in res[0]["failure"], res[r]["failure"]
+        assert "injected encoder failure" in res[0]["failure"]
         assert list(res[r]["none_schedules"]) == ["halving"] and res[r]["none_schedules"]["halving"]["buckets"] == 1
     # bytes: what the runtime counted is the tensor-free function's (headers included), per rank
     from fastml_strategy import Plan
