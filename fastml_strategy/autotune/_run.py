@@ -154,13 +154,18 @@ def _broadcast(obj: Any, distributed: bool) -> Any:
 def _plan_from_choice(profile: Profile, choice: Mapping[str, str], name: str,
                       meta: Mapping[str, Any] | None = None,
                       local_steps: LocalSteps | None = None,
-                      intra_node: str | None = None) -> tuple[Plan, dict[str, Any]]:
+                      intra_node: str | None = None, link: Any = None) -> tuple[Plan, dict[str, Any]]:
     """The plan of a layer choice, and its plan.json dict (with ``meta``); ``intra_node`` ("bf16",
-    "fp16"; None or "none": exact, and the file has no ``intra_node``) the hop inside the machine."""
+    "fp16"; None or "none": exact, and the file has no ``intra_node``) the hop inside the machine;
+    ``link`` (the option's :class:`~fastml_strategy.autotune.catalog.Link`): the plan's link hint, so
+    that the runtime's ``"auto"`` schedule picks per bucket what the cost model priced."""
+    from fastml_strategy.autotune.costmodel.ddp import plan_link_hint
+
     layers = {lp.name: CANDIDATES[choice.get(lp.name, "none") if lp.tunable else "none"]
               for lp in profile.layers}
     plan = Plan(default=CANDIDATES["none"], layers=layers, min_numel=profile.min_numel, name=name,
-                local_steps=local_steps, intra_node=None if intra_node in (None, "none") else intra_node)
+                local_steps=local_steps, intra_node=None if intra_node in (None, "none") else intra_node,
+                **(plan_link_hint(link) if link is not None else {}))
     d = plan.to_dict()
     if meta:
         d["meta"] = dict(meta)
@@ -211,7 +216,8 @@ def _option_plan(profile: Profile, groups: Mapping[str, list[str]], result: "Aut
     return _plan_from_choice(
         profile, search.expand(groups, w.choice), f"autotuned-{option}", meta=meta,
         local_steps=_local_steps_of(w, result.local_calibration),
-        intra_node=w.intra_node if per_step_hook else None)
+        intra_node=w.intra_node if per_step_hook else None,
+        link=next((o.link for o in result.options if o.name == option), None))
 
 
 def autotune(target: str | Workload | Any, **kwargs: Any) -> AutotuneResult:
@@ -483,7 +489,9 @@ def _scaling(profile: Profile, options: list[HardwareOption], groups: Mapping[st
                 rows.append({"option": opt.name, "nodes": n, "plan": label, "step_s": br.step_s,
                              "compute_s": br.compute_s, "codec_s": br.codec_s,
                              "exposed_comm_s": br.exposed_s, "bytes_per_rank": br.bytes_per_rank,
-                             "node_net_bytes": br.node_net_bytes, "ddp_schedule": br.topology})
+                             "node_net_bytes": br.node_net_bytes, "ddp_schedule": br.topology,
+                             # the all-reduce schedule the runtime picks there (fastml_strategy._halving)
+                             "allreduce_schedule": br.schedules})
     return rows
 
 

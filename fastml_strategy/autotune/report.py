@@ -642,6 +642,18 @@ def _option_figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) -> 
     return figs
 
 
+def _schedule_text(sc: pd.DataFrame) -> str:
+    """Which all-reduce schedule the tuned plans' predictions use at each node count: the one the
+    runtime picks there (``Plan.schedule`` "auto" with the option's link; fastml_strategy._halving)."""
+    if "allreduce_schedule" not in sc or not len(sc):
+        return ""
+    tu = sc[(sc["plan"] == "tuned") & (sc["allreduce_schedule"] != "")]
+    parts = [f"{name}: " + ", ".join(f"{n} nodes {s}" for n, s in zip(g["nodes"], g["allreduce_schedule"]))
+             for name, g in tu.groupby("option", sort=False)]
+    return ("All-reduce schedule of the tuned plan, as the runtime picks it (ring: all_to_all + all_gather, "
+            "2(N-1) latency rounds; halving: recursive halving/doubling, 2 log2 N): " + "; ".join(parts)) if parts else ""
+
+
 def _scaling_figure(result: "AutotuneResult", sc: pd.DataFrame) -> str:
     """Predicted step time of each option's tuned plan and its baseline on 8 to 1024 nodes."""
     bp, _ = _base(result)
@@ -1227,6 +1239,7 @@ def html_report(result: "AutotuneResult", s: "Settings", t: Mapping[str, pd.Data
         "<h2>Predicted step time for larger clusters</h2>",
         f"<p class=warn>{html.escape(result.link_warning)}</p>" if result.link_warning else "",
         img("scaling", "scaling"),
+        f"<p>{html.escape(_schedule_text(t['scaling']))}</p>",
         *([f"<h2>Check against uniform plans (measured)</h2><p>{html.escape(_check_text(result) or '')}</p>"]
           if result.check is not None else []),
         "<h2>Convergence calibration</h2>", f"<p>{html.escape(_stretch_text(result))}</p>",
