@@ -141,29 +141,34 @@ def _run_method(a, method: str, rank: int, local0: bool, machines: int) -> dict:
     model = _model(a)
     ddp, state = _hooked(method, model)
     opt = _sgd(ddp.parameters())
-    times, tx0, tx1 = [], None, None
+    times, cpus, tx0, tx1 = [], [], None, None
     for step in range(a.warmup + a.steps):
         x, y = _batch(a, rank, step)
         dist.barrier()
         if step == a.warmup:
             tx0 = _netns.tx_bytes()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
         opt.step()
         opt.zero_grad()
         dt = torch.tensor([time.perf_counter() - t0])
+        cpu = time.process_time() - c0  # every thread of this rank, user + system (its share of TCP)
         dist.barrier()
         if step == a.warmup + a.steps - 1:
             tx1 = _netns.tx_bytes()
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         if step >= a.warmup:
             times.append(float(dt))
+            cpus.append(cpu)
+    cpu_all = torch.tensor([statistics.median(cpus)])
+    dist.all_reduce(cpu_all)  # CPU seconds per step, all ranks together
     node = torch.tensor([float(tx1 - tx0) / a.steps if local0 and tx0 is not None and tx1 is not None else 0.0])
     dist.all_reduce(node)  # the sum over machines: each machine's local rank 0 adds its eth0's bytes
     with torch.no_grad():
         x, y = _batch(a, 10 ** 6, 0)
         loss = float(torch.nn.functional.cross_entropy(model(x), y))
     res = {"ms": 1e3 * statistics.median(times), "node_bytes": float(node) / machines, "loss": loss,
+           "cpu_all_ms": 1e3 * float(cpu_all),
            "schedule": "ring"}
     if state is not None:
         st = state.stats()
@@ -273,6 +278,10 @@ def build_row(shape: tuple[int, int], link: str, method: str, measured: dict, pr
         "wire_ms": round(1e3 * node * 8.0 / rate_bits, 1), "latency_rounds": round(pred["rounds"], 1),
         "bound_ms": round(1e3 * bound, 1), "x_bound": round(ms / (1e3 * bound), 2),
         "loss": round(measured["loss"], 4),
+        # CPU seconds per step of all ranks together (user + system: compute, codec, gloo, the ranks'
+        # share of TCP), and that over the host's cores: what the shared cores alone need per step
+        "cpu_all_ranks_ms": round(measured.get("cpu_all_ms", float("nan")), 1),
+        "cpu_bound_ms": round(measured.get("cpu_all_ms", float("nan")) / (os.cpu_count() or 1), 1),
     }
 
 
@@ -328,7 +337,7 @@ def _rows(a, shape, link, res) -> list[dict]:
 
 def _print(rows: list[dict]) -> None:
     cols = ["machines", "ranks_per_machine", "link", "method", "schedule", "ms_per_step", "predicted_ms",
-            "step_error_pct", "MB_per_machine_step", "predicted_MB", "bytes_error_pct", "bound_ms", "x_bound"]
+            "step_error_pct", "MB_per_machine_step", "predicted_MB", "bytes_error_pct", "bound_ms", "x_bound", "cpu_bound_ms"]
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:
         print("| " + " | ".join("-" if r[c] is None else str(r[c]) for c in cols) + " |")
