@@ -49,6 +49,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -193,12 +194,13 @@ def _worker(a) -> None:
     prof = _profile(a, rank, world)
     profiles = [None] * world
     dist.all_gather_object(profiles, prof)
-    out = {"profiles": profiles, "methods": {}}
+    out = {"profiles": profiles, "methods": {}, "load_start": list(os.getloadavg())}
     for method in a.methods_csv.split(","):
         out["methods"][method] = _run_method(a, method, rank, local0, world // R)
         if rank == 0:
             print(f"  {method}: {out['methods'][method]['ms']:.0f} ms", flush=True)
     if rank == 0:
+        out["load_end"] = list(os.getloadavg())
         with open(a._out, "w") as f:
             json.dump(out, f)
     dist.barrier()
@@ -223,12 +225,15 @@ def combined_profile(dicts: list[dict]):
 
 
 def option_for(machines: int, ranks: int, rate_bits: float, delay_s: float):
-    """The emulated cluster as the autotuner's :class:`HardwareOption` (its nominal link)."""
+    """The emulated cluster as the autotuner's :class:`HardwareOption`: the link's nominal rate and
+    delay, its payload rate (``costmodel.tcp_payload_link``: TCP/IP headers take 4.4% at MTU 1500)
+    as the link the model prices."""
     from fastml_strategy.autotune.catalog import HardwareOption
+    from fastml_strategy.autotune.costmodel import tcp_payload_link
 
     return HardwareOption(name=f"{machines}x{ranks}", nodes=machines, accelerators_per_node=ranks,
                           price_per_hour=0.0, bandwidth_gbps=rate_bits / 1e9, latency_us=delay_s * 1e6,
-                          compute_speed=1.0)
+                          compute_speed=1.0, measured_link=tcp_payload_link(rate_bits, delay_s))
 
 
 def predict(profile, method: str, option) -> dict:
@@ -237,6 +242,7 @@ def predict(profile, method: str, option) -> dict:
     less the same with no delay, over the delay)."""
     import dataclasses
 
+    from fastml_strategy.autotune.catalog import Link
     from fastml_strategy.autotune.costmodel import step_time
 
     tunable = [lp.name for lp in profile.layers if lp.tunable]
@@ -245,10 +251,10 @@ def predict(profile, method: str, option) -> dict:
         kw["ring_element_bytes"] = 2
     choice = {n: PLANS[method] for n in tunable} if method in PLANS else {}
     br = step_time(profile, choice, option, **kw)
-    fast = dataclasses.replace(option, bandwidth_gbps=1e9)
+    delay = option.link.latency_s
+    fast = dataclasses.replace(option, measured_link=Link(1e18, delay))
     lat = step_time(profile, choice, fast, **kw).wire_s
-    nolat = step_time(profile, choice, dataclasses.replace(fast, latency_us=0.0), **kw).wire_s
-    delay = option.latency_us * 1e-6
+    nolat = step_time(profile, choice, dataclasses.replace(option, measured_link=Link(1e18, 0.0)), **kw).wire_s
     return {"step_s": br.step_s, "node_bytes": br.node_net_bytes, "codec_s": br.codec_s,
             "compute_s": br.compute_s, "rounds": (lat - nolat) / delay if delay > 0 else 0.0,
             "topology": br.topology}
@@ -263,7 +269,8 @@ def physical_bound(compute_s: float, codec_s: float, node_bytes: float, rate_bit
 
 def build_row(shape: tuple[int, int], link: str, method: str, measured: dict, pred: dict, rate_bits: float,
               delay_s: float) -> dict:
-    """One CSV row: measurement, prediction, their errors, and the bound."""
+    """One CSV row: measurement, prediction, their errors, and the bound (``rate_bits``: the payload
+    rate, ``option.link``'s)."""
     N, R = shape
     ms, node = measured["ms"], measured["node_bytes"]
     bound = physical_bound(pred["compute_s"], pred["codec_s"], node, rate_bits, pred["rounds"], delay_s)
@@ -310,6 +317,9 @@ def _job(a, shape, link, tmp) -> dict:
         star.run(os.path.abspath(__file__), worker, R, out, a.timeout, out + ".log")
     finally:
         bf._cleanup()
+    if a.keep_json:
+        os.makedirs(a.keep_json, exist_ok=True)
+        shutil.copy(out, a.keep_json)
     print(f"{N}x{R} {link} ({star.delay_by}): {time.monotonic() - t0:.0f} s; {_load()}", flush=True)
     with open(out) as f:
         return json.load(f)
@@ -328,10 +338,15 @@ def _rows(a, shape, link, res) -> list[dict]:
     prof = combined_profile(res["profiles"])
     option = option_for(*shape, rate_bits, delay_s)
     env = _bench.environment()
+    if "load_start" in res:  # the load while the job ran, not when it is priced
+        env.update({"load_1m": round(res["load_start"][0], 2), "load_1m_end": round(res["load_end"][0], 2)})
     rows = []
     for m in a.methods:
-        row = build_row(shape, link, m, res["methods"][m], predict(prof, m, option), rate_bits, delay_s)
-        rows.append({**row, **env})
+        if m not in res["methods"]:
+            continue
+        row = build_row(shape, link, m, res["methods"][m], predict(prof, m, option), option.link.bandwidth_Bps * 8,
+                        delay_s)
+        rows.append({**row, "nominal_rate_bits": rate_bits, **env})
     return rows
 
 
@@ -343,6 +358,25 @@ def _print(rows: list[dict]) -> None:
         print("| " + " | ".join("-" if r[c] is None else str(r[c]) for c in cols) + " |")
 
 
+def _reprice(a) -> None:
+    """Rows again from saved job results (``--from-json``), e.g. after a change to the cost model."""
+    import _bench
+
+    rows = []
+    for name in sorted(os.listdir(a.from_json), key=lambda n: (n.split("_", 1)[1], n)):
+        if not name.endswith(".json"):
+            continue
+        shape_s, rate, delay = name[:-5].split("_")
+        with open(os.path.join(a.from_json, name)) as f:
+            res = json.load(f)
+        a.methods = [m for m in METHODS if m in res["methods"]]
+        rows += _rows(a, _shape(shape_s), f"{rate}:{delay}", res)
+    csv_path = a.csv or _bench.default_csv("bench_scale_cpu.csv", False)
+    _bench.write_csv(csv_path, rows)
+    _print(rows)
+    print(f"CSV: {csv_path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=SHAPES, help="MACHINESxRANKS")
@@ -352,12 +386,19 @@ def main() -> None:
         ap.add_argument(f"--{k}", type=int, default=v)
     ap.add_argument("--timeout", type=float, default=900, help="seconds per job")
     ap.add_argument("--csv", default=None)
+    ap.add_argument("--from-json", default=None, metavar="DIR",
+                    help="price the jobs saved in DIR again (no run, no root): NxR_RATE_DELAY.json files")
+    ap.add_argument("--keep-json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "scale_jobs"),
+                    metavar="DIR", help="where each job's raw result is copied (for --from-json)")
     ap.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--_methods", dest="methods_csv", help=argparse.SUPPRESS)
     ap.add_argument("--_out", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a._worker:
         _worker(a)
+        return
+    if a.from_json:
+        _reprice(a)
         return
     if os.geteuid() != 0:
         raise SystemExit("bench_scale: needs root (ip netns, veth, bridge, tc) for the emulated machines")
