@@ -64,6 +64,7 @@ import torch.distributed as dist
 
 from fastml_strategy import codecs
 from fastml_strategy._exchange import ChunkExchange, mix
+from fastml_strategy._halving import HalvingRun, choose_schedule, link_hint
 from fastml_strategy._layouts import PIECE_NUMEL, BucketLayout, _DenseGroup, _Piece, _table_group, layer_key
 from fastml_strategy._status import StepChecks, all_finite, host, resolve
 from fastml_strategy.config import Plan
@@ -120,6 +121,9 @@ class CompressedAllReduce(ChunkExchange):
         # and piece instead of one per chunk and layer. None: on CUDA when the Triton backend is used;
         # True: also for CPU tensors (the tests, through Triton's interpreter); False: never.
         self.segment_tables: bool | None = None
+        # -- statistics: the buckets and pieces each schedule ran ("plain", "ring", "halving";
+        # fastml_strategy._halving.choose_schedule), cumulative
+        self.schedules: dict[str, dict[str, int]] = {}
 
     def layout_for(self, names, offsets, numels, device, dtype=torch.float32,
                    double_buffer: bool = True, persistent: bool = True,
@@ -184,18 +188,28 @@ class CompressedAllReduce(ChunkExchange):
         bucket's first message is on the wire (at once for a bucket that sends nothing compressed);
         the hook passes the previous bucket's tail. Neither moves a collective: every rank issues
         the same collectives in the same order whenever the tails run."""
-        if lay.uncompressed:
+        schedule = self.schedule_of(lay)
+        self._count_schedule(lay, schedule)
+        if schedule == "plain":
             if before is not None:
                 before()
             self._plain_all_reduce(lay, buf, baseline_elem_size, checks, divisor)
             return None
         transient = lay.acquire()
         try:
-            tail = _BucketRun(self, lay, buf, step, layer_stats, checks, baseline_elem_size, divisor).start(before)
+            if schedule == "halving":
+                HalvingRun(self, lay, buf, step, layer_stats, checks, baseline_elem_size, divisor).run(before)
+                tail = None
+            else:
+                tail = _BucketRun(self, lay, buf, step, layer_stats, checks, baseline_elem_size, divisor).start(before)
         except BaseException:
             if transient:
                 lay.release()
             raise
+        if tail is None:
+            if transient:
+                lay.release()
+            return None
 
         @torch.no_grad()
         def complete() -> None:
@@ -206,6 +220,32 @@ class CompressedAllReduce(ChunkExchange):
                     lay.release()
 
         return complete
+
+    def use_channel(self, channel) -> None:
+        """Wait for every collective through ``channel`` (:class:`fastml_strategy._peers.FailureChannel`):
+        in the halving schedule a rank meets only its partners, so a rank that died or stalled blocks
+        the others until they hear of the first failure there (the hook sets one on CPU)."""
+        self.wait = channel.wait
+
+    def schedule_counts(self) -> dict[str, dict[str, int]]:
+        """The buckets and pieces each schedule ran, cumulative (``stats()["schedules"]``)."""
+        return {k: dict(v) for k, v in sorted(self.schedules.items())}
+
+    def schedule_of(self, lay: BucketLayout) -> str:
+        """The schedule of this bucket's all-reduce (:func:`fastml_strategy._halving.choose_schedule`:
+        ``"plain"``, ``"ring"`` or ``"halving"``), from the plan's ``schedule`` and link hint and the
+        layout's message sizes, which every rank shares; kept on the layout."""
+        sched = getattr(lay, "schedule", None)
+        if sched is None:
+            pieces = [(p.split_sizes, p.gather_size) for p in lay.pieces]
+            sched = lay.schedule = choose_schedule(getattr(self.plan, "schedule", "auto"), self.world_size, pieces,
+                                                   bool(lay.topk), lay.uncompressed, *link_hint(self.plan))
+        return sched
+
+    def _count_schedule(self, lay: BucketLayout, schedule: str) -> None:
+        row = self.schedules.setdefault(schedule, {"buckets": 0, "pieces": 0})
+        row["buckets"] += 1
+        row["pieces"] += 1 if schedule == "plain" else len(lay.pieces)
 
     @torch.no_grad()
     def finish(self, checks: StepChecks, device: torch.device | None = None, exchange: bool = False,

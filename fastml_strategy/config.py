@@ -297,6 +297,10 @@ RECIPES: dict[str, CodecConfig] = {
 DEFAULT_RECIPE = "int4"
 
 
+# Plan.schedule's values (fastml_strategy._halving: the schedules and the choice between them)
+SCHEDULES = ("auto", "ring", "halving")
+
+
 @dataclass(frozen=True)
 class Plan:
     """Per-layer compression of a model's gradients, keyed by parameter name.
@@ -318,6 +322,17 @@ class Plan:
     # at one rounding of the machine's reduced gradient, which error feedback does not see. A recipe
     # name ("bf16") or a CodecConfig; quantization is refused (see INTRA_NODE_CODECS).
     intra_node: CodecConfig | None = None
+    # The schedule of each compressed bucket's all-reduce (fastml_strategy._halving): "auto" picks per
+    # bucket by alpha-beta terms at the run's world size (N = 2: the ring; a power of two above 2:
+    # recursive halving/doubling, 2 log2 N latency rounds for the ring's bytes; other N: halving only
+    # where latency dominates), "ring" forces the all_to_all + all_gather (2(N-1) rounds, today's),
+    # "halving" forces recursive halving/doubling (also for buckets with nothing to compress, which
+    # otherwise take DDP's own all-reduce). Buckets with a top-k layer always take the ring.
+    schedule: str = "auto"
+    # The link "auto" assumes (one-way latency in microseconds, bandwidth in Gbit/s); None: 50 us and
+    # 10 Gbit/s (fastml_strategy._halving.DEFAULT_LATENCY_US / DEFAULT_GBPS). Only the choice reads it.
+    link_latency_us: float | None = None
+    link_gbps: float | None = None
 
     def __post_init__(self) -> None:
         layers = self.layers
@@ -378,7 +393,7 @@ class Plan:
             raise ValueError(
                 f"unknown recipe {name!r}; use one of {sorted(RECIPES)}, a plan JSON path, or a Plan"
             )
-        allowed = ("layers", "min_numel", "seed", "intra_node")
+        allowed = ("layers", "min_numel", "seed", "intra_node", "schedule", "link_latency_us", "link_gbps")
         unknown = sorted(set(overrides) - set(allowed))
         if unknown:
             raise ValueError(f"Plan.from_recipe: unknown override(s) {unknown}; a recipe's plan takes "
@@ -403,7 +418,7 @@ class Plan:
                 f"Plan.save, or upgrade FastML"
             )
         known = {"format_version", "default", "layers", "min_numel", "seed", "name", "meta", "local_steps",
-                 "intra_node"}
+                 "intra_node", "schedule", "link_latency_us", "link_gbps"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"{where}: unknown field(s) {unknown}; known fields are {sorted(known)}")
@@ -424,7 +439,8 @@ class Plan:
         intra = None if intra is None else CodecConfig.from_dict(intra, f"{where}.intra_node")
         try:
             return cls(default=default, layers=layers, min_numel=min_numel, seed=seed, name=str(name),
-                       local_steps=local, intra_node=intra)
+                       local_steps=local, intra_node=intra, schedule=d.get("schedule", "auto"),
+                       link_latency_us=d.get("link_latency_us"), link_gbps=d.get("link_gbps"))
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
 
@@ -467,6 +483,11 @@ class Plan:
             d["local_steps"] = self.local_steps.kwargs()
         if self.intra_node is not None:  # likewise
             d["intra_node"] = self.intra_node.to_dict()
+        if self.schedule != "auto":  # likewise (the digest then covers it: ranks must agree)
+            d["schedule"] = self.schedule
+        for key in ("link_latency_us", "link_gbps"):
+            if getattr(self, key) is not None:
+                d[key] = getattr(self, key)
         return d
 
     def to_json(self) -> str:
@@ -542,6 +563,22 @@ class Plan:
                     f"{sorted(c.value for c in INTRA_NODE_CODECS)} only: it carries the machine's summed "
                     f"gradient back to every rank after the compressed cross-machine stage, where no error "
                     f"feedback corrects a lossy code, and it runs on the fast link (use 'bf16' to halve it)")
+
+        self._validate_schedule()
+
+    def _validate_schedule(self) -> None:
+        if not isinstance(self.schedule, str) or self.schedule not in SCHEDULES:
+            raise ValueError(f"plan.schedule is {self.schedule!r}; use one of {list(SCHEDULES)} ('auto' picks "
+                             f"per bucket from the link hint, 'ring' or 'halving' force one)")
+        for key, what in (("link_latency_us", "the link's one-way latency in microseconds"),
+                          ("link_gbps", "the link's bandwidth in Gbit/s")):
+            v = getattr(self, key)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
+                    or (key == "link_gbps" and v == 0):
+                raise ValueError(f"plan.{key} is {v!r}; give {what} (a number "
+                                 f"{'> 0' if key == 'link_gbps' else '>= 0'}), or None for the default")
 
     @property
     def intra_node_dtype(self) -> "torch.dtype | None":

@@ -159,6 +159,10 @@ class HierarchicalAllReduce:
         self.wait = self.cross.wait = self.world.wait = channel.wait
 
     # -- what the hook reads -------------------------------------------------------------------------
+    def schedule_counts(self) -> dict[str, dict[str, int]]:
+        """The schedules of the cross-machine stage (:meth:`CompressedAllReduce.schedule_counts`)."""
+        return self.cross.schedule_counts()
+
     @property
     def bytes_sent_inter(self) -> int:
         """Bytes this rank sent to other machines (step 3; sparse buckets count whole)."""

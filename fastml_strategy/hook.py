@@ -58,6 +58,7 @@ from fastml_strategy._checkpoint import (STATE_FORMAT_VERSION, check_saved_state
                                          fitting_residuals, gather_states, own_rank_state)
 from fastml_strategy._distributed import agreed_machines, agreed_plan, default_group_timeout, model_names
 from fastml_strategy._peers import FailureChannel
+from fastml_strategy._halving import may_halve
 from fastml_strategy._validate import LAYER_STATS_EVERY, whole_number
 from fastml_strategy.collective import CompressedAllReduce, CompressionError, StepChecks
 from fastml_strategy.config import Plan
@@ -320,7 +321,7 @@ class FastMLState:
         # the communication thread stays idle. Every parameter counts, frozen ones too: one unfrozen
         # later must not bring a compressed bucket to this path.
         # The hierarchical path takes every plan, `none` too: it keeps the machines' link for 1/R of it.
-        self._direct = not node_groups and all(
+        self._direct = not node_groups and plan.schedule != "halving" and all(
             not plan.for_parameter(names.get(id(p), ""), p.numel()).lossy for p in params)
         self._pending: list = []  # (bucket index, future) of this step's direct all-reduces
         self._saved: Optional[dict] = None  # an unpickled (detached) state: its state_dict()
@@ -336,8 +337,7 @@ class FastMLState:
         and wait for the hierarchical path's collectives through it (see
         :meth:`~fastml_strategy.hierarchical.HierarchicalAllReduce.use_channel`)."""
         self._channel = channel
-        if self.hierarchical:
-            self._engine.use_channel(channel)
+        self._engine.use_channel(channel)
 
     @property
     def hierarchical(self) -> bool:
@@ -529,6 +529,8 @@ class FastMLState:
             "bytes_uncompressed": unc,
             "compression_ratio": (unc / sent) if sent > 0 else 1.0,
             "nonfinite_steps": self.nonfinite_steps,
+            # buckets and pieces each schedule ran ("plain", "ring", "halving"; Plan.schedule)
+            "schedules": {} if self._saved is not None else self._engine.schedule_counts(),
             "layers": layers,
         }
 
@@ -842,7 +844,9 @@ def register_hook(
     state._own_group = own_group
     state._own_node_groups = bool(groups)
     # CPU (gloo) only: NCCL's wait does not block the host. (A collective: rank 0 draws the key.)
-    if groups and not any(p.is_cuda for p in module.parameters()):
+    # Also on the flat path when the plan may run recursive halving (point-to-point rounds: a dead
+    # rank's partners notice, the others hear of it here; fastml_strategy._halving).
+    if (groups or may_halve(plan_obj, world_size)) and not any(p.is_cuda for p in module.parameters()):
         state.use_channel(FailureChannel(process_group, rank))
     if rank == 0:
         log.info("FastML: %s", plan_summary(plan_obj, dict(module.named_parameters()), world_size))
