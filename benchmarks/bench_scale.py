@@ -64,10 +64,14 @@ METHODS = {
     "ddp": "plain DDP (gloo's ring all-reduce, fp32)",
     "fp16-hook": "torch's fp16_compress_hook",
     "none": "FastML, plan none",
-    "int4": "FastML, plan int4",
+    "int4": "FastML, plan int4, Plan.schedule 'auto' with the link as hint (its choice per bucket)",
+    "int4-ring": "FastML, plan int4, Plan.schedule 'ring' (all_to_all + all_gather: today's)",
+    "int4-halving": "FastML, plan int4, Plan.schedule 'halving' (recursive halving / doubling)",
     "topk1": "FastML, plan topk1",
 }
-PLANS = {"none": "none", "int4": "int4", "topk1": "topk1"}  # method -> register_hook(plan=...)
+# method -> (recipe, Plan.schedule) for register_hook(plan=Plan.from_recipe(recipe, schedule=...))
+PLANS = {"none": ("none", "auto"), "int4": ("int4", "auto"), "int4-ring": ("int4", "ring"),
+         "int4-halving": ("int4", "halving"), "topk1": ("topk1", "auto")}
 SHAPES = ["2x1", "4x1", "8x1", "16x1", "2x2", "4x2", "8x2"]
 LINKS = ["1gbit:0.5ms", "100mbit:5ms"]
 DEFAULTS = dict(layers=3, width=2048, batch=2, steps=4, warmup=2)
@@ -119,8 +123,9 @@ def _profile(a, rank: int, world: int) -> dict:
     return profile_workload(wl, steps=3, warmup=1, options=PROFILE_OPTIONS, world_size=world).to_dict()
 
 
-def _hooked(method: str, model):
-    """DDP over ``model`` with ``method``'s communication; (ddp, FastML state or None)."""
+def _hooked(a, method: str, model):
+    """DDP over ``model`` with ``method``'s communication; (ddp, FastML state or None). The plan's
+    link hint is the emulated link (as the autotuner writes it), for the "auto" schedule's choice."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -130,7 +135,9 @@ def _hooked(method: str, model):
     if method == "fp16-hook":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif method in PLANS:
-        return ddp, fm.register_hook(ddp, plan=PLANS[method])
+        recipe, schedule = PLANS[method]
+        plan = fm.Plan.from_recipe(recipe, schedule=schedule, link_latency_us=a.link_us, link_gbps=a.link_gbps)
+        return ddp, fm.register_hook(ddp, plan=plan)
     return ddp, None
 
 
@@ -140,7 +147,7 @@ def _run_method(a, method: str, rank: int, local0: bool, machines: int) -> dict:
     import torch.distributed as dist
 
     model = _model(a)
-    ddp, state = _hooked(method, model)
+    ddp, state = _hooked(a, method, model)
     opt = _sgd(ddp.parameters())
     times, cpus, tx0, tx1 = [], [], None, None
     for step in range(a.warmup + a.steps):
@@ -173,7 +180,8 @@ def _run_method(a, method: str, rank: int, local0: bool, machines: int) -> dict:
            "schedule": "ring"}
     if state is not None:
         st = state.stats()
-        res["schedule"] = ("hierarchical+" if state.hierarchical else "") + str(st.get("schedule", "ring"))
+        ran = "+".join(k for k, v in st.get("schedules", {}).items() if v.get("buckets")) or "ring"
+        res["schedule"] = ("hierarchical/" if state.hierarchical else "") + ran
         res["hook_bytes_per_step"] = st["bytes_sent"] / max(1, st.get("steps", a.warmup + a.steps))
         state.close()
     return res
@@ -249,7 +257,7 @@ def predict(profile, method: str, option) -> dict:
     kw = dict(hook=False) if method in ("ddp", "fp16-hook") else {}
     if method == "fp16-hook":
         kw["ring_element_bytes"] = 2
-    choice = {n: PLANS[method] for n in tunable} if method in PLANS else {}
+    choice = {n: PLANS[method][0] for n in tunable} if method in PLANS else {}
     br = step_time(profile, choice, option, **kw)
     delay = option.link.latency_s
     fast = dataclasses.replace(option, measured_link=Link(1e18, delay))
@@ -310,7 +318,8 @@ def _job(a, shape, link, tmp) -> dict:
     N, R = shape
     star = _netns.Star(N, rate, delay or None)
     out = os.path.join(tmp, f"{N}x{R}_{rate}_{delay}.json")
-    worker = ["--_worker", "--_methods", ",".join(a.methods), "--timeout", str(a.timeout)] + [
+    worker = ["--_worker", "--_methods", ",".join(a.methods), "--timeout", str(a.timeout),
+              "--_link_us", str(_netns.delay_us(delay or "0us")), "--_link_gbps", str(bf._rate_bits(rate) / 1e9)] + [
         x for k in DEFAULTS for x in (f"--{k}", str(getattr(a, k)))]
     t0 = time.monotonic()
     try:
@@ -393,6 +402,8 @@ def main() -> None:
     ap.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--_methods", dest="methods_csv", help=argparse.SUPPRESS)
     ap.add_argument("--_out", help=argparse.SUPPRESS)
+    ap.add_argument("--_link_us", dest="link_us", type=float, help=argparse.SUPPRESS)
+    ap.add_argument("--_link_gbps", dest="link_gbps", type=float, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a._worker:
         _worker(a)
