@@ -340,7 +340,20 @@ def _load() -> str:
     return _bench.load_line()
 
 
-def _rows(a, shape, link, res) -> list[dict]:
+def codec_scales(res_2x1: dict, link: str) -> dict[str, float]:
+    """The cost model's codec-time scales (``costmodel.fit_codec_scale``, as the autotuner fits them
+    on the cluster it profiles) from a 2-machine, 1-rank job's measured int4 and topk1 steps: what
+    the hook's codec work costs beyond the profiled round trips. Fitted once per link, at N = 2, and
+    applied at every N (so the rows at N > 2 are out of sample)."""
+    from fastml_strategy.autotune.costmodel import fit_codec_scale
+
+    _, _, rate_bits, delay_s = _link(link)
+    prof = combined_profile(res_2x1["profiles"])
+    measured = {PLANS[m][0]: res_2x1["methods"][m]["ms"] / 1e3 for m in ("int4", "topk1") if m in res_2x1["methods"]}
+    return fit_codec_scale(prof, option_for(2, 1, rate_bits, delay_s), measured)
+
+
+def _rows(a, shape, link, res, scales: dict[str, float] | None = None) -> list[dict]:
     import _bench
 
     _, _, rate_bits, delay_s = _link(link)
@@ -355,31 +368,47 @@ def _rows(a, shape, link, res) -> list[dict]:
             continue
         row = build_row(shape, link, m, res["methods"][m], predict(prof, m, option), option.link.bandwidth_Bps * 8,
                         delay_s)
+        if scales is not None:  # the same with the codec scales fitted at N = 2
+            prof.codec_scale = dict(scales)
+            cal = predict(prof, m, option)
+            prof.codec_scale = {}
+            row["predicted_cal_ms"] = round(1e3 * cal["step_s"], 1)
+            row["step_error_cal_pct"] = round(100.0 * (1e3 * cal["step_s"] - row["ms_per_step"]) / row["ms_per_step"], 1)
+            row["codec_scales"] = " ".join(f"{k}={v:.2f}" for k, v in sorted(scales.items()))
         rows.append({**row, "nominal_rate_bits": rate_bits, **env})
     return rows
 
 
 def _print(rows: list[dict]) -> None:
     cols = ["machines", "ranks_per_machine", "link", "method", "schedule", "ms_per_step", "predicted_ms",
-            "step_error_pct", "MB_per_machine_step", "predicted_MB", "bytes_error_pct", "bound_ms", "x_bound", "cpu_bound_ms"]
+            "step_error_pct", "MB_per_machine_step", "predicted_MB", "bytes_error_pct", "bound_ms", "x_bound", "cpu_bound_ms"] + (["predicted_cal_ms", "step_error_cal_pct"]
+                                                               if rows and "predicted_cal_ms" in rows[0] else [])
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:
-        print("| " + " | ".join("-" if r[c] is None else str(r[c]) for c in cols) + " |")
+        print("| " + " | ".join("-" if r.get(c) is None else str(r[c]) for c in cols) + " |")
 
 
 def _reprice(a) -> None:
     """Rows again from saved job results (``--from-json``), e.g. after a change to the cost model."""
     import _bench
 
+    jobs = {}
+    for d in a.from_json.split(","):
+        for name in os.listdir(d):
+            if name.endswith(".json"):
+                shape_s, rate, delay = name[:-5].split("_")
+                with open(os.path.join(d, name)) as f:
+                    res = json.load(f)
+                key = (f"{rate}:{delay}", _shape(shape_s))
+                if key in jobs:  # two runs of one job (e.g. extra methods): one row set, both methods
+                    res = {**jobs[key], "methods": {**jobs[key]["methods"], **res["methods"]}}
+                jobs[key] = res
     rows = []
-    for name in sorted(os.listdir(a.from_json), key=lambda n: (n.split("_", 1)[1], n)):
-        if not name.endswith(".json"):
-            continue
-        shape_s, rate, delay = name[:-5].split("_")
-        with open(os.path.join(a.from_json, name)) as f:
-            res = json.load(f)
+    for (link, shape), res in sorted(jobs.items(), key=lambda kv: (kv[0][0], kv[0][1][1], kv[0][1][0])):
+        two = jobs.get((link, (2, 1)))
+        scales = codec_scales(two, link) if two is not None and "int4" in two["methods"] else None
         a.methods = [m for m in METHODS if m in res["methods"]]
-        rows += _rows(a, _shape(shape_s), f"{rate}:{delay}", res)
+        rows += _rows(a, shape, link, res, scales)
     csv_path = a.csv or _bench.default_csv("bench_scale_cpu.csv", False)
     _bench.write_csv(csv_path, rows)
     _print(rows)
@@ -396,7 +425,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=900, help="seconds per job")
     ap.add_argument("--csv", default=None)
     ap.add_argument("--from-json", default=None, metavar="DIR",
-                    help="price the jobs saved in DIR again (no run, no root): NxR_RATE_DELAY.json files")
+                    help="price the jobs saved in DIR again (no run, no root): NxR_RATE_DELAY.json files; "
+                         "several DIRs comma-separated; the codec scales are fitted on each link's 2x1 job")
     ap.add_argument("--keep-json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "scale_jobs"),
                     metavar="DIR", help="where each job's raw result is copied (for --from-json)")
     ap.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
