@@ -254,18 +254,20 @@ def predict(profile, method: str, option) -> dict:
     from fastml_strategy.autotune.costmodel import step_time
 
     tunable = [lp.name for lp in profile.layers if lp.tunable]
-    kw = dict(hook=False) if method in ("ddp", "fp16-hook") else {}
+    kw = dict(hook=False) if method in ("ddp", "fp16-hook") else {"schedule": PLANS[method][1]}
     if method == "fp16-hook":
         kw["ring_element_bytes"] = 2
     choice = {n: PLANS[method][0] for n in tunable} if method in PLANS else {}
     br = step_time(profile, choice, option, **kw)
+    if kw.get("schedule") == "auto" and br.schedules in ("ring", "halving"):
+        kw["schedule"] = br.schedules  # the rounds of the schedule chosen on the real link
     delay = option.link.latency_s
     fast = dataclasses.replace(option, measured_link=Link(1e18, delay))
     lat = step_time(profile, choice, fast, **kw).wire_s
     nolat = step_time(profile, choice, dataclasses.replace(option, measured_link=Link(1e18, 0.0)), **kw).wire_s
     return {"step_s": br.step_s, "node_bytes": br.node_net_bytes, "codec_s": br.codec_s,
             "compute_s": br.compute_s, "rounds": (lat - nolat) / delay if delay > 0 else 0.0,
-            "topology": br.topology}
+            "topology": br.topology, "schedules": br.schedules or "ring"}
 
 
 def physical_bound(compute_s: float, codec_s: float, node_bytes: float, rate_bits: float, rounds: float,
@@ -285,7 +287,8 @@ def build_row(shape: tuple[int, int], link: str, method: str, measured: dict, pr
     pct = lambda p, m: round(100.0 * (p - m) / m, 1) if m else None  # noqa: E731
     return {
         "machines": N, "ranks_per_machine": R, "world": N * R, "link": link, "method": method,
-        "schedule": measured.get("schedule", "ring"), "ms_per_step": round(ms, 1),
+        "schedule": measured.get("schedule", "ring"), "predicted_schedule": pred.get("schedules", ""),
+        "ms_per_step": round(ms, 1),
         "MB_per_machine_step": round(node / 1e6, 3),
         "predicted_ms": round(1e3 * pred["step_s"], 1), "step_error_pct": pct(1e3 * pred["step_s"], ms),
         "predicted_MB": round(pred["node_bytes"] / 1e6, 3), "bytes_error_pct": pct(pred["node_bytes"], node),

@@ -103,7 +103,7 @@ from fastml_strategy._status import HEADER, write_header
 from fastml_strategy.config import SCHEDULES
 
 __all__ = ["SCHEDULES", "DEFAULT_LATENCY_US", "DEFAULT_GBPS", "Fold", "fold", "chunk_ranges",
-           "ring_piece_seconds", "halving_rounds", "halving_piece_seconds", "halving_bytes_sent",
+           "ring_piece_seconds", "halving_rounds", "halving_piece_seconds", "halving_bytes_sent", "halving_messages", "halving_node_bytes",
            "ring_bytes", "choose_schedule", "may_halve", "link_hint", "HalvingRun"]
 
 # The link "auto" assumes when the plan names none: a data-centre TCP link (gloo's per-message cost on
@@ -191,18 +191,35 @@ def halving_rounds(split_sizes: Sequence[int]) -> list[int]:
 def halving_bytes_sent(split_sizes: Sequence[int], rank: int | None = None) -> float:
     """Bytes ``rank`` sends for one piece (None: the mean over ranks), as the runtime counts them."""
     W = len(split_sizes)
-    if W <= 1:
-        return 0
     if rank is None:
-        return sum(halving_bytes_sent(split_sizes, r) for r in range(W)) / W
+        return sum(halving_bytes_sent(split_sizes, r) for r in range(W)) / W if W > 1 else 0
+    return sum(b for _, b in halving_messages(split_sizes, rank))
+
+
+def halving_messages(split_sizes: Sequence[int], rank: int) -> list[tuple[int, int]]:
+    """(peer, bytes) of every message ``rank`` sends for one piece, in order."""
+    W = len(split_sizes)
     st = _starts(split_sizes)
     f = fold(W, rank)
+    if W <= 1:
+        return []
     if f.folded:
-        return st[-1]
-    total = st[-1] if f.partner >= 0 else 0  # the unfold
-    for keep, give in chunk_ranges(W, f.P, f.vrank):
-        total += (st[give[1]] - st[give[0]]) + (st[keep[1]] - st[keep[0]])
-    return total
+        return [(f.partner, st[-1])]
+    ranges = chunk_ranges(W, f.P, f.vrank)
+    peers = [real_rank(W, f.vrank ^ (f.P >> (t + 1))) for t in range(len(ranges))]
+    out = [(p, st[g[1]] - st[g[0]]) for p, (_, g) in zip(peers, ranges)]
+    out += [(p, st[k[1]] - st[k[0]]) for p, (k, _) in reversed(list(zip(peers, ranges)))]
+    if f.partner >= 0:
+        out.append((f.partner, st[-1]))
+    return out
+
+
+def halving_node_bytes(split_sizes: Sequence[int], ranks_per_node: int) -> float:
+    """Bytes leaving each machine (the mean over machines) for one piece when machines hold
+    ``ranks_per_node`` consecutive ranks (the flat schedule on several ranks per machine)."""
+    W, A = len(split_sizes), ranks_per_node
+    out = sum(b for r in range(W) for p, b in halving_messages(split_sizes, r) if p // A != r // A)
+    return out / max(1, W // A)
 
 
 def ring_piece_seconds(W: int, nbytes: float, latency_s: float, bandwidth_Bps: float) -> float:

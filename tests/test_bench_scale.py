@@ -83,3 +83,12 @@ def test_parsing():
     with pytest.raises(SystemExit, match="MACHINESxRANKS"):
         bs._shape("16")
     assert _netns.burst_bytes(100e6) == 128 * 1024 and _netns.burst_bytes(10e9) == int(10e9 / 8e3)
+
+
+def test_predict_counts_fewer_latency_rounds_for_halving_at_16():
+    prof = _profile()
+    opt = bs.option_for(16, 1, 100e6, 0.005)
+    ring, halving = bs.predict(prof, "int4-ring", opt), bs.predict(prof, "int4-halving", opt)
+    assert ring["schedules"] == "ring" and halving["schedules"] == "halving"
+    assert halving["rounds"] < ring["rounds"]
+    assert bs.predict(prof, "int4", opt)["schedules"] in ("ring", "halving")  # the auto choice, named

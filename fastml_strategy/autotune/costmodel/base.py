@@ -261,6 +261,9 @@ class StepBreakdown:
     # DDP: bytes leaving each machine per step, and the schedule priced ("hierarchical" | "flat")
     node_net_bytes: int = 0
     topology: str = "flat"
+    # DDP: the all-reduce schedule of the step's buckets, as the runtime picks it ("ring", "halving",
+    # "ring 2 + halving 3", "plain"; fastml_strategy._halving.choose_schedule)
+    schedules: str = ""
 
 
 def _cfg(choice: Mapping[str, str], lp: LayerProfile) -> tuple[str, CodecConfig]:

@@ -68,6 +68,7 @@ from fastml_strategy.autotune.costmodel.base import (CANDIDATES, DEFAULT_INTRA_L
                                                      _candidate_name, _cfg, _codec_factor, family)
 from fastml_strategy.autotune.costmodel.sharded import sharded_step_time
 from fastml_strategy._layouts import PIECE_NUMEL, BucketWire, bucket_wire, part_bounds_of
+from fastml_strategy import _halving
 
 # DDP's bucket sizes (torch.nn.parallel.DistributedDataParallel: bucket_cap_mb=25, and
 # dist._DEFAULT_FIRST_BUCKET_BYTES = 1 MiB for the first bucket, the last layers).
@@ -209,12 +210,51 @@ def bucket_wire_of(bucket: Sequence[LayerProfile], choice: Mapping[str, str], wo
     return bucket_wire(numels, tuple(_cfg(choice, lp)[1] for lp in bucket), world_size, piece_numel=piece_numel)
 
 
+def bucket_schedule(wire: BucketWire, schedule: str, latency_s: float, bandwidth_Bps: float) -> str:
+    """The schedule the runtime runs for this bucket (``"plain"``, ``"ring"``, ``"halving"``): the
+    runtime's own choice (:func:`fastml_strategy._halving.choose_schedule`) on the same message sizes,
+    ``schedule`` being ``Plan.schedule`` and the link its hint (the autotuner writes the option's link
+    into the plans it makes: :func:`plan_link_hint`)."""
+    return _halving.choose_schedule(schedule, wire.world_size, [(p.split_sizes, p.gather_size) for p in wire.pieces],
+                                    any(p.topk for p in wire.pieces), wire.uncompressed, latency_s, bandwidth_Bps)
+
+
+def plan_link_hint(link: Link) -> dict:
+    """The ``Plan`` fields that make the runtime's ``"auto"`` schedule pick what the cost model priced
+    on ``link`` (``link_latency_us``, ``link_gbps``)."""
+    return {"link_latency_us": round(link.latency_s * 1e6, 3), "link_gbps": round(link.bandwidth_Bps * 8 / 1e9, 6)}
+
+
+def halving_codec_factor(world_size: int) -> float:
+    """Codec round trips per layer and step of the halving schedule on its busiest rank, against the
+    profiled one (:mod:`fastml_strategy._halving`): encodes ``1.5`` of the tensor (its own, the
+    intermediate partial sums, the owner's mean) and decodes ``2.5 - 1/P``; a rank that takes a folded
+    partner's piece also decodes that piece and re-encodes its first half: ``3 - 1/(2P)``."""
+    P = 1 << (world_size.bit_length() - 1)
+    return (2.0 if P == world_size else 3.0) - 1.0 / (2 * P)
+
+
+def bucket_bytes(wire: BucketWire, schedule: str, rank: int | None = None) -> float:
+    """Bytes ``rank`` sends for one bucket under ``schedule`` (None: the mean over ranks), as the hook's
+    ``bytes_sent`` counts them: :meth:`BucketWire.bytes_sent` for the ring and plain all-reduce,
+    :func:`fastml_strategy._halving.halving_bytes_sent` per piece for halving."""
+    if schedule != "halving" or wire.world_size <= 1:
+        return wire.bytes_sent(rank)
+    return sum(_halving.halving_bytes_sent(p.split_sizes, rank) for p in wire.pieces)
+
+
 def ddp_bytes_per_rank(profile: Profile, choice: Mapping[str, str], world_size: int, rank: int | None = None,
-                       bucket_mb: float | None = None, piece_numel: int = PIECE_NUMEL) -> int:
+                       bucket_mb: float | None = None, piece_numel: int = PIECE_NUMEL, schedule: str = "auto",
+                       link: Link | None = None) -> int:
     """Bytes ``rank`` sends per step with the hook on ``world_size`` ranks (flat schedule), headers
-    included, as ``state.stats()["bytes_sent"]`` counts them per step (None: the mean over ranks)."""
-    return sum(bucket_wire_of(b, choice, world_size, piece_numel=piece_numel).bytes_sent(rank)
-               for b in ddp_buckets(profile, bucket_mb))
+    included, as ``state.stats()["bytes_sent"]`` counts them per step (None: the mean over ranks).
+    ``schedule``/``link``: ``Plan.schedule`` and the link hint (None: the runtime's default)."""
+    lat, bw = (link.latency_s, link.bandwidth_Bps) if link is not None else _halving.link_hint(None)
+    total = 0.0
+    for b in ddp_buckets(profile, bucket_mb):
+        wire = bucket_wire_of(b, choice, world_size, piece_numel=piece_numel)
+        total += bucket_bytes(wire, bucket_schedule(wire, schedule, lat, bw), rank)
+    return int(round(total))
 
 
 def _piece_codec(profile: Profile, bucket: Sequence[LayerProfile], choice: Mapping[str, str], wire: BucketWire,
@@ -244,7 +284,8 @@ def _intra_cast_s(profile: Profile, bucket: Sequence[LayerProfile], speed: float
 
 def _hier_bucket_comm(profile: Profile, bucket: Sequence[LayerProfile], choice: Mapping[str, str], n: int,
                       A: int, option: HardwareOption, intra: Link, piece_numel: int,
-                      intra_node: str | None) -> tuple[int, int, list[tuple[float, float]]]:
+                      intra_node: str | None, schedule: str = "auto",
+                      seen: dict | None = None) -> tuple[int, int, list[tuple[float, float]]]:
     """:func:`_bucket_comm` of the hierarchical schedule (``n`` machines of ``A`` ranks, the hook's
     default there)."""
     speed, net = option.compute_speed, option.link
@@ -257,28 +298,44 @@ def _hier_bucket_comm(profile: Profile, bucket: Sequence[LayerProfile], choice: 
     inner = hw.intra_bytes(INTRA_NODE_BYTES["none" if intra_node is None else intra_node])
     inner_s = 2 * (A - 1) * intra.latency_s + inner / intra.bandwidth_Bps
     cast_s = _intra_cast_s(profile, bucket, speed) if half else 0.0
-    per_row: list[list[tuple[float, float]]] = []  # (codec seconds, bytes) per piece of each row
+    # (codec seconds, bytes, latency rounds) per piece of each row; a row the runtime runs through
+    # recursive halving (its own choice, on the row's messages) is one piece of its rounds
+    per_row: list[list[tuple[float, float, int]]] = []
+    node = 0.0
     for row, wire in zip(hw.parts, hw.rows):
         if wire is None:
             continue
-        if wire.uncompressed:
-            per_row.append([(0.0, float(wire.bytes_sent()))])
+        sched = bucket_schedule(wire, schedule, net.latency_s, net.bandwidth_Bps)
+        node += bucket_bytes(wire, sched)
+        if seen is not None:
+            seen[sched] = seen.get(sched, 0) + 1
+        if sched == "plain":
+            per_row.append([(0.0, float(wire.bytes_sent()), 2 * (n - 1))])
             continue
         sub = [(lp, m) for lp, m in zip(bucket, row) if m > 0]
-        codec = _piece_codec(profile, [lp for lp, _ in sub], choice, wire, speed, [m for _, m in sub])
-        per_row.append([(c, p.bytes_sent()) for c, p in zip(codec, wire.pieces)])
+        codec = [0.0] * len(wire.pieces) if wire.uncompressed else \
+            _piece_codec(profile, [lp for lp, _ in sub], choice, wire, speed, [m for _, m in sub])
+        if sched == "halving":
+            rounds = [_halving.halving_rounds(p.split_sizes) for p in wire.pieces]
+            per_row.append([(sum(codec) * halving_codec_factor(n) / ((3.0 + 1.0 / n) / 2.0),
+                             float(sum(map(sum, rounds))), sum(map(len, rounds)))])
+            continue
+        per_row.append([(c, p.bytes_sent(), 2 * (n - 1)) for c, p in zip(codec, wire.pieces)])
     stages = []
     for k in range(max((len(r) for r in per_row), default=0)):
         at = [r[k] for r in per_row if k < len(r)]
-        stages.append((max(c for c, _ in at), 2 * (n - 1) * net.latency_s + sum(b for _, b in at) / net.bandwidth_Bps))
+        stages.append((max(c for c, _, _ in at), max(q for _, _, q in at) * net.latency_s
+                       + sum(b for _, b, _ in at) / net.bandwidth_Bps))
     stages = [(cast_s / 2, inner_s / 2)] + stages + [(cast_s / 2, inner_s / 2)]
-    node = hw.node_bytes()
+    node = int(round(node))  # hw.node_bytes() for ring rows
     return inner + int(round(node / A)), node, stages
 
 
 def _bucket_comm(profile: Profile, bucket: Sequence[LayerProfile], choice: Mapping[str, str], n: int, A: int,
                  option: HardwareOption, intra: Link, hook: bool, topology: str,
-                 piece_numel: int = PIECE_NUMEL, intra_node: str | None = None,
+                 piece_numel: int = PIECE_NUMEL,
+                 intra_node: str | None = None, schedule: str = "auto",
+                 seen: dict | None = None,
                  ring_element_bytes: int = 4) -> tuple[int, int, list[tuple[float, float]]]:
     """(bytes one rank sends, bytes leaving each machine, (codec seconds, wire seconds) per pipeline
     stage) of one DDP bucket on ``n`` machines of ``A`` ranks (module docstring, items 3 and 5);
@@ -293,7 +350,7 @@ def _bucket_comm(profile: Profile, bucket: Sequence[LayerProfile], choice: Mappi
         lat = intra.latency_s if n <= 1 else max(net.latency_s, intra.latency_s) if A > 1 else net.latency_s
         return nbytes, nbytes if n > 1 else 0, [(0.0, 2 * (W - 1) * lat + nbytes / link.bandwidth_Bps)]
     if topology == "hierarchical":
-        return _hier_bucket_comm(profile, bucket, choice, n, A, option, intra, piece_numel, intra_node)
+        return _hier_bucket_comm(profile, bucket, choice, n, A, option, intra, piece_numel, intra_node, schedule, seen)
     wire = bucket_wire_of(bucket, choice, W, piece_numel=piece_numel)
     nbytes = wire.bytes_sent()
     # one machine: the intra-node link only. Flat over W ranks on n > 1 machines: the all_to_all
@@ -304,15 +361,45 @@ def _bucket_comm(profile: Profile, bucket: Sequence[LayerProfile], choice: Mappi
     link = intra if n <= 1 else net
     lat = intra.latency_s if n <= 1 else max(net.latency_s, intra.latency_s) if A > 1 else net.latency_s
     share = A * (W - A) / (W - 1)
-    if wire.uncompressed:  # the hook's plain all-reduce: DDP's ring
+    sched = bucket_schedule(wire, schedule, lat, link.bandwidth_Bps)
+    if seen is not None:
+        seen[sched] = seen.get(sched, 0) + 1
+    if sched == "plain":  # the hook's plain all-reduce: DDP's ring
         node = nbytes if n > 1 else 0
         return nbytes, node, [(0.0, 2 * (W - 1) * lat + (nbytes if n <= 1 else node) / link.bandwidth_Bps)]
+    if sched == "halving":
+        return _halving_bucket_comm(profile, bucket, choice, wire, n, A, lat, link, speed)
     stages, node = [], 0.0
     for c, p in zip(_piece_codec(profile, bucket, choice, wire, speed), wire.pieces):
         b = p.bytes_sent() if n <= 1 else share * p.all_to_all_bytes() + p.all_gather_bytes()
         node += b
         stages.append((c, 2 * (W - 1) * lat + b / link.bandwidth_Bps))
     return nbytes, int(round(node)) if n > 1 else 0, stages
+
+
+def _halving_bucket_comm(profile: Profile, bucket: Sequence[LayerProfile], choice: Mapping[str, str],
+                         wire: BucketWire, n: int, A: int, lat: float, link: Link,
+                         speed: float) -> tuple[int, int, list[tuple[float, float]]]:
+    """:func:`_bucket_comm` of a bucket the runtime runs through recursive halving/doubling
+    (:mod:`fastml_strategy._halving`): per piece, one latency per round plus the round's largest
+    message (:func:`fastml_strategy._halving.halving_piece_seconds`), and the codec work of the
+    halving schedule (:func:`halving_codec_factor`), which runs between the rounds (serial with them:
+    one stage per bucket). A machine of ``A`` consecutive ranks (flat on request) carries its ranks'
+    messages to the other machines (:func:`fastml_strategy._halving.halving_node_bytes`), the
+    rounds' latency once."""
+    W = wire.world_size
+    ring_f = (3.0 + 1.0 / W) / 2.0
+    scale = halving_codec_factor(W) / ring_f
+    codec = sum(_piece_codec(profile, bucket, choice, wire, speed)) * scale if not wire.uncompressed else 0.0
+    rounds = [_halving.halving_rounds(p.split_sizes) for p in wire.pieces]
+    nbytes = bucket_bytes(wire, "halving")
+    if n <= 1 or A <= 1:
+        wire_s = sum(len(r) * lat + sum(r) / link.bandwidth_Bps for r in rounds)
+        return int(round(nbytes)), int(round(nbytes)) if n > 1 else 0, [(codec, wire_s)]
+    # flat on request: what each machine's link carries (the rounds whose partner is elsewhere)
+    node = sum(_halving.halving_node_bytes(p.split_sizes, A) for p in wire.pieces)
+    wire_s = sum(len(r) for r in rounds) * lat + node / link.bandwidth_Bps
+    return int(round(nbytes)), int(round(node)), [(codec, wire_s)]
 
 
 def ddp_node_net_bytes(profile: Profile, choice: Mapping[str, str], option: HardwareOption,
@@ -326,7 +413,8 @@ def step_time(profile: Profile, choice: Mapping[str, str], option: HardwareOptio
               nodes: int | None = None, hook: bool = True,
               sharding: Sharding | None = None, bucket_mb: float | None = None,
               topology: str = "auto", piece_numel: int = PIECE_NUMEL,
-              intra_node: str | None = None, ring_element_bytes: int = 4) -> StepBreakdown:
+              intra_node: str | None = None, schedule: str = "auto",
+              ring_element_bytes: int = 4) -> StepBreakdown:
     """Predicted step time of a plan (``choice``: layer name -> CANDIDATES key) on ``option``
     (with ``nodes`` overriding the option's node count, for scaling predictions). ``hook=False`` is
     plain DDP (fp32 all-reduce, no encode/decode), the uncompressed baseline. With a sharded
@@ -335,9 +423,11 @@ def step_time(profile: Profile, choice: Mapping[str, str], option: HardwareOptio
     runs it, ``"flat"`` as with ``register_hook(ranks_per_node=1)``); ``piece_numel``: the hook's
     pipeline piece (:data:`fastml_strategy._layouts.PIECE_NUMEL`, what it runs with); ``intra_node``:
     ``Plan.intra_node`` (None or "none": exact; "bf16"/"fp16": the hierarchical hop inside the machine
-    at 2 bytes per element; no effect on a flat schedule, as in the hook); ``ring_element_bytes``: with
-    ``hook=False``, the bytes per element DDP's ring all-reduces (2: torch's ``fp16_compress_hook`` or
-    ``bf16_compress_hook``, whose cast is not priced)."""
+    at 2 bytes per element; no effect on a flat schedule, as in the hook); ``schedule``:
+    ``Plan.schedule`` (``"auto"``: per bucket, the runtime's own choice on the option's link, which the
+    autotuner writes into its plans as the link hint; ``StepBreakdown.schedules`` says which ran);
+    ``ring_element_bytes``: with ``hook=False``, the bytes per element DDP's ring all-reduces (2:
+    torch's ``fp16_compress_hook`` or ``bf16_compress_hook``, whose cast is not priced)."""
     if sharding is not None and sharding.sharded:
         return sharded_step_time(profile, choice, option, sharding, nodes=nodes, hook=hook)
     n = option.nodes if nodes is None else nodes
@@ -355,9 +445,10 @@ def step_time(profile: Profile, choice: Mapping[str, str], option: HardwareOptio
     # piece k); its transfer starts when both its codec work and the previous transfer are done.
     cpu = wire_end = 0.0
     done: list[float] = [0.0, 0.0]  # wire ends of the last two stages
+    seen: dict[str, int] = {}  # buckets (hierarchical: rows) per schedule
     for bucket in ddp_buckets(profile, bucket_mb):
         nbytes, node_b, stages = _bucket_comm(profile, bucket, choice, n, A, option, intra, hook, topo, piece_numel,
-                                              intra_node, ring_element_bytes)
+                                              intra_node, schedule, seen, ring_element_bytes)
         node_total += node_b
         total_bytes += nbytes
         ready = max(lp.ready_s for lp in bucket) * scale
@@ -373,4 +464,13 @@ def step_time(profile: Profile, choice: Mapping[str, str], option: HardwareOptio
     exposed = max(0.0, end - bwd - codec_total)
     step = fwd + end + opt
     return StepBreakdown(fwd + bwd + opt, codec_total, wire_total, exposed, step, total_bytes,
-                         node_net_bytes=node_total, topology=topo)
+                         node_net_bytes=node_total, topology=topo, schedules=schedule_words(seen))
+
+
+def schedule_words(seen: Mapping[str, int]) -> str:
+    """``"halving"``, ``"ring"``, ``"ring 3 + halving 5"``: the schedules of a step's buckets (plain
+    all-reduces named only when nothing else ran)."""
+    kinds = {k: v for k, v in seen.items() if k != "plain"} or dict(seen)
+    if len(kinds) <= 1:
+        return next(iter(kinds), "")
+    return " + ".join(f"{k} {v}" for k, v in sorted(kinds.items()))
