@@ -395,23 +395,21 @@ def _reprice(a) -> None:
     """Rows again from saved job results (``--from-json``), e.g. after a change to the cost model."""
     import _bench
 
-    jobs = {}
+    jobs = []  # (link, shape, run, result): each run priced with its own profile
     for d in a.from_json.split(","):
         for name in os.listdir(d):
             if name.endswith(".json"):
                 shape_s, rate, delay = name[:-5].split("_")
                 with open(os.path.join(d, name)) as f:
-                    res = json.load(f)
-                key = (f"{rate}:{delay}", _shape(shape_s))
-                if key in jobs:  # two runs of one job (e.g. extra methods): one row set, both methods
-                    res = {**jobs[key], "methods": {**jobs[key]["methods"], **res["methods"]}}
-                jobs[key] = res
+                    jobs.append((f"{rate}:{delay}", _shape(shape_s), os.path.basename(d.rstrip("/")), json.load(f)))
+    scales = {}
+    for link, shape, _, res in jobs:
+        if shape == (2, 1) and "int4" in res["methods"] and link not in scales:
+            scales[link] = codec_scales(res, link)
     rows = []
-    for (link, shape), res in sorted(jobs.items(), key=lambda kv: (kv[0][0], kv[0][1][1], kv[0][1][0])):
-        two = jobs.get((link, (2, 1)))
-        scales = codec_scales(two, link) if two is not None and "int4" in two["methods"] else None
+    for link, shape, run, res in sorted(jobs, key=lambda j: (j[0], j[1][1], j[1][0], j[2])):
         a.methods = [m for m in METHODS if m in res["methods"]]
-        rows += _rows(a, shape, link, res, scales)
+        rows += [{"run": run, **r} for r in _rows(a, shape, link, res, scales.get(link))]
     csv_path = a.csv or _bench.default_csv("bench_scale_cpu.csv", False)
     _bench.write_csv(csv_path, rows)
     _print(rows)
@@ -429,7 +427,8 @@ def main() -> None:
     ap.add_argument("--csv", default=None)
     ap.add_argument("--from-json", default=None, metavar="DIR",
                     help="price the jobs saved in DIR again (no run, no root): NxR_RATE_DELAY.json files; "
-                         "several DIRs comma-separated; the codec scales are fitted on each link's 2x1 job")
+                         "several DIRs comma-separated (each job priced with its own profile; column run: "
+                         "its DIR); the codec scales are fitted on each link's first 2x1 job")
     ap.add_argument("--keep-json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "scale_jobs"),
                     metavar="DIR", help="where each job's raw result is copied (for --from-json)")
     ap.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
