@@ -28,8 +28,19 @@ profile (the median over ranks), N, R and the link's nominal rate and delay; its
 ``hook=False, ring_element_bytes=2``).
 
 Methods (``--methods``): ``ddp`` (gloo's ring all-reduce, fp32), ``fp16-hook``
-(``default_hooks.fp16_compress_hook``), FastML ``none``, ``int4``, ``topk1`` (``register_hook(ddp,
-plan=...)`` as a user writes it: hierarchical where R > 1).
+(``default_hooks.fp16_compress_hook``), FastML ``none``, ``int4``, ``int4-ring``, ``int4-halving``,
+``topk1`` (``register_hook(ddp, plan=Plan.from_recipe(recipe, schedule=...))`` as a user writes it,
+hierarchical where R > 1; ``int4`` is ``Plan.schedule="auto"`` with the emulated link as the plan's
+link hint, as the autotuner writes it, the others force ``"ring"`` (today's all_to_all + all_gather)
+or ``"halving"`` (recursive halving / doubling)). The schedule column is what ``stats()["schedules"]``
+says ran; ``predicted_schedule`` what the cost model priced.
+
+Codec scales: the hook's codec work costs more than the profiled round trips (flattening, residual
+updates, its thread competing with backward). As the autotuner does on the cluster it profiles,
+``costmodel.fit_codec_scale`` fits one multiplier per codec family to the measured int4 and topk1
+steps of the 2-machine job of each link, and ``predicted_cal_ms`` / ``step_error_cal_pct`` apply it at
+every N (out of sample at N > 2); ``predicted_ms`` is the model with no fit at all.
+``--from-json DIR[,DIR]`` prices saved jobs again (each with its own profile) without running them.
 
 Per row: median ms per step over ``--steps`` after ``--warmup`` (a step is the slowest rank's; every
 step starts at a barrier); bytes that left each machine per step (its ``eth0``'s ``tx_bytes``: TCP/IP
