@@ -216,12 +216,13 @@ def _worker(a) -> None:
     out = {"profiles": profiles, "methods": {}, "load_start": list(os.getloadavg())}
     for method in a.methods_csv.split(","):
         out["methods"][method] = _run_method(a, method, rank, local0, world // R)
-        if rank == 0:
+        if rank == 0:  # after every method: a job that fails later (a rank killed) keeps these
             print(f"  {method}: {out['methods'][method]['ms']:.0f} ms", flush=True)
-    if rank == 0:
-        out["load_end"] = list(os.getloadavg())
-        with open(a._out, "w") as f:
-            json.dump(out, f)
+            out["load_end"] = list(os.getloadavg())
+            from fastml_strategy._io import atomic_open
+
+            with atomic_open(a._out, "w") as f:
+                json.dump(out, f)
     dist.barrier()
     dist.destroy_process_group()
 
