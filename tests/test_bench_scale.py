@@ -92,3 +92,17 @@ def test_predict_counts_fewer_latency_rounds_for_halving_at_16():
     assert ring["schedules"] == "ring" and halving["schedules"] == "halving"
     assert halving["rounds"] < ring["rounds"]
     assert bs.predict(prof, "int4", opt)["schedules"] in ("ring", "halving")  # the auto choice, named
+
+
+def test_tcp_payload_link_and_fp16_ring_bytes():
+    from fastml_strategy.autotune.costmodel import step_time, tcp_payload_link
+
+    link = tcp_payload_link(100e6, 0.005)
+    assert link.bandwidth_Bps == pytest.approx(12.5e6 * 1448 / 1514) and link.latency_s == 0.005
+    assert tcp_payload_link(1e9, 0.0, mtu=9000).bandwidth_Bps == pytest.approx(125e6 * 8948 / 9014)
+    with pytest.raises(ValueError, match="MTU"):
+        tcp_payload_link(1e9, 0.0, mtu=40)
+    prof, opt = _profile(), bs.option_for(4, 1, 1e9, 0.0005)
+    fp32 = step_time(prof, {}, opt, hook=False)
+    fp16 = step_time(prof, {}, opt, hook=False, ring_element_bytes=2)
+    assert fp16.node_net_bytes == pytest.approx(fp32.node_net_bytes / 2, abs=2) and fp16.step_s < fp32.step_s
