@@ -42,7 +42,8 @@ from fastml_strategy.autotune.costmodel.ddp import (  # noqa: F401
     BUCKET_BYTES, BUCKET_MB_CHOICES, FIRST_BUCKET_BYTES, HierBucketWire, _layer_cost, bucket_wire_of, ddp_buckets,
     ddp_bytes_per_rank, ddp_node_net_bytes, ddp_topology, hier_bucket_wire, intra_node_choices, step_time)
 from fastml_strategy.autotune.costmodel.evaluate import (  # noqa: F401
-    Trial, cost_usd, evaluate, fit_alpha_beta, fit_codec_scale, objective, pareto_front)
+    TCP_FRAME_OVERHEAD, Trial, cost_usd, evaluate, fit_alpha_beta, fit_codec_scale, objective, pareto_front,
+    tcp_payload_link)
 from fastml_strategy.autotune.costmodel.local_steps import evaluate_local, local_step_time  # noqa: F401
 from fastml_strategy.autotune.costmodel.accuracy import (  # noqa: F401
     BAND_Z, FIT_SE_FLOOR, MEDIAN_SE, NOISE_NEAR, AccuracyRule, accuracy_rule, fit_convergence, json_key)
@@ -83,6 +84,7 @@ __all__ = [
     "objective",
     "cost_usd",
     "fit_alpha_beta",
+    "tcp_payload_link",
     "fit_codec_scale",
     "family",
     "fit_convergence",

@@ -335,7 +335,8 @@ def _bucket_comm(profile: Profile, bucket: Sequence[LayerProfile], choice: Mappi
                  option: HardwareOption, intra: Link, hook: bool, topology: str,
                  piece_numel: int = PIECE_NUMEL,
                  intra_node: str | None = None, schedule: str = "auto",
-                 seen: dict | None = None) -> tuple[int, int, list[tuple[float, float]]]:
+                 seen: dict | None = None,
+                 ring_element_bytes: int = 4) -> tuple[int, int, list[tuple[float, float]]]:
     """(bytes one rank sends, bytes leaving each machine, (codec seconds, wire seconds) per pipeline
     stage) of one DDP bucket on ``n`` machines of ``A`` ranks (module docstring, items 3 and 5);
     ``intra_node``: ``Plan.intra_node`` (the hierarchical hop inside the machine in fp16/bf16)."""
@@ -343,8 +344,8 @@ def _bucket_comm(profile: Profile, bucket: Sequence[LayerProfile], choice: Mappi
     numel = sum(lp.numel for lp in bucket)
     if W <= 1:
         return 0, 0, []
-    if not hook:  # DDP's ring all-reduce over all W ranks, fp32
-        nbytes = int(round(2.0 * (W - 1) / W * 4 * numel))
+    if not hook:  # DDP's ring all-reduce over all W ranks, fp32 (2 bytes: torch's fp16/bf16 hooks)
+        nbytes = int(round(2.0 * (W - 1) / W * ring_element_bytes * numel))
         link = net if n > 1 else intra
         lat = intra.latency_s if n <= 1 else max(net.latency_s, intra.latency_s) if A > 1 else net.latency_s
         return nbytes, nbytes if n > 1 else 0, [(0.0, 2 * (W - 1) * lat + nbytes / link.bandwidth_Bps)]
@@ -412,7 +413,8 @@ def step_time(profile: Profile, choice: Mapping[str, str], option: HardwareOptio
               nodes: int | None = None, hook: bool = True,
               sharding: Sharding | None = None, bucket_mb: float | None = None,
               topology: str = "auto", piece_numel: int = PIECE_NUMEL,
-              intra_node: str | None = None, schedule: str = "auto") -> StepBreakdown:
+              intra_node: str | None = None, schedule: str = "auto",
+              ring_element_bytes: int = 4) -> StepBreakdown:
     """Predicted step time of a plan (``choice``: layer name -> CANDIDATES key) on ``option``
     (with ``nodes`` overriding the option's node count, for scaling predictions). ``hook=False`` is
     plain DDP (fp32 all-reduce, no encode/decode), the uncompressed baseline. With a sharded
@@ -423,7 +425,9 @@ def step_time(profile: Profile, choice: Mapping[str, str], option: HardwareOptio
     ``Plan.intra_node`` (None or "none": exact; "bf16"/"fp16": the hierarchical hop inside the machine
     at 2 bytes per element; no effect on a flat schedule, as in the hook); ``schedule``:
     ``Plan.schedule`` (``"auto"``: per bucket, the runtime's own choice on the option's link, which the
-    autotuner writes into its plans as the link hint; ``StepBreakdown.schedules`` says which ran)."""
+    autotuner writes into its plans as the link hint; ``StepBreakdown.schedules`` says which ran);
+    ``ring_element_bytes``: with ``hook=False``, the bytes per element DDP's ring all-reduces (2:
+    torch's ``fp16_compress_hook`` or ``bf16_compress_hook``, whose cast is not priced)."""
     if sharding is not None and sharding.sharded:
         return sharded_step_time(profile, choice, option, sharding, nodes=nodes, hook=hook)
     n = option.nodes if nodes is None else nodes
@@ -444,7 +448,7 @@ def step_time(profile: Profile, choice: Mapping[str, str], option: HardwareOptio
     seen: dict[str, int] = {}  # buckets (hierarchical: rows) per schedule
     for bucket in ddp_buckets(profile, bucket_mb):
         nbytes, node_b, stages = _bucket_comm(profile, bucket, choice, n, A, option, intra, hook, topo, piece_numel,
-                                              intra_node, schedule, seen)
+                                              intra_node, schedule, seen, ring_element_bytes)
         node_total += node_b
         total_bytes += nbytes
         ready = max(lp.ready_s for lp in bucket) * scale
