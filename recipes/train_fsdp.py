@@ -94,20 +94,53 @@ def fail(message: str) -> None:
 
 def save_checkpoint(folder: str, model: nn.Module, opt, step: int, state) -> None:
     """Every rank writes its model and optimizer shards and its own FastML state (its residuals, step,
-    plans) into one distributed checkpoint."""
+    plans) into one distributed checkpoint; rank 0 says where, at which step."""
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optimizer": optim_sd, "fastml": state.distributed_state_dict(),
               "step": step}, checkpoint_id=folder)
+    if dist.get_rank() == 0:
+        print(f"saved checkpoint {folder} at step {step}", flush=True)
+
+
+def checkpoint_problem(folder: str) -> str | None:
+    """Why ``folder`` is not a checkpoint this recipe can resume from (one line), or None. Agreed by
+    every rank (a collective), so that every rank stops alike, with status 2, before loading."""
+    why = None
+    if not os.path.isdir(folder):
+        why = f"--resume {folder}: no such checkpoint folder; pass the --ckpt folder of an earlier run, or drop --resume"
+    elif not os.path.isfile(os.path.join(folder, ".metadata")):
+        why = (f"--resume {folder}: not a checkpoint of this recipe (no .metadata in it); pass the --ckpt folder "
+               f"of an earlier run, or drop --resume")
+    whys = [None] * dist.get_world_size()
+    dist.all_gather_object(whys, why)
+    bad = [r for r, w in enumerate(whys) if w is not None]
+    if not bad:
+        return None
+    return whys[bad[0]] + ("" if len(bad) == len(whys) else f" (on rank(s) {bad}: is {folder} on a shared disk?)")
 
 
 def load_checkpoint(folder: str, model: nn.Module, opt, state) -> int:
+    """Load ``folder`` in place (model and optimizer shards, every rank's FastML state); rank 0 says
+    what, at which step. A checkpoint that does not fit this run (another model size, world size,
+    --replicate-size or plan) stops every rank with its one-line reason, status 2."""
     model_sd, optim_sd = get_state_dict(model, opt)
     # loads in place into this template: a fresh FastML state already holds every residual
     loaded = {"model": model_sd, "optimizer": optim_sd, "fastml": state.distributed_state_dict(), "step": 0}
-    dcp.load(loaded, checkpoint_id=folder)
-    set_state_dict(model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
-    state.load_state_dict(loaded["fastml"])  # checks world size, shard size and plan
-    return int(loaded["step"])
+    try:
+        dcp.load(loaded, checkpoint_id=folder)
+        set_state_dict(model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
+        state.load_state_dict(loaded["fastml"])  # checks world size, shard size and plan
+    except Exception as e:  # noqa: BLE001 - every rank loads the same files: each fails alike
+        failures = getattr(e, "failures", None)  # dcp's CheckpointException: {rank: (exception, traceback)}
+        if isinstance(failures, dict) and failures:
+            e = failures[min(failures)][0]
+        first = (str(e).strip().splitlines() or [""])[0]
+        fail(f"--resume {folder}: cannot load it into this run ({type(e).__name__}: {first}); resume with the "
+             f"settings it was saved with (--hidden, --replicate-size, number of processes, --plan)")
+    step = int(loaded["step"])
+    if dist.get_rank() == 0:
+        print(f"resumed from checkpoint {folder} at step {step}", flush=True)
+    return step
 
 
 def main() -> None:
@@ -138,6 +171,10 @@ def main() -> None:
     mesh = (init_device_mesh(device.type, (world,)) if r == 1 else
             init_device_mesh(device.type, (r, world // r), mesh_dim_names=("replicate", "shard")))
 
+    if args.resume:  # before any work: a missing checkpoint is one line and status 2 on every rank
+        why = checkpoint_problem(args.resume)
+        if why:
+            fail(why)
     xtr, ytr, xte, yte = load_digits_split()
     train, val = TensorDataset(xtr, ytr), TensorDataset(xte, yte)
     sampler = torch.utils.data.DistributedSampler(train, shuffle=True, seed=0, drop_last=True)

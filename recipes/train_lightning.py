@@ -175,6 +175,35 @@ def saved_every(path: str) -> int | None:
         return None
 
 
+def check_plan(plan, model: nn.Module, flag: str | None) -> str | None:
+    """The one-line reason the plan does not fit ``model`` (a layer name it lacks), else None.
+
+    FastML refuses such a plan at setup, on every rank alike, but that is inside ``trainer.fit``,
+    after Lightning started the other processes, as a traceback per rank; checked here, it stops the
+    run before any process starts, like the other plan errors (a bad recipe name, an unreadable file).
+    """
+    params = dict(model.named_parameters())
+    try:
+        plan.resolve_names([n for n, p in params.items() if p.requires_grad],
+                           frozen=[n for n, p in params.items() if not p.requires_grad])
+    except ValueError as e:
+        return f"{f'--plan {flag}' if flag else 'FASTML_PLAN=' + os.environ.get('FASTML_PLAN', '')}: {e}"
+    return None
+
+
+def epochs_for(max_steps: int, world_size: int, batch_size: int, accumulate: int, resuming: bool) -> int:
+    """Epochs a run bounded by ``max_steps`` takes, for Lightning's ``max_epochs`` (with -1 its bar
+    reads "Epoch 2/-2"). An epoch has ``len(DistributedSampler(drop_last=True)) // batch_size``
+    batches (DigitsData) and an optimizer step every ``accumulate`` of them, the epoch's last one
+    included. A resumed run gets one epoch more: Lightning counts one epoch ahead after resuming from a
+    checkpoint that ``max_steps`` wrote mid-epoch (ResumableLoader), and ``max_steps``, not the
+    epochs, must end the run."""
+    samples = len(torch.utils.data.DistributedSampler(range(TRAIN_SIZE), num_replicas=world_size, rank=0,
+                                                      shuffle=False, drop_last=True))
+    steps = max(1, -(-(samples // batch_size) // accumulate))
+    return -(-max_steps // steps) + (1 if resuming else 0)
+
+
 class RecordStrategy(Callback):
     """Writes the recipe's --strategy into every checkpoint, so that a resume can check it."""
 
@@ -224,6 +253,9 @@ class ResumableLoader:
         self.epoch, self.done = int(state["epoch"]), int(state["batches_done"])
 
 
+TRAIN_SIZE = 1500  # digits examples trained on (DigitsData.setup); the rest validate
+
+
 class DigitsData(L.LightningDataModule):
     def __init__(self, batch_size: int) -> None:
         super().__init__()
@@ -237,8 +269,8 @@ class DigitsData(L.LightningDataModule):
         y = torch.tensor(y, dtype=torch.long)
         perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
         x, y = x[perm], y[perm]
-        self.train = torch.utils.data.TensorDataset(x[:1500], y[:1500])
-        self.val = torch.utils.data.TensorDataset(x[1500:], y[1500:])
+        self.train = torch.utils.data.TensorDataset(x[:TRAIN_SIZE], y[:TRAIN_SIZE])
+        self.val = torch.utils.data.TensorDataset(x[TRAIN_SIZE:], y[TRAIN_SIZE:])
 
     def train_dataloader(self):
         # Our own sampler (Trainer(use_distributed_sampler=False)): each rank its shard, the order from
@@ -361,6 +393,12 @@ def main() -> None:
         callbacks=[*checkpoints, RecordStrategy(args.strategy)],
     )
     model, data = DigitsMLP(args.hidden, args.lr), DigitsData(args.batch_size)
+    refused = check_plan(strategy.plan, model, args.plan)
+    if refused:
+        fail(refused)
+    if max_epochs == -1 and args.max_steps > 0:  # the bar then reads "Epoch 2/3", not "Epoch 2/-2"
+        trainer.fit_loop.max_epochs = epochs_for(args.max_steps, trainer.world_size, args.batch_size,
+                                                 args.accumulate, resuming=ckpt_path is not None)
     trainer.fit(model, data, ckpt_path=ckpt_path)
 
     stats = trainer.strategy.compression_stats()

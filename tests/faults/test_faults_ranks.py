@@ -187,6 +187,32 @@ def test_hierarchical_dead_or_stalled_rank_fails_every_other_rank_fast(tmp_path)
     _check_fault_results(results, 4, "exit", 2, within=DEATH_TIMEOUT / 3)
 
 
+def test_store_host_rank_0_dies_and_every_survivor_fails_fast(tmp_path, capfd):
+    """Rank 0 dies at step 3 where it hosts the job's c10d store: run_workers starts the ranks as
+    ``mp.spawn`` (or srun/mpirun without torchrun's agent) would, with ``init_method="env://"``, so
+    rank 0's process is the store's server. Two machines of two ranks, int4: rank 1 (its machine
+    peer) and rank 2 (its peer across machines) see the closed connection; rank 3 shares no group
+    with rank 0 and waits on ranks 1 and 2, which have raised (and stay alive), while the failure
+    channel's store died with rank 0. Every survivor must raise FastML's error long before the
+    groups' timeout, rank 3's naming rank 0 and the store, and no rank may print c10d's C++ trace of
+    a failed store read (before the fix: rank 3 waited the whole timeout, after that trace)."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    results = run_workers(_rank_fault, 4, "exit", 0, "int4", 2, DEATH_TIMEOUT, str(marks), timeout=120,
+                          pg_timeout=PG_TIMEOUT, allow_deaths=True)
+    assert results[0][0] == "died", results[0]
+    for r in (1, 2, 3):
+        status, res = results[r]
+        assert status == "ok" and res["step"] == 3, (r, results[r])
+        assert res["type"] == "CompressionError" and res["module"] == "fastml_strategy.collective", res
+        assert "restart from the last checkpoint" in res["msg"], res["msg"]
+        assert res["elapsed"] < DEATH_TIMEOUT / 3, (r, res)  # not the groups' timeout
+    msg = results[3][1]["msg"]
+    assert "rank 0, which hosts the job's c10d store at 127.0.0.1:" in msg and "most likely died" in msg, msg
+    err = capfd.readouterr().err
+    assert "TCPStore.cpp" not in err and "frame #" not in err, err[-3000:]
+
+
 # LocalSGD on islands: the init timeout (every group LocalSGD and the island use inherits it), long
 # enough that a survivor that waited for it instead of hearing of the failure fails the bound below
 ISLAND_TIMEOUT = 30

@@ -205,6 +205,19 @@ def test_wrong_fastml_plan_fails_on_every_rank_before_the_first_step(tmp_path):
     assert "FASTML_PLAN='/no/such/plan.json' is not a usable plan" in res.output
     assert "does not exist" in res.output and "Initializing distributed" not in res.output
 
+    # A plan naming a layer the model lacks: the same, before Lightning starts the other rank (it used
+    # to fail inside trainer.fit, after the launch, with a traceback per rank and status 1).
+    import fastml_strategy as fm
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(fm.Plan.from_recipe("int4").with_layers({"net.9.weight": fm.RECIPES["int8"]}).to_json())
+    res = run([sys.executable, str(RECIPES / "train_lightning.py"), "--accelerator", "cpu", "--devices", "2",
+               "--max-steps", "5", "--out", str(tmp_path), "--plan", str(plan)], timeout=60)
+    errors = [ln for ln in res.output.splitlines() if "error" in ln.lower() or "Traceback" in ln]
+    assert res.returncode == 2 and errors == [ln for ln in errors if ln.startswith("train_lightning.py: error: ")]
+    assert len(errors) == 1 and f"--plan {plan}: plan.layers names ['net.9.weight']" in errors[0], res.output
+    assert "net.2.weight" in errors[0] and "Initializing distributed" not in res.output, res.output
+
 
 @pytest.mark.timeout(200)
 def test_recipe_resume_last_continues_mid_epoch_exactly(tmp_path):
@@ -225,5 +238,8 @@ def test_recipe_resume_last_continues_mid_epoch_exactly(tmp_path):
     assert r0["params_sha256"] == r1["params_sha256"] == s0["params_sha256"] == s1["params_sha256"]
     assert "Restored all states" in resumed.output and "not resumable" not in resumed.output
     for res in (straight, resumed):
+        # --max-steps ends the run, and the epochs it takes bound it (Lightning's rich bar read
+        # "Epoch 1/-2" with max_epochs=-1)
+        assert "`max_steps=30` reached" in res.output and "/-2" not in res.output, res.tail()
         for noise in ("LeafSpec", "\U0001f4a1 Tip", "exists and is not empty", "Traceback"):
             assert noise not in res.output, (noise, res.tail())

@@ -174,6 +174,21 @@ def test_recipe_resume_last_takes_its_own_strategys_newest_checkpoint_or_refuses
     assert tl.resume_path(None, str(d), "fastml") == (None, None)
 
 
+def test_lightning_recipe_bounds_a_step_run_by_the_epochs_it_takes():
+    """With --max-steps and no --max-epochs the recipe gives Lightning the epochs the steps take (with
+    max_epochs=-1 Lightning's rich bar read "Epoch 2/-2"); one more when resuming, so that the steps,
+    never the epochs, end the run (test_lightning.py checks "`max_steps=30` reached")."""
+    tl = _recipe("train_lightning")
+    # 2 ranks, batch 32: 750 examples each, 23 batches an epoch, as DigitsData's loader yields them
+    sampler = torch.utils.data.DistributedSampler(range(tl.TRAIN_SIZE), num_replicas=2, rank=0, drop_last=True)
+    assert len(torch.utils.data.DataLoader(range(tl.TRAIN_SIZE), batch_size=32, sampler=sampler,
+                                           drop_last=True)) == 23
+    assert [tl.epochs_for(n, 2, 32, 1, resuming=False) for n in (1, 23, 24, 30, 46, 47)] == [1, 1, 2, 2, 2, 3]
+    assert tl.epochs_for(30, 2, 32, 1, resuming=True) == 3
+    assert tl.epochs_for(30, 2, 32, 4, resuming=False) == 5  # 6 optimizer steps an epoch (the last: 3 batches)
+    assert tl.epochs_for(50, 1, 32, 1, resuming=False) == 2  # 46 batches on one rank
+
+
 @pytest.mark.timeout(120)
 def test_bad_plan_under_torchrun_every_rank_exits_2_by_itself(tmp_path):
     """README: after a bad plan every rank exits with status 2 by itself, before torchrun stops it (it
