@@ -73,12 +73,15 @@ price, :mod:`fastml_strategy.autotune.costmodel.ddp`), halving ``a + max message
 (:func:`halving_rounds`). ``Plan.schedule``: ``"auto"`` (default) picks the cheaper, ``"ring"`` or
 ``"halving"`` force one. ``a`` and ``B`` come from ``Plan.link_latency_us`` and ``Plan.link_gbps``
 (defaults :data:`DEFAULT_LATENCY_US`, :data:`DEFAULT_GBPS`). N = 2 always runs the ring under
-``"auto"`` (the two are the same two rounds); a power of two above 2 runs halving under ``"auto"``
-(fewer rounds for the same bytes); other N run halving only where latency dominates. The plan is
-agreed across ranks (its digest covers the schedule and the hint), so every rank makes the same
-choice. The codec work of halving (about ``2 - 1/(2P)`` round trips of the piece against the ring's
-``(3 + 1/N)/2``, serial with the rounds) is not in the choice; the cost model prices it and the
-autotuner writes the schedule it found best into the plan.
+``"auto"`` (the two are the same two rounds). Halving's codec work (about ``2 - 1/(2P)`` round trips
+of the piece, serial with its rounds, where the ring pipelines its pieces' codec work under their
+messages) is charged in the choice at :data:`CODEC_BPS` (:func:`halving_codec_seconds`), so halving
+runs only where the latency rounds it saves outweigh its serial re-encodes. For a bucket of 1M int4
+elements that is from 128 ranks at the default hint (50 us, 10 Gbit/s), from 16 at 0.5 ms and
+1 Gbit/s, from 8 at 5 ms and 100 Mbit/s (bench_scale measured the ring faster at 4 and 8 machines
+on 1 Gbit/s + 0.5 ms, and the two even at 16: benchmarks/RESULTS.md). The plan is agreed across ranks (its digest covers the
+schedule and the hint), so every rank makes the same choice; the cost model calls this function on
+the same message sizes, and the autotuner writes the option's link into the plans it makes.
 
 Errors travel in the headers as in the ring schedule (:mod:`fastml_strategy._status`), with one
 difference: a rank receives the headers of its partners only, so each rank keeps a merged status (the
@@ -104,13 +107,20 @@ from fastml_strategy.config import SCHEDULES
 
 __all__ = ["SCHEDULES", "DEFAULT_LATENCY_US", "DEFAULT_GBPS", "Fold", "fold", "chunk_ranges",
            "ring_piece_seconds", "halving_rounds", "halving_piece_seconds", "halving_bytes_sent", "halving_messages", "halving_node_bytes",
-           "ring_bytes", "choose_schedule", "may_halve", "link_hint", "HalvingRun"]
+           "ring_bytes", "halving_codec_seconds", "choose_schedule", "may_halve", "link_hint", "HalvingRun"]
 
 # The link "auto" assumes when the plan names none: a data-centre TCP link (gloo's per-message cost on
 # a 1-10 Gbit/s Ethernet is tens of microseconds). It matters only for N not a power of two (above 2
 # halving has fewer rounds for the same bytes whatever the link; at 2 both are the same).
 DEFAULT_LATENCY_US = 50.0
 DEFAULT_GBPS = 10.0
+# Encoded bytes a second of halving's serial re-encode and decode work, in the choice only. The CPU's
+# figure on every device, so one choice serves the runtime and the cost model alike and errs towards
+# the ring: int4 encode + error feedback ran at 0.58-0.76 GB/s of fp32 input on an AVX2 EPYC
+# (DESIGN.md), 0.07-0.1 GB/s of encoded int4. Without this term "auto" chose halving at 4 and 8
+# emulated machines on 1 Gbit/s + 0.5 ms, where it took 766-874 ms against the ring's 461 (N = 4) and
+# 1443 against 942 (N = 8) (benchmarks/RESULTS.md, bench_scale).
+CODEC_BPS = 1e8
 
 
 # -- the schedule's shape (tensor-free: the cost model uses it too) ---------------------------------------
@@ -268,8 +278,16 @@ def choose_schedule(schedule: str, W: int, pieces: Sequence[tuple[Sequence[int],
     if W == 2:
         return "ring"
     ring = sum(ring_piece_seconds(W, ring_bytes(s, g), latency_s, bandwidth_Bps) for s, g in pieces)
-    halv = sum(halving_piece_seconds(s, latency_s, bandwidth_Bps) for s, _ in pieces)
+    halv = sum(halving_piece_seconds(s, latency_s, bandwidth_Bps) + halving_codec_seconds(s) for s, _ in pieces)
     return "halving" if halv < ring else "ring"
+
+
+def halving_codec_seconds(split_sizes: Sequence[int], codec_Bps: float = CODEC_BPS) -> float:
+    """The codec work of one halving piece that the ring schedule hides and halving does not: about
+    ``2 - 1/(2P)`` encodes and decodes of the piece's encoded bytes, serial with its rounds (the ring
+    pipelines its pieces' codec work under their messages), at ``codec_Bps`` encoded bytes a second."""
+    P = 1 << (len(split_sizes).bit_length() - 1)
+    return (2 - 1 / (2 * P)) * sum(split_sizes) / codec_Bps
 
 
 def may_halve(plan, world_size: int) -> bool:

@@ -62,11 +62,18 @@ def test_choose_schedule():
     assert choose_schedule("halving", 8, [piece(8)], True, False, lat, bw) == "ring"  # top-k: all-gathered
     assert choose_schedule("auto", 8, [piece(8)], False, True, lat, bw) == "plain"  # DDP's own all-reduce
     assert choose_schedule("halving", 8, [piece(8)], False, True, lat, bw) == "halving"
-    # auto: N = 2 and 3 always the ring; a power of two above 2 halving, whatever the size
+    # auto: N = 2 and 3 always the ring
     for W in (2, 3):
         assert choose_schedule("auto", W, [piece(W, 10)], False, False, 1.0, bw) == "ring"
+    # a power of two above 2: the same bytes in fewer rounds, so halving where the rounds it saves
+    # outweigh its serial re-encodes (halving_codec_seconds), the ring where they do not
     for W in (4, 8, 16):
-        assert choose_schedule("auto", W, [piece(W, 10 ** 8)], False, False, 1e-9, bw) == "halving"
+        assert choose_schedule("auto", W, [piece(W, 1000)], False, False, 1e-3, bw) == "halving"
+        assert choose_schedule("auto", W, [piece(W, 10 ** 6)], False, False, 50e-6, bw) == "ring"
+    saved = (2 * 15 - 8) * 50e-6  # latency rounds the halving saves at 16 ranks on the default hint
+    big = int(saved * 1e8 / (2 - 1 / 32) / 16)  # bytes a message where its re-encodes cost as much
+    assert choose_schedule("auto", 16, [piece(16, big // 2)], False, False, 50e-6, bw) == "halving"
+    assert choose_schedule("auto", 16, [piece(16, big * 2)], False, False, 50e-6, bw) == "ring"
     # N = 6: halving (6 rounds, about 3.5 pieces) only where latency dominates the ring's 10 rounds
     assert choose_schedule("auto", 6, [piece(6, 100)], False, False, 1e-3, bw) == "halving"
     assert choose_schedule("auto", 6, [piece(6, 10 ** 7)], False, False, 50e-6, bw) == "ring"

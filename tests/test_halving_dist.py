@@ -161,7 +161,7 @@ def test_halving_schedule_result(world_size):
 
 
 def _ddp_case(rank, W, steps=3):
-    """DDP with the hook: int4 ("auto": halving above 3 ranks) and `none` forced through halving
+    """DDP with the hook: int4 ("auto" on a 5 ms link: halving) and `none` forced through halving
     against plain DDP, on one small multi-bucket MLP."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -188,7 +188,7 @@ def _ddp_case(rank, W, steps=3):
             state.close()
         return flat, stats
 
-    int4, s4 = train(fm.Plan.from_recipe("int4"))
+    int4, s4 = train(fm.Plan.from_recipe("int4", link_latency_us=5000.0, link_gbps=0.1))  # a far link
     none, sn = train(fm.Plan.from_recipe("none", schedule="halving"))
     ddp, _ = train(None)
     every = [torch.zeros_like(int4) for _ in range(W)]
@@ -201,7 +201,7 @@ def _ddp_case(rank, W, steps=3):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [4, 8])
 def test_ddp_hook_runs_halving(world_size):
-    """Through DDP's hook: "auto" runs halving above 3 ranks (stats() says so), replicas stay
+    """Through DDP's hook: "auto" on a far link runs halving (stats() says so), replicas stay
     bit-identical, `none` forced through halving trains as plain DDP does within 1e-6."""
     for r in run_workers(_ddp_case, world_size, timeout=280):
         assert r["identical"]

@@ -439,26 +439,29 @@ def test_bucket_wire_is_the_layout_the_hook_builds():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ddp_bytes_match_the_halving_schedule():
-    """At 4 ranks the runtime's "auto" schedule runs int4 buckets through recursive halving: the cost
-    model's bytes per rank (the same choice, fastml_strategy._halving.choose_schedule, on the same
-    message sizes) are exactly what the hook counts, as for the forced ring and for `none` forced
-    through halving."""
+    """At 4 ranks on a far link (5 ms, 100 Mbit/s, the plan's hint) the runtime's "auto" schedule runs
+    int4 buckets through recursive halving: the cost model's bytes per rank (the same choice,
+    fastml_strategy._halving.choose_schedule, on the same message sizes) are exactly what the hook
+    counts, as for the forced ring and for `none` forced through halving."""
     import dataclasses
 
     from fastml_strategy.autotune._run import _plan_from_choice
+    from fastml_strategy.autotune.catalog import Link
     from fastml_strategy.autotune.costmodel import ddp_bytes_per_rank
+
+    far = Link(0.1e9 / 8, 5e-3, "given")
 
     widths, bucket_mb, piece = (64, 300, 200, 10), 0.1, 8192
     prof = _mlp_profile(widths)
     cases = [("int4", "auto"), ("int4", "ring"), ("none", "halving")]
     choices = [{lp.name: name for lp in prof.layers} for name, _ in cases]
-    plans = [dataclasses.replace(_plan_from_choice(prof, c, n)[0], schedule=sched)
-             for c, (n, sched) in zip(choices, cases)]
+    plans = [dataclasses.replace(_plan_from_choice(prof, c, n)[0], schedule=sched, link_latency_us=5000.0,
+                                 link_gbps=0.1) for c, (n, sched) in zip(choices, cases)]
     results = run_workers(_hook_bytes, 4, widths, plans, bucket_mb, piece, timeout=280)
     for i, ((name, sched), choice) in enumerate(zip(cases, choices)):
         for rank in range(4):
             want = ddp_bytes_per_rank(prof, choice, 4, rank, bucket_mb=bucket_mb, piece_numel=piece,
-                                      schedule=sched)
+                                      schedule=sched, link=far)
             assert results[rank][i]["bytes"] == want, (name, sched, rank, results[rank][i]["bytes"], want)
     # the halving and the ring runs of int4 differ (a schedule really changed), by the all_gather padding
     assert results[0][0]["bytes"] != results[0][1]["bytes"]
