@@ -203,6 +203,8 @@ def type_problem(value: Any, number: bool = False) -> str | None:
     if _is_int(value) or (number and isinstance(value, float)):
         return None
     kind = "a number" if number else "an integer"
+    if value is None:
+        return "is None"
     if isinstance(value, str):
         return f"must be {kind}, got the string {value!r} (write it without quotes)"
     if isinstance(value, float):
