@@ -6,7 +6,9 @@ Public API, grouped by purpose:
 - DDP: :func:`register_hook`, :class:`FastMLState`
 - local steps with compressed outer synchronisation (DiLoCo, below 1 Gbit/s): :class:`LocalSGD`
 - errors: :class:`CompressionError` (a rank failed or died during the compressed all-reduce),
-  :class:`ReplicaDriftError` (the replica check found parameters that differ across ranks)
+  :class:`ReplicaDriftError` (the replica check found parameters that differ across ranks); advice:
+  :class:`FastMLAdvice` (a warning, once per job on rank 0, of what to change: bucket size,
+  ``gradient_as_bucket_view``, a plan that compresses almost nothing because of ``min_numel``)
 - sharded training (FSDP2, HSDP): ``fastml_strategy.fsdp.register`` and ``FSDPState``
 - Lightning / Fabric: ``fastml_strategy.lightning.FastMLStrategy``, ``FastMLFSDPStrategy`` and
   ``FastMLLocalSGDStrategy``; ``import fastml_strategy.lightning`` registers the names ``"fastml"``,
@@ -23,6 +25,7 @@ Importing this package never initialises CUDA and does not import optuna, accele
 import sys
 import warnings
 
+from fastml_strategy._advice import FastMLAdvice
 from fastml_strategy.config import RECIPES, Codec, CodecConfig, LocalSteps, Plan
 from fastml_strategy.hook import CompressionError, FastMLState, ReplicaDriftError, register_hook
 from fastml_strategy.localsgd import LocalSGD
@@ -44,6 +47,8 @@ __all__ = [
     # errors
     "CompressionError",
     "ReplicaDriftError",
+    # advice (a UserWarning subclass: filter it to silence the advice)
+    "FastMLAdvice",
 ]
 
 

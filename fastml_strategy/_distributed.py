@@ -134,7 +134,8 @@ def agreed_plan(plan: Any, names: list, group: Any, world_size: int, check: Any 
     except Exception as e:  # noqa: BLE001 - any local failure must reach every rank, or they hang
         error = str(e) if isinstance(e, ValueError) or failed_check else f"{type(e).__name__}: {e}"
     reports = _agree(group, world_size, (error, digest, plan_obj.name if plan_obj else None,
-                                         failed_check, dict(settings or {}), _build()))
+                                         failed_check, dict(settings or {}), _build(),
+                                         plan_obj.to_dict() if plan_obj else None))
     _check_same_build(reports, owner)
     bad = [(r, rep[0], rep[3]) for r, rep in enumerate(reports) if rep[0] is not None]
     if bad:
@@ -148,8 +149,8 @@ def agreed_plan(plan: Any, names: list, group: Any, world_size: int, check: Any 
     if len(digests) > 1:
         desc = ", ".join(f"rank {r}: {rep[2]!r} ({rep[1][:12]})" for r, rep in enumerate(reports))
         raise ValueError(
-            f"FastML: ranks hold different plans ({desc}); give every rank the same plan (the same "
-            f"file, recipe or FASTML_PLAN), or the ranks' messages would not match"
+            f"FastML: ranks hold different plans ({desc}){_plan_differences(reports)}; give every rank "
+            f"the same plan (the same file, recipe or FASTML_PLAN), or the ranks' messages would not match"
         )
     _check_same_settings(reports, owner)
     for note in notes:
@@ -161,6 +162,53 @@ def agreed_plan(plan: Any, names: list, group: Any, world_size: int, check: Any 
                       f"fastml_strategy.LocalSGD.from_plan(model, inner_optimizer, plan) instead, or "
                       f"use the per-step plan of the autotuner's report.", stacklevel=3)
     return plan_obj
+
+
+_ABSENT = object()  # a setting one rank's plan does not have
+
+
+def _short(v: Any) -> str:
+    """A setting's value in a message: a codec's short name (``'int4'``), ``absent``, or its repr."""
+    if v is _ABSENT:
+        return "absent"
+    if isinstance(v, dict) and "codec" in v:
+        try:
+            from fastml_strategy.config import CodecConfig
+
+            return repr(CodecConfig.from_dict(v).describe())
+        except ValueError:
+            pass
+    return repr(v)
+
+
+def _differing(values: list, path: str, out: list) -> None:
+    """Append ``(path, values)`` for each setting that differs between ranks, descending into the
+    objects every rank has (``default.bits``, ``layers['2.weight'].codec``)."""
+    if len({repr(v) for v in values}) <= 1:
+        return
+    if all(isinstance(v, dict) for v in values):
+        for k in sorted({k for v in values for k in v}, key=str):
+            sub = f"{path}[{k!r}]" if path == "layers" else f"{path}.{k}" if path else str(k)
+            _differing([v.get(k, _ABSENT) for v in values], sub, out)
+        return
+    out.append((path, values))
+
+
+def _plan_differences(reports: list, most: int = 4) -> str:
+    """``": they differ in intra_node (rank 0: absent, rank 1: 'bf16')"``: the settings whose values
+    differ between the ranks' plans (the seventh field of each agreement report; an older build sends
+    none), each with every rank's value."""
+    plans = [rep[6] if len(rep) > 6 else None for rep in reports]
+    if any(p is None for p in plans):
+        return ""
+    diffs: list = []
+    _differing(plans, "", diffs)
+    if not diffs:
+        return ""
+    text = "; ".join(f"{path} ({', '.join(f'rank {r}: {_short(v)}' for r, v in enumerate(values))})"
+                     for path, values in diffs[:most])
+    more = f" and {len(diffs) - most} more" if len(diffs) > most else ""
+    return f": they differ in {text}{more}"
 
 
 def _build() -> tuple[int, str]:

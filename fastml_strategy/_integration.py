@@ -195,11 +195,16 @@ TRAINER_KEYS = MetricKeys("bytes_per_step", "error/", interval_ratio=True, idle_
                           extras=("ratio_vs_ddp",))  # LocalSGD: bytes against DDP's fp32 all-reduce
 
 
-def counters(stats: dict) -> tuple[int, int, float]:
-    """``(steps, bytes_sent, bytes_uncompressed)`` of a state's ``stats()`` (LocalSGD: inner steps): the
-    mark that :func:`metrics` measures an interval from."""
+def counters(stats: dict) -> tuple[int, int, float, int, float]:
+    """``(steps, bytes_sent, bytes_uncompressed, sent, uncompressed)`` of a state's ``stats()``
+    (LocalSGD: inner steps): the mark that :func:`metrics` measures an interval from. The last two are
+    what ``compression_ratio`` divides: the bytes across machines on the hierarchical path
+    (``bytes_uncompressed_inter / bytes_sent_inter``), else the first two again."""
     steps = stats.get("steps", stats.get("inner_steps", 0))
-    return int(steps), int(stats["bytes_sent"]), float(stats["bytes_uncompressed"])
+    sent, unc = int(stats["bytes_sent"]), float(stats["bytes_uncompressed"])
+    if stats.get("bytes_uncompressed_inter") is not None:
+        return int(steps), sent, unc, int(stats["bytes_sent_inter"]), float(stats["bytes_uncompressed_inter"])
+    return int(steps), sent, unc, sent, unc
 
 
 def layer_errors(stats: dict, key: str) -> dict[str, float]:
@@ -219,11 +224,13 @@ def metrics(stats: dict, keys: MetricKeys, *, since: tuple = (0, 0, 0.0), layers
     """The scalars a logger receives from a state's ``stats()``: the compression ratio, bytes per step
     since ``since`` (:func:`counters` at the mark), the ``keys.extras`` the state has and, with
     ``layers``, each lossy layer's relative error; named as ``keys`` says."""
-    steps, sent, unc = counters(stats)
+    steps, sent, _, r_sent, r_unc = counters(stats)
     d_steps, d_sent = steps - since[0], sent - since[1]
-    d_unc = unc - (since[2] if len(since) > 2 else 0.0)
-    if keys.interval_ratio and d_sent > 0:  # (an interval without communication: the run's ratio)
-        ratio = d_unc / d_sent
+    # the ratio's own figures (a mark of three: the totals, which the flat path's ratio divides)
+    d_r_sent = r_sent - (since[3] if len(since) > 4 else since[1])
+    d_r_unc = r_unc - (since[4] if len(since) > 4 else since[2] if len(since) > 2 else 0.0)
+    if keys.interval_ratio and d_r_sent > 0:  # (an interval without communication: the run's ratio)
+        ratio = d_r_unc / d_r_sent
     else:
         ratio = float(stats["compression_ratio"])
     out = {f"{prefix}compression_ratio": ratio}

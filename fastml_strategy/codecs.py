@@ -46,7 +46,7 @@ from typing import ClassVar
 import torch
 
 from fastml_strategy import kernels
-from fastml_strategy.config import Codec, CodecConfig
+from fastml_strategy.config import Codec, CodecConfig, type_problem
 
 __all__ = [
     # the registry
@@ -310,7 +310,7 @@ def _check_bits(cfg: CodecConfig, fail, fix: str, optional: bool = False) -> Non
     if optional and bits is None:
         return
     if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
-        fail("bits", f"is {bits!r}, outside 1-8", fix)
+        fail("bits", type_problem(bits) or f"is {bits!r}, outside 1-8", fix)
 
 
 @register_codec(Codec.QUANTIZE)
@@ -479,12 +479,13 @@ class TopkCodec(WireCodec):
             fail("topk", "is not set", "give a fraction in (0, 1] (topk=0.01 keeps 1%) or topk_count")
         if cfg.topk_count is not None and (isinstance(cfg.topk_count, bool) or not isinstance(cfg.topk_count, int)
                                            or cfg.topk_count < 1):
-            fail("topk_count", f"is {cfg.topk_count!r}", "give a whole number >= 1")
+            fail("topk_count", type_problem(cfg.topk_count) or f"is {cfg.topk_count!r}", "give a whole number >= 1")
         if cfg.topk is not None and (
             isinstance(cfg.topk, bool) or not isinstance(cfg.topk, (int, float))
             or not 0.0 < float(cfg.topk) <= 1.0
         ):
-            fail("topk", f"is {cfg.topk!r}, outside (0, 1]", "give the kept fraction, e.g. topk=0.01 for 1%")
+            fail("topk", type_problem(cfg.topk, number=True) or f"is {cfg.topk!r}, outside (0, 1]",
+                 "give the kept fraction, e.g. topk=0.01 for 1%")
         _check_bits(cfg, fail, "quantized top-k values take 1 to 8 bits (None: fp32)", optional=True)
 
     @classmethod

@@ -279,8 +279,11 @@ class CompressedAllReduce(ChunkExchange):
         ``baseline_elem_size`` bytes."""
         W = self.world_size
         nbytes = buf.numel() * buf.element_size()
-        self.bytes_sent += int(round(2.0 * (W - 1) / W * nbytes))
-        self.bytes_uncompressed += 2.0 * (W - 1) / W * baseline_elem_size * numel
+        sent = int(round(2.0 * (W - 1) / W * nbytes))
+        self.bytes_sent += sent
+        # the baseline scaled from the bytes counted as sent, so that a plain all-reduce against its
+        # own dtype is a ratio of exactly 1 (no rounding below it)
+        self.bytes_uncompressed += sent * (baseline_elem_size * numel) / nbytes if nbytes else 0.0
 
     def count_sparse(self, buf: torch.Tensor) -> None:
         """Add gloo's sparse all-reduce of ``buf`` (it all-gathers every rank's indices and values) to

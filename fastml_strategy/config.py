@@ -112,13 +112,13 @@ class CodecConfig:
             raise ValueError(f"{where}: {fieldname} {problem}; {fix}")
 
         self._codec_class().check(self, fail)
-        if self.fallback_bits is not None and (
-            not _is_int(self.fallback_bits) or not 1 <= self.fallback_bits <= 8
-        ):
-            fail("fallback_bits", f"is {self.fallback_bits!r}, outside 1-8", "use 1-8, or None for fp32")
+        fb = self.fallback_bits
+        if fb is not None and (not _is_int(fb) or not 1 <= fb <= 8):
+            fail("fallback_bits", type_problem(fb) or f"is {fb!r}, outside 1-8", "use 1-8, or None for fp32")
         bs = self.block_size
         if not _is_int(bs) or bs < 8 or bs > 65536 or bs & (bs - 1):
-            fail("block_size", f"is {bs!r}", "use a power of two from 8 to 65536 (512 is the default)")
+            fail("block_size", type_problem(bs) or f"is {bs!r}",
+                 "use a power of two from 8 to 65536 (512 is the default)")
         if not isinstance(self.stochastic, bool):
             fail("stochastic", f"is {self.stochastic!r}", "use true or false")
         if not isinstance(self.error_feedback, bool):
@@ -193,6 +193,25 @@ _CONSTRUCTED = "CodecConfig"  # the ``where`` of errors raised at construction
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def type_problem(value: Any, number: bool = False) -> str | None:
+    """Why ``value`` is not a whole number (``number``: not a number at all), worded to follow a
+    setting's name in an error (``bits must be an integer, got the string '4' ...``); None if it is
+    one. A plan JSON that quotes a number (``"bits": "4"``) is refused, not read as 4: its author
+    meant something, and a plan is compared byte for byte across ranks."""
+    if _is_int(value) or (number and isinstance(value, float)):
+        return None
+    kind = "a number" if number else "an integer"
+    if value is None:
+        return "is None"
+    if isinstance(value, str):
+        return f"must be {kind}, got the string {value!r} (write it without quotes)"
+    if isinstance(value, float):
+        return f"must be an integer, got {value!r}"
+    if isinstance(value, bool):
+        return f"must be {kind}, got {value!r}"
+    return f"must be {kind}, got a {type(value).__name__} ({value!r})"
 
 
 def _q(bits: int, **kw: Any) -> CodecConfig:
@@ -391,7 +410,8 @@ class Plan:
         ``topk1``, ``topk1-int4``."""
         if not isinstance(name, str) or name not in RECIPES:
             raise ValueError(
-                f"unknown recipe {name!r}; use one of {sorted(RECIPES)}, a plan JSON path, or a Plan"
+                f"unknown recipe {name!r}{_did_you_mean(name)}; use one of {sorted(RECIPES)}, a plan JSON "
+                f"path, or a Plan"
             )
         allowed = ("layers", "min_numel", "seed", "intra_node", "schedule", "link_latency_us", "link_gbps")
         unknown = sorted(set(overrides) - set(allowed))
@@ -544,10 +564,11 @@ class Plan:
                                      f"fix the pattern after 're:'") from None
             cfg.validate(f"plan.layers[{key!r}]")
         if not _is_int(self.min_numel) or self.min_numel < 0:
-            raise ValueError(f"plan.min_numel is {self.min_numel!r}; use a whole number >= 0 "
+            problem = type_problem(self.min_numel) or f"is {self.min_numel!r}"
+            raise ValueError(f"plan.min_numel {problem}; use a whole number >= 0 "
                              f"(tensors with fewer elements travel uncompressed)")
         if not _is_int(self.seed):
-            raise ValueError(f"plan.seed is {self.seed!r}; use a whole number")
+            raise ValueError(f"plan.seed {type_problem(self.seed)}; use a whole number")
         if not isinstance(self.name, str):
             raise ValueError(f"plan.name is {self.name!r}; use a string (it names the plan in logs)")
         if self.local_steps is not None and not isinstance(self.local_steps, LocalSteps):
@@ -646,6 +667,16 @@ class Plan:
         return resolved, notes
 
 
+def _did_you_mean(name: Any) -> str:
+    """``" (did you mean 'int4'?)"`` for a name close to a recipe's, else ``""``."""
+    import difflib
+
+    if not isinstance(name, str):
+        return ""
+    close = difflib.get_close_matches(name.lower(), list(RECIPES), n=2, cutoff=0.6)
+    return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+
+
 def resolve_plan(plan: Any) -> Plan:
     """Turn what a user passes (a Plan, a recipe name, a path to a plan JSON, a dict, None) into a Plan.
 
@@ -671,7 +702,7 @@ def resolve_plan(plan: Any) -> Plan:
             return Plan.load(s)
         raise ValueError(
             f"plan {s!r} is neither a recipe ({', '.join(sorted(RECIPES))}) nor an existing plan JSON "
-            f"file; pass one of those, a dict, or a fastml_strategy.Plan"
+            f"file{_did_you_mean(s)}; pass one of those, a dict, or a fastml_strategy.Plan"
         )
     raise ValueError(f"plan must be a Plan, a recipe name, a plan JSON path or a dict, "
                      f"not {type(plan).__name__}")

@@ -28,7 +28,14 @@ Overlap with backward needs several buckets. The hook is called once per bucket,
 bucket's gradients are ready; a model that DDP packs into one or two buckets (its default
 ``bucket_cap_mb=25`` holds a 6M-parameter model in one) communicates only after backward. Give DDP a
 smaller cap, ``DDP(model, bucket_cap_mb=suggest_bucket_cap_mb(model))`` (about four buckets); FastML
-logs this advice after the first steps of a model with fewer than three buckets.
+gives this advice after the first steps of a model with fewer than three buckets.
+
+Advice (:mod:`fastml_strategy._advice`): what a user should change is a ``fastml_strategy.FastMLAdvice``
+warning,
+shown once per job on rank 0 (the bucket cap above; ``gradient_as_bucket_view=True``; a lossy plan
+that compresses under 5% of the gradient bytes because its tensors fall under ``min_numel``). The plan
+summary (how many tensors and elements each codec takes) needs no action and is ``logging`` INFO of
+``fastml_strategy.hook``, hidden unless the user turns INFO on.
 
 Usage::
 
@@ -54,6 +61,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from fastml_strategy._advice import advise, little_compressed
 from fastml_strategy._checkpoint import (STATE_FORMAT_VERSION, check_saved_state, check_state_kind,
                                          fitting_residuals, gather_states, own_rank_state)
 from fastml_strategy._distributed import agreed_machines, agreed_plan, default_group_timeout, model_names
@@ -252,7 +260,9 @@ class StepCommit:
         lay = eng.layout_for(job.names, job.offsets, job.numels, job.buffer.device, job.buffer.dtype)
         self.decodes = self.decodes or not lay.uncompressed
         self.layouts.append(lay)
-        return eng.start(lay, job.buffer, step, layer_stats, self.checks, before=before)
+        # the statistics' baseline: DDP's all-reduce of these gradients, in their own dtype
+        return eng.start(lay, job.buffer, step, layer_stats, self.checks,
+                         baseline_elem_size=job.buffer.element_size(), before=before)
 
     def end_step(self, device: torch.device) -> bool:
         """Resolve the step (raises its error on every rank alike), commit or skip; returns whether
@@ -444,7 +454,7 @@ class FastMLState:
         buf, W = job.buffer, self.world_size
         if not job.sparse:  # the layout only names the bucket's layers for stats(); it holds no buffer
             lay = self._engine.layout_for(job.names, job.offsets, job.numels, buf.device, buf.dtype)
-            self._engine.count_plain(lay.total_numel, buf)
+            self._engine.count_plain(lay.total_numel, buf, buf.element_size())
         else:
             self._engine.count_sparse(buf)
         self._count_bucket(buf, job.sparse)
@@ -475,12 +485,14 @@ class FastMLState:
         nbytes = numel * elem_size
         if self.rank != 0 or buckets >= 3 or nbytes < _ADVISE_BUCKETS_BYTES:
             return
-        log.info(
-            "FastML: DDP hands this model's %.1f MB of gradients over in %d bucket(s), so communication "
-            "starts only when backward is (nearly) done; DDP(model, bucket_cap_mb=%.2f) gives about %d "
-            "buckets whose all-reduce overlaps the rest of backward (fastml_strategy.hook."
-            "suggest_bucket_cap_mb(model) computes it)", nbytes / 1e6, buckets,
-            _cap_mb(nbytes, _SUGGESTED_BUCKETS), _SUGGESTED_BUCKETS)
+        cap = _cap_mb(nbytes, _SUGGESTED_BUCKETS)
+        advise("bucket_cap_mb",
+               f"FastML: DDP hands this model's {nbytes / 1e6:.1f} MB of gradients over in "
+               f"{buckets} bucket{'' if buckets == 1 else 's'}, so communication starts only when backward "
+               f"is (nearly) done; DDP(model, bucket_cap_mb={cap:.2f}) gives about {_SUGGESTED_BUCKETS} "
+               f"buckets whose all-reduce overlaps the rest of backward (HF Trainer: "
+               f"TrainingArguments(ddp_bucket_cap_mb={cap:.2f}); Lightning: FastMLStrategy(bucket_cap_mb="
+               f"{cap:.2f}); fastml_strategy.hook.suggest_bucket_cap_mb(model) computes it)")
 
     def _check_replicas(self) -> None:
         mine = torch.tensor([_checksum(self._params)], dtype=torch.int64)
@@ -503,19 +515,30 @@ class FastMLState:
 
     # -- public -----------------------------------------------------------------------------------------
     def stats(self) -> dict:
-        """Cumulative figures of this rank: bytes on the wire against a ring all-reduce of fp32 (a
-        detached state: the saved counters, no per-layer rows). ``bytes_sent_inter`` counts what this
-        rank sent to other machines, ``bytes_sent_intra`` what it sent inside its own (their sum is
-        ``bytes_sent``); the per-layer table keeps one row per layer (on the hierarchical path its
-        ``bytes`` are what this rank sends across machines for its part of the layer)."""
+        """Cumulative figures of this rank (a detached state: the saved counters, no per-layer rows).
+
+        ``bytes_uncompressed`` is the baseline: DDP's ring all-reduce of the same gradients over all
+        W ranks, in the gradients' own dtype (an fp64 model's in fp64, a bf16 model's in bf16), so a
+        ``none`` plan reports ``compression_ratio`` 1.0 for every dtype. ``bytes_sent_inter`` counts
+        what this rank sent to other machines, ``bytes_sent_intra`` what it sent inside its own (their
+        sum is ``bytes_sent``). The per-layer table keeps one row per layer (on the hierarchical path
+        its ``bytes`` are what this rank sends across machines for its part of the layer).
+
+        On the hierarchical path the headline ``compression_ratio`` is the cross-machine one,
+        ``bytes_uncompressed_inter / bytes_sent_inter`` (``bytes_uncompressed_inter``: what this rank
+        would send across machines with nothing compressed), since the slow link is what compression
+        is for; the hop inside the machine has its own ``bytes_uncompressed_intra`` and
+        ``compression_ratio_intra`` (1.0 unless ``Plan.intra_node`` halves it). ``bytes_uncompressed /
+        bytes_sent`` then compares this rank's bytes in all with flat DDP's."""
         if self._saved is not None:
             counters = self._saved["counters"]
             sent, unc, layers = counters["bytes_sent"], int(round(counters["bytes_uncompressed"])), {}
         else:
             sent, unc = self._engine.bytes_sent, int(round(self._engine.bytes_uncompressed))
             layers = self._engine.layer_stats()
-            counters = None
+            counters = self._engine.counters() if self.hierarchical else None
         inter, intra = self._split_bytes(sent, counters)
+        hier = self._hier_stats(counters) if self.hierarchical else {}
         return {
             "steps": self.step,
             "world_size": self.world_size,
@@ -528,11 +551,25 @@ class FastMLState:
             "bytes_sent_intra": None if intra is None else int(intra),
             "bytes_uncompressed": unc,
             "compression_ratio": (unc / sent) if sent > 0 else 1.0,
+            **hier,  # the hierarchical path: the cross-machine ratio as the headline, the intra figures
             "nonfinite_steps": self.nonfinite_steps,
             # buckets and pieces each schedule ran ("plain", "ring", "halving"; Plan.schedule)
             "schedules": {} if self._saved is not None else self._engine.schedule_counts(),
             "layers": layers,
         }
+
+    @staticmethod
+    def _hier_stats(counters: Optional[dict]) -> dict:
+        """The hierarchical path's figures from its counters (:meth:`HierarchicalAllReduce.counters`;
+        a state saved before they were counted has none: the headline is then unc / sent)."""
+        if not counters or "bytes_uncompressed_inter" not in counters:
+            return {}
+        inter, intra = counters["bytes_sent_inter"], counters["bytes_sent_intra"]
+        unc_inter = int(round(counters["bytes_uncompressed_inter"]))
+        unc_intra = int(round(counters["bytes_uncompressed_intra"]))
+        return {"bytes_uncompressed_inter": unc_inter, "bytes_uncompressed_intra": unc_intra,
+                "compression_ratio": unc_inter / inter if inter > 0 else 1.0,
+                "compression_ratio_intra": unc_intra / intra if intra > 0 else 1.0}
 
     def state_dict(self, all_ranks: bool = False) -> dict:
         """This rank's state; with ``all_ranks=True`` (a collective: call on every rank between steps)
@@ -548,10 +585,9 @@ class FastMLState:
             "rank": self.rank,
             "world_size": self.world_size,
             "ranks_per_node": self.ranks_per_node,  # residuals are parts of parameters when > 1
-            "counters": {"bytes_sent": self._engine.bytes_sent,
-                         "bytes_uncompressed": self._engine.bytes_uncompressed,
-                         **({"bytes_sent_inter": self._engine.bytes_sent_inter,
-                             "bytes_sent_intra": self._engine.bytes_sent_intra} if self.hierarchical else {})},
+            "counters": (self._engine.counters() if self.hierarchical else
+                         {"bytes_sent": self._engine.bytes_sent,
+                          "bytes_uncompressed": self._engine.bytes_uncompressed}),
             "residuals": {k: v.detach().cpu().clone() for k, v in self._engine.residuals().items()},
         }
         if not all_ranks:
@@ -742,7 +778,8 @@ def plan_summary(plan: Plan, params: dict, world_size: int) -> str:
         k = cfg.describe()
         n, e = counts.get(k, (0, 0))
         counts[k] = (n + 1, e + p.numel())
-    parts = ", ".join(f"{k}: {n} tensors / {e:,} elements" for k, (n, e) in sorted(counts.items()))
+    parts = ", ".join(f"{k}: {n} tensor{'' if n == 1 else 's'} / {e:,} element{'' if e == 1 else 's'}"
+                      for k, (n, e) in sorted(counts.items()))
     text = f"plan {plan.name!r} on {world_size} ranks: {parts}"
     if fallbacks:
         text += f"; top-k falls back to dense at this world size for {', '.join(fallbacks)}"
@@ -849,11 +886,20 @@ def register_hook(
     if (groups or may_halve(plan_obj, world_size)) and not any(p.is_cuda for p in module.parameters()):
         state.use_channel(FailureChannel(process_group, rank))
     if rank == 0:
-        log.info("FastML: %s", plan_summary(plan_obj, dict(module.named_parameters()), world_size))
-        if not getattr(model, "gradient_as_bucket_view", True):
-            log.info("FastML: DDP(model, gradient_as_bucket_view=True) saves DDP's two copies of every "
-                     "gradient per step (into its bucket during backward, back into .grad after the "
-                     "all-reduce); measured 8%% off an int4 step of the README MLP on CPU "
-                     "(benchmarks/RESULTS.md)")
+        _summarise(model, plan_obj, world_size)
     model.register_comm_hook(state, _fastml_hook)
     return state
+
+
+def _summarise(model: torch.nn.parallel.DistributedDataParallel, plan: Plan, world_size: int) -> None:
+    """Rank 0 at registration: the plan summary (INFO) and the advice (:func:`advise`)."""
+    params = dict(model.module.named_parameters())
+    log.info("FastML: %s", plan_summary(plan, params, world_size))
+    little = little_compressed(plan, params.items(), world_size, owner="FastML")
+    if little is not None:
+        advise("min_numel", little, stacklevel=3)
+    if not getattr(model, "gradient_as_bucket_view", True):
+        advise("gradient_as_bucket_view",
+               "FastML: DDP(model, gradient_as_bucket_view=True) saves DDP's two copies of every gradient "
+               "per step (into its bucket during backward, back into .grad after the all-reduce); "
+               "measured 8% off an int4 step of the README MLP on CPU (benchmarks/RESULTS.md)", stacklevel=3)

@@ -156,3 +156,38 @@ def test_env_plan(monkeypatch):
     assert resolve_plan(None).default.bits == 2
     monkeypatch.delenv("FASTML_PLAN")
     assert resolve_plan(None).name == "int4"
+
+
+# -- messages a user acts on (issue 34, items 7 and 14) ----------------------------------------------------
+def test_recipe_typo_suggests_the_recipe():
+    with pytest.raises(ValueError, match=r"did you mean 'int4'"):
+        Plan.from_recipe("in4")
+    with pytest.raises(ValueError, match=r"did you mean 'int8'"):
+        resolve_plan("int88")
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("bits", "4", "bits must be an integer, got the string '4'"),
+    ("bits", 4.0, "bits must be an integer, got 4.0"),
+    ("block_size", "512", "block_size must be an integer, got the string '512'"),
+])
+def test_quoted_number_is_refused_as_a_type_error_not_a_range(field, value, needle):
+    d = {"format_version": PLAN_FORMAT_VERSION, "default": {"codec": "quantize", "bits": 4, field: value}}
+    with pytest.raises(ValueError) as e:
+        Plan.from_dict(d)
+    assert needle in str(e.value) and "outside 1-8" not in str(e.value), str(e.value)
+
+
+def test_plan_differences_name_the_field_and_each_rank_value():
+    from fastml_strategy._distributed import _plan_differences
+
+    plans = [Plan.from_recipe("int4"), Plan.from_recipe("int4", intra_node="bf16"),
+             Plan.from_recipe("int4", intra_node="fp16")]
+    text = _plan_differences([(None,) * 6 + (p.to_dict(),) for p in plans])
+    assert text == ": they differ in intra_node (rank 0: absent, rank 1: 'bf16', rank 2: 'fp16')", text
+    text = _plan_differences([(None,) * 6 + (p.to_dict(),) for p in plans[1:]])
+    assert text == ": they differ in intra_node.codec (rank 0: 'bf16', rank 1: 'fp16')", text
+    text = _plan_differences([(None,) * 6 + (Plan.from_recipe("int4").to_dict(),),
+                              (None,) * 6 + (Plan.from_recipe("int4", min_numel=8).to_dict(),)])
+    assert text == ": they differ in min_numel (rank 0: 4096, rank 1: 8)", text
+    assert _plan_differences([(None,) * 6]) == ""  # an older build sends no plan

@@ -431,38 +431,38 @@ def test_register_close_cycles_leak_no_thread_or_group():
         assert after == before, (before, after)
 
 
-def _bucket_view_advice(rank, world_size):
-    import logging
+def _advice_given(rank, world_size):
+    # Python's own warning filters (a pool worker is a fresh `python`, no pytest filters): what a user
+    # running a script sees, with logging left at its default (WARNING) level
+    import warnings
 
     import fastml_strategy as fm
+    from fastml_strategy import _advice
 
-    seen = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            seen.append(record.getMessage())
-
-    logger = logging.getLogger("fastml_strategy.hook")
-    handler, level = Keep(), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    out = {}
-    try:
-        for view in (False, True):
-            seen.clear()
-            ddp = DDP(_mlp(64), gradient_as_bucket_view=view)
-            fm.register_hook(ddp, plan="int4")
-            out[view] = sum("gradient_as_bucket_view=True" in m for m in seen)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-    return out
+    _advice._GIVEN.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        for view in (False, False, True):  # the advice comes once per job, not once per model
+            fm.register_hook(DDP(_mlp(64), gradient_as_bucket_view=view), plan="int4")
+        # every tensor under min_numel: int4 compresses nothing
+        fm.register_hook(DDP(_mlp(32), gradient_as_bucket_view=True), plan="int4")
+        # 8.4 MB of gradients in DDP's one default bucket: the bucket_cap_mb advice after step 1
+        big = torch.nn.Linear(1024, 2048)
+        ddp = DDP(big, gradient_as_bucket_view=True)
+        fm.register_hook(ddp, plan="int4")
+        for _ in range(2):
+            ddp(torch.randn(2, 1024)).square().mean().backward()
+    _advice._GIVEN.clear()
+    texts = [str(w.message) for w in caught if issubclass(w.category, fm.FastMLAdvice)]
+    return {"view": sum("gradient_as_bucket_view=True" in t for t in texts),
+            "min_numel": sum("min_numel=4,096" in t for t in texts),
+            "buckets": sum("bucket_cap_mb=" in t for t in texts),
+            "percent": [t for t in texts if "%%" in t], "all": len(texts)}
 
 
-def test_register_hook_advises_gradient_as_bucket_view_once_on_rank_0():
-    res = run_workers(_bucket_view_advice, 2)
-    assert res[0] == {False: 1, True: 0}, res
-    assert res[1] == {False: 0, True: 0}, res
+def test_advice_is_shown_at_default_level_once_on_rank_0():
+    res = run_workers(_advice_given, 2, timeout=180)
+    assert res[0] == {"view": 1, "min_numel": 1, "buckets": 1, "percent": [], "all": 3}, res
+    assert res[1] == {"view": 0, "min_numel": 0, "buckets": 0, "percent": [], "all": 0}, res
 
 
 def _bucket_view_same(rank, world_size, recipe):

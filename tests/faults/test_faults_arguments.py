@@ -42,7 +42,7 @@ PLAN_ROWS = [
     ("codec-unknown", lambda t: CodecConfig(codec="int3"), ValueError, "codec='int3'", "use one of"),
     ("codec-bits", lambda t: CodecConfig(codec="quantize", bits=9), ValueError, "bits is 9", "1 to 8 bits"),
     ("codec-bits-missing", lambda t: CodecConfig(codec="quantize"), ValueError, "bits is None", "1 to 8"),
-    ("codec-bits-str", lambda t: CodecConfig(codec="quantize", bits="4"), ValueError, "bits is '4'", "1 to 8"),
+    ("codec-bits-str", lambda t: CodecConfig(codec="quantize", bits="4"), ValueError, "bits must be an integer, got the string '4'", "1 to 8"),
     ("codec-topk-range", lambda t: CodecConfig(codec="topk", topk=1.5), ValueError, "topk is 1.5",
      r"e\.g\. topk=0\.01"),
     ("codec-topk-missing", lambda t: CodecConfig(codec="topk"), ValueError, "topk is not set", "give a fraction"),
@@ -65,7 +65,7 @@ PLAN_ROWS = [
     ("plan-layers-regex", lambda t: Plan(layers={"re:(": RECIPES["int8"]}), ValueError,
      r"plan.layers\['re:\('\]: invalid regular expression", "fix the pattern"),
     ("plan-min-numel", lambda t: Plan(min_numel=-1), ValueError, "plan.min_numel is -1", "whole number >= 0"),
-    ("plan-seed", lambda t: Plan(seed=1.5), ValueError, "plan.seed is 1.5", "whole number"),
+    ("plan-seed", lambda t: Plan(seed=1.5), ValueError, "plan.seed must be an integer, got 1.5", "whole number"),
     ("plan-name", lambda t: Plan(name=3), ValueError, "plan.name is 3", "use a string"),
     ("uniform-nothing", lambda t: Plan.uniform(), ValueError, "Plan.uniform", "give bits=1..8"),
     ("uniform-bits", lambda t: Plan.uniform(bits=0), ValueError, "bits is 0", "1 to 8"),
@@ -96,7 +96,7 @@ PLAN_ROWS = [
     ("load-json", lambda t: Plan.load(_bad_plan_file(t, '{"format_version": 1,')), ValueError,
      "is not valid JSON", "re-create it"),
     ("load-field", lambda t: Plan.load(_bad_plan_file(t, json.dumps({"format_version": 1, "min_numel": "x"}))),
-     ValueError, r"plan file .*min_numel is 'x'", "whole number"),
+     ValueError, r"plan file .*min_numel must be an integer, got the string 'x'", "whole number"),
 ]
 
 

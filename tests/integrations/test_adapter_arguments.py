@@ -255,7 +255,7 @@ def test_one_metrics_function_keeps_each_frameworks_keys():
               "c.weight": {"codec": "int4", "numel": 10, "rel_error": float("nan")}}  # not measured yet
     stats = {"steps": 10, "bytes_sent": 1000, "bytes_uncompressed": 8000, "compression_ratio": 8.0,
              "residual_bytes": 64, "layers": layers}
-    assert counters(stats) == (10, 1000, 8000.0)
+    assert counters(stats) == (10, 1000, 8000.0, 1000, 8000.0)
     assert metrics(stats, LIGHTNING_KEYS, since=(6, 600), layers=True) == {
         "fastml/compression_ratio": 8.0, "fastml/bytes_sent_per_step": 100.0, "fastml/residual_bytes": 64.0,
         "fastml/rel_error/a.weight": 0.25}
@@ -267,6 +267,14 @@ def test_one_metrics_function_keeps_each_frameworks_keys():
              "ratio_vs_ddp": 30.0}
     assert metrics(local, TRAINER_KEYS, since=(2, 0, 0.0)) == {
         "fastml/compression_ratio": 7.5, "fastml/bytes_per_step": 0.0, "fastml/ratio_vs_ddp": 30.0}
+    # the hierarchical path: the interval's ratio is the cross-machine one, as stats()'s headline;
+    # bytes per step stay this rank's bytes in all
+    hier = {"steps": 10, "bytes_sent": 3000, "bytes_uncompressed": 9000, "bytes_sent_inter": 1000,
+            "bytes_sent_intra": 2000, "bytes_uncompressed_inter": 7000, "compression_ratio": 7.0}
+    mark = counters({**hier, "steps": 5, "bytes_sent": 1500, "bytes_sent_inter": 500,
+                     "bytes_sent_intra": 1000, "bytes_uncompressed_inter": 3500})
+    assert metrics(hier, TRAINER_KEYS, since=mark, layers=False) == {
+        "fastml/compression_ratio": 7.0, "fastml/bytes_per_step": 300.0}
 
 
 def test_the_settings_table_names_every_variable_and_default(monkeypatch):
