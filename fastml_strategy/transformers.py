@@ -47,7 +47,7 @@ Gradient accumulation (``gradient_accumulation_steps``) needs nothing: Trainer r
 before the last inside ``accelerator.no_sync``, which calls no comm hook, so only the synchronising
 micro-batch is compressed (``state.step`` counts optimizer steps). ``ddp_bucket_cap_mb`` is DDP's to
 use and FastML keeps it; without it, a model that DDP's default 25 MB cap packs into fewer than three
-buckets gets a log line with the ``ddp_bucket_cap_mb`` that :func:`~fastml_strategy.hook.suggest_bucket_cap_mb`
+buckets gets a warning (once, rank 0) with the ``ddp_bucket_cap_mb`` that :func:`~fastml_strategy.hook.suggest_bucket_cap_mb`
 computes (communication then overlaps backward). ``bf16=True`` mixed precision, gradient checkpointing
 and ``torch_compile=True`` (Accelerate compiles the DDP model; FastML finds DDP inside it) change nothing
 here. DeepSpeed has no DDP model: FastML warns and training runs uncompressed.
@@ -103,6 +103,7 @@ from fastml_strategy._integration import TRAINER_KEYS, counters, find_ddp, metri
 from fastml_strategy.accelerate import LocalSGDCheckpoint
 from fastml_strategy.accelerate import setup as accelerate_setup
 from fastml_strategy.config import DEFAULT_RECIPE, RECIPES, Codec, Plan, resolve_plan
+from fastml_strategy._advice import advise
 from fastml_strategy.hook import suggest_bucket_cap_mb
 from fastml_strategy.localsgd import LocalSGD, resolve_settings
 
@@ -232,10 +233,11 @@ class FastMLCallback(TrainerCallback):
         module = ddp.module
         nbytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
         if nbytes >= _ADVISE_BYTES and nbytes / (_DDP_DEFAULT_CAP_MB << 20) < 3:
-            log.info("FastML: DDP's default bucket_cap_mb=25 packs this model's %.1f MB of gradients into "
-                     "fewer than 3 buckets, so communication starts only when backward is (nearly) done; "
-                     "TrainingArguments(ddp_bucket_cap_mb=%.2f) gives about 4 buckets whose all-reduce "
-                     "overlaps the rest of backward", nbytes / 1e6, suggest_bucket_cap_mb(module))
+            advise("bucket_cap_mb",
+                   f"FastML: DDP's default bucket_cap_mb=25 packs this model's {nbytes / 1e6:.1f} MB of gradients "
+                   "into fewer than 3 buckets, so communication starts only when backward is (nearly) done; "
+                   f"TrainingArguments(ddp_bucket_cap_mb={suggest_bucket_cap_mb(module):.2f}) gives about 4 "
+                   "buckets whose all-reduce overlaps the rest of backward")
 
     # -- metrics -----------------------------------------------------------------------------------------
     def _counters(self) -> tuple:

@@ -228,24 +228,31 @@ def test_fsdp2_through_training_arguments_on_cpu(ranks):
         assert "LocalSGD (every=3) needs Trainer's DDP model" in r["fsdp_every_refused"]
 
 
-def test_bucket_advice_names_the_training_argument(caplog):
+def test_bucket_advice_names_the_training_argument(monkeypatch):
     """Without ddp_bucket_cap_mb, a model that DDP's 25 MB default packs into fewer than 3 buckets gets the
-    ddp_bucket_cap_mb suggest_bucket_cap_mb computes; a cap the user set is left alone, unadvised."""
-    import logging
+    ddp_bucket_cap_mb suggest_bucket_cap_mb computes, as a FastMLAdvice warning shown at Python's default
+    level, once; a cap the user set is left alone, unadvised."""
     import types
+    import warnings
 
     import torch
 
+    import fastml_strategy._advice as advice
     import fastml_strategy.transformers as fmt
+    from fastml_strategy import FastMLAdvice
     from fastml_strategy.hook import suggest_bucket_cap_mb
 
+    monkeypatch.setattr(advice, "_GIVEN", set())
     ddp = types.SimpleNamespace(module=torch.nn.Linear(2048, 1100))  # 9.0 MB of fp32 gradient
     cb = fmt.FastMLCallback("int4")
-    with caplog.at_level(logging.INFO, logger="fastml_strategy.transformers"):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
         cb._advise_buckets(types.SimpleNamespace(ddp_bucket_cap_mb=5, should_log=True), ddp)
-        assert caplog.text == ""
-        cb._advise_buckets(types.SimpleNamespace(ddp_bucket_cap_mb=None, should_log=True), ddp)
-    assert f"TrainingArguments(ddp_bucket_cap_mb={suggest_bucket_cap_mb(ddp.module):.2f})" in caplog.text
+        assert not seen
+        for _ in range(2):
+            cb._advise_buckets(types.SimpleNamespace(ddp_bucket_cap_mb=None, should_log=True), ddp)
+    assert [w.category for w in seen] == [FastMLAdvice]
+    assert f"TrainingArguments(ddp_bucket_cap_mb={suggest_bucket_cap_mb(ddp.module):.2f})" in str(seen[0].message)
 
 
 def test_cpu_fsdp2_switch_refuses_what_trainer_refuses_with_fsdp():
