@@ -62,6 +62,9 @@ class AutotuneResult:
     budget_notes: list[str] = field(default_factory=list)
     # The tuned plan against the obvious uniform alternatives, trained side by side (None: not checked)
     check: dict[str, Any] | None = None
+    # What the target was (Workload.kind: "workload", "trainer", "lightning"): the report names the
+    # call that trains with plan.json for it
+    target_kind: str = "workload"
 
     @property
     def plan_uses_hook(self) -> bool:
