@@ -37,6 +37,7 @@ from fastml_strategy.autotune._settings import (DEFAULT_BUDGET_MIN, Settings, _r
                                                 prepare)
 from fastml_strategy.autotune.result import (ASSUMED_TARGET_STEPS, TARGET_STEPS_SOURCES,  # noqa: F401
                                              AutotuneResult, uses_local_steps)
+from fastml_strategy.autotune.result import plan_family
 from fastml_strategy.autotune.result import winning_row as _winner
 from fastml_strategy.autotune.workload import Workload
 from fastml_strategy.config import LocalSteps, Plan
@@ -187,6 +188,9 @@ def _option_plan(profile: Profile, groups: Mapping[str, list[str]], result: "Aut
     # hook. Registered anyway, such a plan runs one plain all-reduce per bucket (DDP's own arithmetic,
     # one collective per bucket: the hook skips its status exchange on steps of plain buckets only).
     meta["hook"] = w.use_hook or uses_local_steps(w)
+    meta["family"] = plan_family(search.expand(groups, w.choice),
+                                 {lp.name: lp.numel for lp in profile.layers if lp.tunable},
+                                 every=int(w.get("every", 1)), hook=bool(w.use_hook))
     if not s.sharding.sharded and not uses_local_steps(w):
         mb = w.bucket_mb
         meta["ddp"] = {"bucket_cap_mb": mb, "how": (
