@@ -17,8 +17,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from fastml_strategy.autotune.result import codec_family, plan_family
-
 HERE = Path(__file__).parent
 TARGET = f"{HERE / 'tiny_workload.py'}:workload"
 
@@ -46,6 +44,8 @@ def test_cli_offers_local_steps_as_an_opt_in():
 
 
 def test_plan_family():
+    from fastml_strategy.autotune.result import codec_family, plan_family
+
     assert [codec_family(o) for o in ("int4", "int2-rbf16", "int4-noef", "topk1-int4", "fp16", "none")] == [
         "quantized", "quantized", "quantized", "top-k", "16-bit", "fp32"]
     numel = {"a": 100, "b": 60, "c": 50}
