@@ -154,3 +154,28 @@ def test_three_seeds_give_one_family_no_slower_than_the_best_uniform_recipe(tmp_
             assert w.step_s <= 1.05 * best.step_s
     assert len(set(families)) == 1 and families[0] != "plain DDP", families
     assert max(ratios) <= 1.05, ratios
+
+
+# -- the report's words (issue 34 item 6) -------------------------------------------------------------
+def test_the_headline_names_what_plan_json_holds_and_how_to_train_with_it():
+    from fastml_strategy.autotune.report import _held_words, _register_words, _steps_more
+
+    assert _steps_more(0.9954, "for the compression error") == "0.46% fewer steps for the compression error"
+    assert _steps_more(1.042, "") == "4.2% more steps" and _steps_more(1.0, "") == "no more steps"
+    res = SimpleNamespace(option="local", sharding=SimpleNamespace(sharded=False), target_kind="trainer",
+                          check={"option": "local", "replaced": "uniform int4"})
+    assert _held_words(res) == "uniform int4"
+    assert "fastml_strategy.transformers.setup(trainer, plan=...)" in _register_words(res)
+    res.target_kind, res.check = "workload", {"option": "local", "replaced": None}
+    assert _held_words(res) == "the tuned plan" and "register_hook(model, plan=...)" in _register_words(res)
+    res.target_kind = "lightning"
+    assert "FastMLStrategy(plan=...)" in _register_words(res)
+
+
+def test_a_trainer_target_is_marked_as_one():
+    pytest.importorskip("transformers")
+    from fastml_strategy.autotune.workload import as_workload, Workload
+    import torch
+
+    wl = as_workload(Workload(model=torch.nn.Linear(2, 2), batches=[], loss_fn=lambda m, b: 0))
+    assert wl.kind == "workload"
