@@ -171,11 +171,3 @@ def test_the_headline_names_what_plan_json_holds_and_how_to_train_with_it():
     res.target_kind = "lightning"
     assert "FastMLStrategy(plan=...)" in _register_words(res)
 
-
-def test_a_trainer_target_is_marked_as_one():
-    pytest.importorskip("transformers")
-    from fastml_strategy.autotune.workload import as_workload, Workload
-    import torch
-
-    wl = as_workload(Workload(model=torch.nn.Linear(2, 2), batches=[], loss_fn=lambda m, b: 0))
-    assert wl.kind == "workload"
