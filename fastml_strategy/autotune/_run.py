@@ -651,7 +651,7 @@ def _recheck_measured(s: Settings, profile: Profile, groups: Mapping[str, list[s
     chosen = c["option"]
     row = next(t for t in map(Trial.of, found.rows) if t.option == chosen and t.kind == "fastml"
                and t.every == 1 and t.choice == e["choice"])
-    new = row.replace(use_hook=True, checked_over=dict(c["tuned"]))
+    new = row.replace(use_hook=True, checked_over=dict(c["tuned"]), feasible=True)  # within in its run
     opt = next(o for o in options if o.name == chosen)
     if not s.sharding.sharded:
         new = _best_bucket(profile, groups, opt, found.conv, float(s.target_steps), new, search)
