@@ -131,6 +131,7 @@ TINY = dict(link="10mbit", world_size=2, trials=12, calibration_trials=2, calibr
             target_steps=1000, progress=False)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_three_seeds_give_one_family_no_slower_than_the_best_uniform_recipe(tmp_path):
     from fastml_strategy.autotune import autotune
