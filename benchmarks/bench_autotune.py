@@ -111,6 +111,10 @@ TASKS = {
     "gpt2": Task("gpt2", f"{Path(__file__).resolve().parent / 'gpt_workload.py'}:make2", "validation loss",
                  False, 1.30, "50mbit", ("fp16", "int8", "int4", "int2", "topk1"),
                  ("--no-local-steps", "--budget", "12"), 300, 0, 5),
+    # issue 38's third transformer: 3 blocks of d=320 on gpt's byte language (gpt_workload.make3)
+    "gpt3": Task("gpt3", f"{Path(__file__).resolve().parent / 'gpt_workload.py'}:make3", "validation loss",
+                 False, 1.65, "50mbit", ("fp16", "int8", "int4", "int2", "topk1"),
+                 ("--no-local-steps", "--budget", "12"), 400, 0, 5),
     "digits": Task("digits", f"{Path(__file__).resolve()}:digits_workload", "test accuracy", True, 0.97,
                    "1gbit", ("none", "fp16", "int8", "int4", "int2", "topk1"),
                    ("--trials", "200", "--calibration-trials", "6", "--calibration-steps", "120",
@@ -163,6 +167,17 @@ def _training_parts(task: str, rank: int, world: int, seed: int = 0):
 
         return (model2, lambda: g.batch_stream2(11 + 1000 * rank + 100 * seed), g.loss_fn2,
                 lambda m: g.validation_loss2(m, val2), g.gpt2_optimizer)
+    if task == "gpt3":
+        import gpt_workload as g
+
+        val3 = [next(g.batch_stream(99, 32)) for _ in range(2)]
+
+        def model3():
+            torch.manual_seed(seed)
+            return g.GPT(layers=g.LAYERS3, d=g.D3, heads=g.HEADS3)
+
+        return (model3, lambda: g.batch_stream(13 + 1000 * rank + 100 * seed), g.loss_fn,
+                lambda m: g.validation_loss(m, val3), lambda p: torch.optim.AdamW(p, lr=1e-3))
     from fastml_strategy._digits import accuracy, batches, digits_mlp, load_digits_split
 
     x, y, xt, yt = load_digits_split(seed=0)

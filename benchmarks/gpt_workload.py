@@ -15,6 +15,10 @@ relative final loss). ``bench_autotune.py --workload gpt`` trains it to a valida
 128-token language with unequally likely successors, context 48, batch 12, NAdam 2e-3 (see
 ``VOCAB2`` ...);
 ``bench_autotune.py --workload gpt2``.
+
+``make3`` is a third, wider and shallower one for issue 38's repeated default runs: 3 blocks of
+d=320 (5 heads) on the first workload's byte language, context 64, batch 8, AdamW 1e-3 (3.9M
+parameters in 42 tensors); ``bench_autotune.py --workload gpt3``.
 """
 
 from __future__ import annotations
@@ -179,3 +183,25 @@ def make() -> Workload:
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     return Workload(model=model, batches=lambda: batch_stream(7 + 1000 * rank), loss_fn=loss_fn,
                     optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), name="gpt-3.3m")
+
+
+# -- the third workload: wider and shallower (issue 38) -----------------------------------------------
+# 3 blocks of d=320 (5 heads) on the byte language of the first workload, batch 8 x 64 tokens, AdamW
+# 1e-3: 3.9M parameters in 42 tensors, against the first's 4 blocks of d=256 and the second's 6 of 192.
+LAYERS3, D3, HEADS3 = 3, 320, 5
+
+
+def gpt3_model() -> GPT:
+    """The third workload's model (seeded: every rank and run builds the same weights)."""
+    torch.manual_seed(0)
+    return GPT(layers=LAYERS3, d=D3, heads=HEADS3)
+
+
+def make3() -> Workload:
+    """The third workload as a ``fastml-autotune`` target (``benchmarks/gpt_workload.py:make3``)."""
+    import torch.distributed as dist
+
+    model = gpt3_model()
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return Workload(model=model, batches=lambda: batch_stream(13 + 1000 * rank), loss_fn=loss_fn,
+                    optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), name="gpt3-3.9m")

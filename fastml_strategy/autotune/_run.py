@@ -37,6 +37,7 @@ from fastml_strategy.autotune._settings import (DEFAULT_BUDGET_MIN, Settings, _r
                                                 prepare)
 from fastml_strategy.autotune.result import (ASSUMED_TARGET_STEPS, TARGET_STEPS_SOURCES,  # noqa: F401
                                              AutotuneResult, uses_local_steps)
+from fastml_strategy.autotune.result import plan_family
 from fastml_strategy.autotune.result import winning_row as _winner
 from fastml_strategy.autotune.workload import Workload
 from fastml_strategy.config import LocalSteps, Plan
@@ -192,6 +193,9 @@ def _option_plan(profile: Profile, groups: Mapping[str, list[str]], result: "Aut
     # hook. Registered anyway, such a plan runs one plain all-reduce per bucket (DDP's own arithmetic,
     # one collective per bucket: the hook skips its status exchange on steps of plain buckets only).
     meta["hook"] = w.use_hook or uses_local_steps(w)
+    meta["family"] = plan_family(search.expand(groups, w.choice),
+                                 {lp.name: lp.numel for lp in profile.layers if lp.tunable},
+                                 every=int(w.get("every", 1)), hook=bool(w.use_hook))
     if not s.sharding.sharded and not uses_local_steps(w):
         mb = w.bucket_mb
         meta["ddp"] = {"bucket_cap_mb": mb, "how": (
@@ -509,7 +513,8 @@ def _result(s: Settings, profile: Profile, groups: Mapping[str, list[str]], opti
                           groups=dict(groups), sharding=sh, whatif=whatif, target_steps=found.target_steps,
                           target_steps_source=s.target_steps_source, link_warning=link_warning,
                           local_best=found.local_best, local_calibration=found.local_cal,
-                          accuracy_rule=found.rule, budget_notes=found.notes, check=found.check)
+                          accuracy_rule=found.rule, budget_notes=found.notes, check=found.check,
+                          target_kind=getattr(s.workload, "kind", "workload"))
 
 
 def _write_report(s: Settings, profile: Profile, groups: Mapping[str, list[str]], result: AutotuneResult,
@@ -654,7 +659,7 @@ def _recheck_measured(s: Settings, profile: Profile, groups: Mapping[str, list[s
     chosen = c["option"]
     row = next(t for t in map(Trial.of, found.rows) if t.option == chosen and t.kind == "fastml"
                and t.every == 1 and t.choice == e["choice"])
-    new = row.replace(use_hook=True, checked_over=dict(c["tuned"]))
+    new = row.replace(use_hook=True, checked_over=dict(c["tuned"]), feasible=True)  # within in its run
     opt = next(o for o in options if o.name == chosen)
     if not s.sharding.sharded:
         new = _best_bucket(profile, groups, opt, found.conv, float(s.target_steps), new, search)
@@ -671,42 +676,74 @@ def _ms_text(seconds: float) -> str:
 
 def _uniform_alternatives(rows: list[Mapping[str, Any]], option: str, tuned: Mapping[str, Any],
                           groups: Mapping[str, list[str]],
-                          measured: Mapping[str, float] | None = None) -> list[tuple[Trial, str]]:
+                          measured: Mapping[str, float] | None = None,
+                          own: Mapping[str, float] | None = None) -> list[tuple[Trial, str]]:
     """The obvious alternatives to the tuned plan on ``option``: the feasible uniform per-step plan
     (every group on one codec) of the lowest predicted step time, the one of the lowest predicted
     objective and, with ``measured`` (codec -> the stretch its calibration run measured), the one of
     the lowest measured stretch x predicted step time, each with why it was picked; the tuned plan
     itself is not its own alternative. The third is the model's blind spot: one error number does
     not capture every codec family (bench_autotune's gpt, seed 1: top-k plans needed 1.8x the steps at an
-    error where int2 needed 1.13x, and the fit of g(e) split the difference)."""
+    error where int2 needed 1.13x, and the fit of g(e) split the difference).
+
+    ``own`` (codec -> measured stretch, :func:`_own_runs_within`: the uniform recipes whose own
+    calibration runs all stayed within the accuracy limit) adds the fastest of those by measured
+    stretch x predicted step time, *whether or not the fit admits its error*: the fit pools runs, so
+    a noisy neighbour can place a recipe beyond ``e_max`` that its own runs placed within, and then
+    no alternative was left to compare with (issue 38: plain DDP, 5x slower than uniform int4)."""
     tuned = Trial.of(tuned)
     uni: dict[str, Trial] = {}
+    every_uni: dict[str, Trial] = {}  # feasible by the fit or not
     for t in map(Trial.of, rows):
         o = t.uniform
         if (t.option != option or t.kind != "fastml" or t.every != 1 or o is None
-                or len(t.choice) != len(groups) or not t.feasible or o == "none"
-                or not math.isfinite(t.objective)):
+                or len(t.choice) != len(groups) or o == "none" or not math.isfinite(t.objective)):
             continue
-        if o not in uni or t.objective < uni[o].objective:
+        if o not in every_uni or t.objective < every_uni[o].objective:
+            every_uni[o] = t
+        if t.feasible and (o not in uni or t.objective < uni[o].objective):
             uni[o] = t
-    out: list[tuple[Trial, str]] = []
-    if not uni:
-        return out
-    fast = min(uni.values(), key=lambda t: (t.step_s, t.objective))
-    best = min(uni.values(), key=lambda t: (t.objective, t.step_s))
-    picks = [(fast, "the fastest uniform plan within the accuracy limit by predicted step time"),
-             (best, "the best uniform plan by the cost model")]
+    picks: list[tuple[Trial, str]] = []
+    if uni:
+        fast = min(uni.values(), key=lambda t: (t.step_s, t.objective))
+        best = min(uni.values(), key=lambda t: (t.objective, t.step_s))
+        picks = [(fast, "the fastest uniform plan within the accuracy limit by predicted step time"),
+                 (best, "the best uniform plan by the cost model")]
     timed = [(measured[o] * t.step_s, t) for o, t in uni.items() if measured and o in measured]
     if timed:
         picks.append((min(timed, key=lambda x: x[0])[1],
                       "the fastest uniform plan by its calibration run (measured stretch x predicted "
                       "step time)"))
+    mine = [(own[o] * t.step_s, t) for o, t in every_uni.items() if own and o in own]
+    if mine:
+        picks.append((min(mine, key=lambda x: x[0])[1],
+                      "the fastest uniform recipe whose own calibration runs stayed within the accuracy "
+                      "limit (measured stretch x predicted step time)"))
+    out: list[tuple[Trial, str]] = []
     for t, why in picks:
         if t.choice != tuned.choice and all(t.choice != q.choice for q, _ in out):
             out.append((t, why))
         elif t.choice != tuned.choice:  # the same plan for both reasons
             out = [(q, w if q.choice != t.choice else f"{w}, and {why}") for q, w in out]
     return out
+
+
+def _own_runs_within(cal: _Calibrated, groups: Mapping[str, list[str]], seed: int,
+                     limit: float) -> dict[str, float]:
+    """Codec -> the stretch its uniform calibration run at ``seed`` measured, for the uniform
+    recipes whose every calibration run (each seed; none pruned) had an accuracy loss within
+    ``limit``: the recipes that met the accuracy rule in their own runs, whatever the fit over all
+    runs made of their error."""
+    measured = _measured_uniform(cal, groups, seed)
+    worst: dict[str, float] = {}
+    for p in cal.points:
+        vals = set((p.get("choice") or {}).values())
+        if len(vals) != 1 or len(p["choice"]) != len(groups):
+            continue
+        o = next(iter(vals))
+        v = math.inf if p.get("pruned") else float(p.get("accuracy_loss", math.inf))
+        worst[o] = max(worst.get(o, -math.inf), v if math.isfinite(v) else math.inf)
+    return {o: r for o, r in measured.items() if worst.get(o, math.inf) <= limit + 1e-12}
 
 
 def _measured_uniform(cal: _Calibrated, groups: Mapping[str, list[str]], seed: int) -> dict[str, float]:
@@ -755,21 +792,31 @@ def _check(s: Settings, profile: Profile, groups: Mapping[str, list[str]], optio
     the tuned plan's losses sooner (measured steps x predicted step time,
     :func:`~fastml_strategy.autotune.calibrate.time_to_same_loss`) and stayed within the accuracy
     limit in its run replaces the tuned plan in ``found.best``; the record says what was compared and
-    why the choice stands (None: nothing to check, e.g. plain DDP or local steps won)."""
-    from fastml_strategy.autotune import calibrate, search
+    why the choice stands (None: local steps won, which this check does not compare).
+
+    Plain DDP (no compressed plan admitted, or none predicted faster) is checked too: its curve is the
+    reference run's, and the alternatives include the fastest uniform recipe whose own calibration
+    runs stayed within the limit. The check must never fail open: a search that admitted nothing
+    (issue 38) cannot leave plain DDP in place of a recipe that met the accuracy rule in its runs."""
+    from fastml_strategy.autotune import search
 
     tuned = Trial.of(found.best[chosen])
-    if not tuned.use_hook or uses_local_steps(_winner(tuned, found.local_best.get(chosen))):
+    if uses_local_steps(_winner(tuned, found.local_best.get(chosen))):
         return None
-    alts = _uniform_alternatives(found.rows, chosen, tuned, groups, _measured_uniform(cal, groups, s.seed))
+    plain = not tuned.use_hook
+    own = _own_runs_within(cal, groups, s.seed, s.max_accuracy_loss)
+    alts = _uniform_alternatives(found.rows, chosen, tuned, groups, _measured_uniform(cal, groups, s.seed), own)
+    alts += _default_recipe(found.rows, chosen, tuned, groups, alts)
     record: dict[str, Any] = {"option": chosen, "steps": s.calibration_steps, "seed": s.seed,
                               "paired": cal.ref.get("paired"), "tuned": dict(tuned.choice),
-                              "tuned_step_s": tuned.step_s, "alternatives": [], "replaced": None}
+                              "tuned_plain": plain, "tuned_step_s": tuned.step_s, "alternatives": [],
+                              "replaced": None, "own_within": sorted(own)}
     if not alts:
         record["verdict"] = ("nothing to compare: the tuned plan is itself the fastest and the best "
-                             "uniform plan within the accuracy limit, or no other uniform plan is within it")
+                             "uniform plan within the accuracy limit, or no uniform plan is within it, "
+                             "by the fit or in its own calibration runs")
         return record
-    todo = [a for a in [tuned] + [r for r, _ in alts]
+    todo = [a for a in ([] if plain else [tuned]) + [r for r, _ in alts]
             if not any(p["choice"] == a.choice and int(p.get("seed", s.seed)) == s.seed and p.get("losses")
                        for p in cal.points)]
     if not _fits(deadline, cal.run_s * len(todo)):  # it runs all the same: say what it cost
@@ -777,12 +824,59 @@ def _check(s: Settings, profile: Profile, groups: Mapping[str, list[str]], optio
                      f"{cal.run_s:.0f} s) ran past the budget (it always runs; its time was reserved, "
                      f"but the runs before it took longer than estimated)")
     bar.phase("checking the tuned plan against uniform plans", max(1, len(todo)), "run")
-    t_losses, _ = _check_curve(s, profile, groups, tuned.choice, cal, cal_name)
-    bar.update(1)
     ref = cal.ref.get("references", {}).get(s.seed) or cal.ref
+    # plain DDP's curve is the reference run itself (uncompressed training, the same weights and batches)
+    t_losses = list(ref["losses"]) if plain else _check_curve(s, profile, groups, tuned.choice, cal, cal_name)[0]
+    bar.update(1)
+    best_alt = _compare_alternatives(s, profile, groups, alts, t_losses, tuned, cal, cal_name, ref, record, bar)
+    if best_alt is None:
+        tuned_words = "plain DDP stands" if plain else "the tuned plan stands"
+        why_not = [f"{e['plan']}: " + ("over the accuracy limit in its run" if e["sooner"] and not e["within_limit"]
+                                       else "not sooner") for e in record["alternatives"]]
+        record["verdict"] = f"{tuned_words} (" + "; ".join(why_not) + ")"
+        return record
+    row = best_alt[1]
+    # a recipe its own runs placed within the limit is admitted by them, whatever the fit said
+    new = row.replace(use_hook=True, checked_over=dict(tuned.choice), feasible=True)
+    if not s.sharding.sharded:
+        new = _best_bucket(profile, groups, options[[o.name for o in options].index(chosen)], conv,
+                           float(s.target_steps), new, search)
+    found.best[chosen] = new
+    record["replaced"] = f"uniform {row.uniform}"
+    record["verdict"] = (f"{record['replaced']} reached the {'reference' if plain else 'tuned plan'}'s losses "
+                         f"in {best_alt[0]:.3g}x its time, within the accuracy limit: plan.json holds "
+                         f"{record['replaced']} instead" + (" of plain DDP" if plain else ""))
+    return record
+
+
+# The recipe every check also trains (when it is not the tuned plan or an alternative already): the
+# library's default, so that a calibration the budget cut short (on a loaded machine only the first,
+# fp16, plan may run) cannot leave the answer slower than it where it meets the accuracy limit.
+DEFAULT_CHECK_RECIPE = "int4"
+
+
+def _default_recipe(rows: list[Mapping[str, Any]], option: str, tuned: Trial, groups: Mapping[str, list[str]],
+                    alts: list[tuple[Trial, str]]) -> list[tuple[Trial, str]]:
+    """Uniform :data:`DEFAULT_CHECK_RECIPE` as one more alternative, unless it is already compared."""
+    uni = [t for t in map(Trial.of, rows) if t.option == option and t.kind == "fastml" and t.every == 1
+           and t.uniform == DEFAULT_CHECK_RECIPE and len(t.choice) == len(groups) and math.isfinite(t.objective)]
+    if not uni or any(a.choice == uni[0].choice for a, _ in alts) or tuned.choice == uni[0].choice:
+        return []
+    return [(min(uni, key=lambda t: t.objective),
+             f"the default recipe ({DEFAULT_CHECK_RECIPE}), trained in every check: judged by its own run")]
+
+
+def _compare_alternatives(s: Settings, profile: Profile, groups: Mapping[str, list[str]],
+                          alts: list[tuple[Trial, str]], t_losses: list[float], tuned: Trial, cal: _Calibrated,
+                          cal_name: str, ref: Mapping[str, Any], record: dict[str, Any],
+                          bar: _Progress) -> tuple[float, Trial] | None:
+    """Train (or read back) each alternative, add its entry to ``record`` and return the soonest one
+    within the accuracy limit in its run, as ``(time ratio, row)`` (None: none sooner)."""
+    from fastml_strategy.autotune import calibrate
+
     slope = calibrate.end_slope([v["losses"] for v in (cal.ref.get("references") or {0: ref}).values()
                                  if v.get("losses")])
-    best_alt: tuple[float, dict[str, Any]] | None = None
+    best_alt: tuple[float, Trial] | None = None
     for row, why in alts:
         losses, metric = _check_curve(s, profile, groups, row.choice, cal, cal_name)
         bar.update(1)
@@ -792,27 +886,13 @@ def _check(s: Settings, profile: Profile, groups: Mapping[str, list[str]], optio
             ref, losses, metric, calibrate.stretch(ref["losses"], losses, cal.ref.get("noise")),
             slope)["accuracy_loss"]
         within = bool(acc <= s.max_accuracy_loss + 1e-12)
-        entry = {"plan": f"uniform {row.uniform}", "why": why,
-                 "choice": dict(row.choice), "step_s": row.step_s, "accuracy_loss": acc,
-                 "within_limit": within, **{k: v for k, v in cmp.items()}}
-        record["alternatives"].append(entry)
+        record["alternatives"].append({"plan": f"uniform {row.uniform}", "why": why,
+                                       "choice": dict(row.choice), "step_s": row.step_s, "accuracy_loss": acc,
+                                       "within_limit": within, "feasible_by_fit": row.feasible,
+                                       **{k: v for k, v in cmp.items()}})
         if cmp["sooner"] and within and (best_alt is None or cmp["time_ratio"] < best_alt[0]):
             best_alt = (cmp["time_ratio"], row)
-    if best_alt is None:
-        why_not = [f"{e['plan']}: " + ("over the accuracy limit in its run" if e["sooner"] and not e["within_limit"]
-                                       else "not sooner") for e in record["alternatives"]]
-        record["verdict"] = "the tuned plan stands (" + "; ".join(why_not) + ")"
-        return record
-    row = best_alt[1]
-    new = row.replace(use_hook=True, checked_over=dict(tuned.choice))
-    if not s.sharding.sharded:
-        new = _best_bucket(profile, groups, options[[o.name for o in options].index(chosen)], conv,
-                           float(s.target_steps), new, search)
-    found.best[chosen] = new
-    record["replaced"] = f"uniform {row.uniform}"
-    record["verdict"] = (f"{record['replaced']} reached the tuned plan's losses in {best_alt[0]:.3g}x its "
-                         f"time, within the accuracy limit: plan.json holds {record['replaced']} instead")
-    return record
+    return best_alt
 
 
 def _calibration_deadline(s: Settings, profile: Profile) -> float | None:

@@ -151,7 +151,8 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
     MixedPrecisionPolicy), ``reshard_after_forward``, ``intra_node_link`` (a RATE like ``--link``) and
     ``max_residual_gb`` (error-feedback memory per rank) describe it; they are errors with DDP.
 
-    Local steps (DDP only; default on): ``local_steps=False`` searches per-step compression alone;
+    Local steps (DDP only; default off, issue 38): ``local_steps=True`` searches LocalSGD beside
+    per-step compression (so does giving ``local_every`` or ``local_fragments``);
     ``local_every`` (sync periods H >= 2, default :data:`DEFAULT_LOCAL_EVERY`) and
     ``local_fragments`` (F >= 1, default :data:`DEFAULT_LOCAL_FRAGMENTS`) set what is calibrated and
     searched.
@@ -363,16 +364,25 @@ def _int_list(name: str, v: Any, minimum: int, words: str) -> tuple[int, ...]:
 
 def _check_local(local_steps: Any, every: Any, fragments: Any,
                  sharding: Sharding) -> tuple[bool, tuple[int, ...], tuple[int, ...]]:
-    """The local-steps options, validated: on by default for DDP; LocalSGD does not shard."""
+    """The local-steps options, validated: off unless asked for (``--local-steps``, or a
+    ``--local-every`` / ``--local-fragments`` to search); LocalSGD does not shard.
+
+    Off by default since issue 38: the local-steps calibration is the longest optional phase (two runs
+    of 4 x the largest H steps on W replicas), so ``--budget`` ran it on a quiet machine and left it
+    out on a loaded one, and the same command's answer flipped between a per-step plan and LocalSGD
+    (at 50 Mbit/s with fp32 pseudo-gradients: a plan.json whose codecs are fp32 for every tensor,
+    which ``register_hook`` and every per-step integration run as plain DDP, 5x slower than uniform
+    int4). Local steps change the training algorithm; a user asks for them."""
     if local_steps is not None and not isinstance(local_steps, bool):
-        raise ValueError(f"local_steps is {local_steps!r}; give True, False or None (on for DDP)")
+        raise ValueError(f"local_steps is {local_steps!r}; give True, False or None (off unless "
+                         f"local_every or local_fragments is given)")
     if sharding.sharded:
         if local_steps or every is not None or fragments is not None:
             raise ValueError(f"--local-steps / --local-every / --local-fragments describe LocalSGD, which "
                              f"replicates the model, but --sharding is {sharding.kind}; drop them or use "
                              f"--sharding ddp")
         return False, DEFAULT_LOCAL_EVERY, DEFAULT_LOCAL_FRAGMENTS
-    on = True if local_steps is None else local_steps
+    on = (every is not None or fragments is not None) if local_steps is None else local_steps
     every_v = DEFAULT_LOCAL_EVERY if every is None else _int_list(
         "--local-every", every, 2, "10,50 (H = 1, per-step compression, is always searched)")
     frags_v = DEFAULT_LOCAL_FRAGMENTS if fragments is None else _int_list(

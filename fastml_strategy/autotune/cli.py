@@ -134,11 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     ls = p.add_argument_group(
         "local steps",
-        "Besides compressing every step's gradients, the search considers fastml_strategy.LocalSGD: "
-        "synchronise every H steps (bytes per step / H), in F staggered fragments; calibration runs "
-        "measure how much H stretches the steps to the target. The report compares both per option")
+        "With --local-steps, besides compressing every step's gradients, the search considers "
+        "fastml_strategy.LocalSGD: synchronise every H steps (bytes per step / H), in F staggered "
+        "fragments; calibration runs measure how much H stretches the steps to the target. The report "
+        "compares both per option. Off by default: LocalSGD changes the training algorithm")
+    ls.add_argument("--local-steps", dest="local_steps", action="store_true", default=None,
+                    help="search LocalSGD (local steps) beside per-step compression (calibration runs of "
+                         "max(--calibration-steps, 4 x the largest H) steps)")
     ls.add_argument("--no-local-steps", dest="local_steps", action="store_false", default=None,
-                    help="search per-step compression only (no local-steps calibration runs)")
+                    help="search per-step compression only (the default)")
     ls.add_argument("--local-every", default=None, metavar="H,H",
                     help="sync periods H to calibrate and search, e.g. 10,50,100 (default: 10,50); each "
                          "costs one calibration run of max(--calibration-steps, 4 x the largest H) steps")

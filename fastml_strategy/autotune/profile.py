@@ -124,6 +124,17 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def step_clock() -> Callable[[], float]:
+    """The clock compute and codec times are profiled with: this thread's CPU time where one thread
+    does the work (one intra-op thread, no GPU: the default of two ranks on two cores), else the wall
+    clock. On a shared machine the wall clock times the other jobs too: at load 25-50 on 2 cores the
+    profile of issue 38's GPT read 20 s per step, the 50 Mbit/s link looked free beside it, and the
+    tuner answered plain DDP; the thread's CPU time is what the step costs on the rank it will run on."""
+    if torch.get_num_threads() == 1 and not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return time.thread_time
+    return time.perf_counter
+
+
 def profile_workload(
     wl: Workload,
     *,
@@ -142,6 +153,7 @@ def profile_workload(
     model.train()
     opt = wl.make_optimizer(model)
     run = _ProfileRun(wl, model, opt)
+    clock = run.clock
     tunable = {n for n, p in run.named if p.numel() >= min_numel}
     try:
         for step in range(warmup + steps):
@@ -149,11 +161,11 @@ def profile_workload(
             run.forward_backward(measured)
             if measured:
                 run.measure_codecs(tunable, options, steps)
-            t3 = time.perf_counter()
+            t3 = clock()
             opt.step()
             _sync()
             if measured:
-                run.opt_t.append(time.perf_counter() - t3)
+                run.opt_t.append(clock() - t3)
                 if progress is not None:
                     progress(1)
         run.more_compute_steps()
@@ -182,6 +194,7 @@ class _ProfileRun:
 
     def __init__(self, wl: Workload, model: torch.nn.Module, opt: Any) -> None:
         self.wl, self.model, self.opt = wl, model, opt
+        self.clock = step_clock()  # CPU time of this thread where it does the work (step_clock)
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.ready: dict[str, float] = {}  # this step: seconds into backward each gradient was ready
         self.t_bwd0 = 0.0
@@ -199,7 +212,7 @@ class _ProfileRun:
 
     def _ready_hook(self, n: str) -> Callable[[torch.Tensor], None]:
         def hook(_p: torch.Tensor) -> None:
-            self.ready[n] = time.perf_counter() - self.t_bwd0
+            self.ready[n] = self.clock() - self.t_bwd0
         return hook
 
     def remove_hooks(self) -> None:
@@ -212,14 +225,14 @@ class _ProfileRun:
         self.opt.zero_grad(set_to_none=True)
         self.ready.clear()
         _sync()
-        t0 = time.perf_counter()
+        t0 = self.clock()
         loss = self.wl.loss_fn(self.model, batch)
         _sync()
-        t1 = time.perf_counter()
+        t1 = self.clock()
         self.t_bwd0 = t1
         loss.backward()
         _sync()
-        t2 = time.perf_counter()
+        t2 = self.clock()
         if record:
             self.fwd_t.append(t1 - t0)
             self.bwd_t.append(t2 - t1)
@@ -248,10 +261,10 @@ class _ProfileRun:
                     roundtrip(x.clone(), cfg)  # seconds once, not its speed (it set int8 at 3 s)
                     _sync()
                     self.warmed.add(o)
-                ta = time.perf_counter()
+                ta = self.clock()
                 dec, _ = roundtrip(x, cfg)
                 _sync()
-                self.codec_t.setdefault(key, []).append(time.perf_counter() - ta)
+                self.codec_t.setdefault(key, []).append(self.clock() - ta)
                 if cfg.uses_residual:
                     self.residual[key] = (x - dec).to(cfg.residual_torch_dtype)
                 self.err_sq[key] = self.err_sq.get(key, 0.0) + float((dec - g).float().pow(2).sum())
@@ -264,7 +277,7 @@ class _ProfileRun:
             t2 = self.forward_backward(True)
             self.opt.step()
             _sync()
-            self.opt_t.append(time.perf_counter() - t2)
+            self.opt_t.append(self.clock() - t2)
 
 
 def _optimizer_state_bytes(opt: Any) -> int:

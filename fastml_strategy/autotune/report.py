@@ -94,6 +94,39 @@ def _pct(v: float) -> str:
     return f"{v:.2g}%" if abs(v) < 10 else f"{v:,.0f}%"
 
 
+def _steps_more(g: float, what: str) -> str:
+    """'4.2% more steps' / '0.46% fewer steps' / 'no more steps' for a step factor ``g`` (1 = the
+    same steps), followed by ``what``."""
+    pct = 100 * (g - 1)
+    if abs(pct) < 0.01:
+        return f"no more steps {what}".rstrip()
+    return f"{_pct(abs(pct))} {'more' if pct > 0 else 'fewer'} steps {what}".rstrip()
+
+
+# How to train with plan.json's per-step plan, by what the target was (Workload.kind)
+_REGISTER_WORDS = {
+    "trainer": "pass it to fastml_strategy.transformers.setup(trainer, plan=...) before trainer.train()",
+    "lightning": "train with fastml_strategy.lightning.FastMLStrategy(plan=...)",
+    "workload": "register it with fastml_strategy.register_hook(model, plan=...) or FASTML_PLAN",
+}
+
+
+def _register_words(result: "AutotuneResult") -> str:
+    """The call that trains with plan.json's per-step plan, for this target."""
+    if result.sharding.sharded:
+        return "pass it to fastml_strategy.fsdp.register after fully_shard"
+    return _REGISTER_WORDS.get(getattr(result, "target_kind", "workload"), _REGISTER_WORDS["workload"])
+
+
+def _held_words(result: "AutotuneResult") -> str:
+    """What plan.json's per-step plan is: the tuned plan, or the uniform plan the check put in its
+    place ('uniform int4')."""
+    c = result.check
+    if c is not None and c.get("replaced") and c.get("option") == result.option:
+        return str(c["replaced"])
+    return "the tuned plan"
+
+
 def _ms(seconds: float) -> str:
     return human_time(seconds) if seconds >= 1.0 else f"{1e3 * seconds:.3g} ms"
 
@@ -136,7 +169,9 @@ def _local_words(row: Mapping[str, Any]) -> str:
 
 
 def _per_step_words(result: "AutotuneResult", name: str) -> str:
-    return "the tuned plan" if result.best[name].get("use_hook", True) else _baseline_words(result)
+    if not result.best[name].get("use_hook", True):
+        return _baseline_words(result)
+    return _held_words(result) if name == result.option else "the tuned plan"
 
 
 def _saving(result: "AutotuneResult", name: str, win: Mapping[str, Any], lose: Mapping[str, Any]) -> str:
@@ -179,9 +214,10 @@ def headline(result: "AutotuneResult") -> list[str]:
     c = result.check
     if c is not None and c.get("alternatives"):
         alts = " and ".join(e["plan"] for e in c["alternatives"])
-        lines.append(f"Checked against {alts}, trained side by side with the tuned plan: "
+        tuned = _baseline_words(result) if c.get("tuned_plain") else "the tuned plan"
+        lines.append(f"Checked against {alts}, trained side by side with {tuned}: "
                      + (f"**{c['replaced']} reached the same loss sooner, so plan.json holds it.**"
-                        if c.get("replaced") else "the tuned plan stands (see the check below)."))
+                        if c.get("replaced") else f"{tuned} stands (see the check below)."))
     lines.append(f"Times and costs are for {_steps_words(result)}, plus the extra steps each plan's "
                  f"compression error costs.")
     if result.link_warning:
@@ -218,20 +254,20 @@ def _verdict(result: "AutotuneResult") -> str:
         return (f"**Use local steps on {where}: LocalSGD with plan.json ({_local_words(w)})**: predicted "
                 f"{speed:.2f}x faster than {base}, {human_time(w['tta_s'])} instead of "
                 f"{human_time(d['tta_s'])}{money} ({_ms(w['step_s'])} per inner step, "
-                f"{_pct(100 * (w['g'] - 1))} more steps than synchronising every step); "
+                f"{_steps_more(w['g'], 'than synchronising every step')}); "
                 f"per-step compression ({_per_step_words(result, name)}) would take "
                 f"{human_time(b['tta_s'])}; local steps: {_saving(result, name, w, b)}; "
                 f"train with fastml_strategy.LocalSGD.from_plan(model, inner_optimizer, plan).")
     if b.get("use_hook", True):
         speed = d["tta_s"] / b["tta_s"] if b["tta_s"] > 0 else float("nan")
-        how = ("register it with fastml_strategy.register_hook(model, plan=...) or FASTML_PLAN"
-               if not result.sharding.sharded else "pass it to fastml_strategy.fsdp.register after fully_shard")
+        how = _register_words(result)
         money = f", {human_money(b['cost_usd'])} instead of {human_money(d['cost_usd'])}" if priced else ""
         intra = _intra_words(b)
-        return (f"**Use the tuned plan (plan.json) on {where}**: predicted {speed:.2f}x faster than "
+        held = _held_words(result)
+        return (f"**Use {held} (plan.json) on {where}**: predicted {speed:.2f}x faster than "
                 f"{base}, {human_time(b['tta_s'])} instead of {human_time(d['tta_s'])}{money} "
                 f"({_ms(b['step_s'])} per step instead of {_ms(d['step_s'])}, "
-                f"{_pct(100 * (b['g'] - 1))} more steps for the compression error"
+                f"{_steps_more(b['g'], 'for the compression error')}"
                 + (f"; {intra}" if intra else "") + f"); {how}.")
     bc = _best_compressed(result, name)
     worse = ""
@@ -860,7 +896,7 @@ def _summary(result: "AutotuneResult", s: "Settings") -> list[str]:
         f"catalog: {s.catalog_path}.",
         f"plan.json is tuned for **{result.option}**: predicted {_ms(b['step_s'])} per step "
         f"({words} {_ms(d['step_s'])}), gradient error {b['error']:.3g}, "
-        f"{_pct(100 * (b['g'] - 1))} extra steps, time to target {human_time(b['tta_s'])} "
+        f"{_steps_more(b['g'], '')}, time to target {human_time(b['tta_s'])} "
         f"({short} {human_time(d['tta_s'])})"
         + (f"; {intra}" if intra else "") + ".",
         f"Compute per step {_ms(prof.compute_s)} (forward {_ms(prof.forward_s)}, backward "
@@ -1078,7 +1114,9 @@ def _check_text(result: "AutotuneResult") -> str | None:
         return f"Check before writing plan.json ({_plan_words(c['tuned'])} on {c['option']}): {c.get('verdict', '')}."
     pair = ("from the same weights on the same batches" if c.get("paired") else
             "from the same weights (batches not replayed: the comparison includes the data order)")
-    head = (f"Check before writing plan.json: the tuned plan ({_plan_words(c['tuned'])}) and the obvious "
+    tuned = ("plain DDP (the search admitted no compressed plan or predicted none faster; its run is "
+             "the reference's)" if c.get("tuned_plain") else f"the tuned plan ({_plan_words(c['tuned'])})")
+    head = (f"Check before writing plan.json: {tuned} and the obvious "
             f"uniform alternatives on {c['option']} trained side by side for {c['steps']} steps, {pair}, "
             f"seed {c['seed']}; time to the tuned plan's losses = measured steps x predicted step time"
             + (" (then, with the step times measured across the ranks, again)." if c.get("tuned_measured_step_s")
@@ -1089,7 +1127,10 @@ def _check_text(result: "AutotuneResult") -> str | None:
                      f"{_ms(c['tuned_step_s'])}): {e['words']}"
                      + (f"; {e['measured_words']}" if e.get("measured_words") else "")
                      + f"; accuracy loss {e['accuracy_loss']:+.3g}"
-                     f" ({'within' if e['within_limit'] else 'over'} the limit).")
+                     f" ({'within' if e['within_limit'] else 'over'} the limit"
+                     + ("" if e.get("feasible_by_fit", True) else
+                        "; beyond the fit's e_max, within the limit in its own calibration runs")
+                     + ").")
     parts.append(f"Verdict: {c.get('verdict', '')}.")
     if c.get("replaced"):
         parts.append("The predicted figures above are the cost model's for that plan, and the step-time "

@@ -16,7 +16,8 @@ from fastml_strategy.autotune.costmodel import (AccuracyRule, Convergence, Local
                                                 Trial)
 from fastml_strategy.config import Plan
 
-__all__ = ["AutotuneResult", "ASSUMED_TARGET_STEPS", "TARGET_STEPS_SOURCES", "uses_local_steps", "winning_row"]
+__all__ = ["AutotuneResult", "ASSUMED_TARGET_STEPS", "TARGET_STEPS_SOURCES", "codec_family", "plan_family",
+           "uses_local_steps", "winning_row"]
 
 # Training length when the user gives none (--target-steps) and is not asked: every time and cost scales
 # with it, the choice of plan does not (it multiplies every option and plan alike). The report says it
@@ -62,6 +63,19 @@ class AutotuneResult:
     budget_notes: list[str] = field(default_factory=list)
     # The tuned plan against the obvious uniform alternatives, trained side by side (None: not checked)
     check: dict[str, Any] | None = None
+    # What the target was (Workload.kind: "workload", "trainer", "lightning"): the report names the
+    # call that trains with plan.json for it
+    target_kind: str = "workload"
+
+    @property
+    def family(self) -> str:
+        """plan.json's plan family (:func:`plan_family`): what a repeated run must agree on."""
+        from fastml_strategy.autotune.search import expand
+
+        w = self.winner(self.option)
+        numel = {lp.name: lp.numel for lp in self.profile.layers if lp.tunable}
+        return plan_family(expand(self.groups, w.choice), numel, every=int(w.get("every", 1)),
+                           hook=bool(w.get("use_hook", True)))
 
     @property
     def plan_uses_hook(self) -> bool:
@@ -85,3 +99,30 @@ def winning_row(best: Mapping[str, Any], local: Mapping[str, Any] | None) -> Tri
 def uses_local_steps(row: Mapping[str, Any]) -> bool:
     """Whether a result row is a LocalSGD configuration (H > 1)."""
     return int(row.get("every", 1)) > 1
+
+
+def codec_family(option: str) -> str:
+    """A codec option's family: ``quantized`` (int2-int8, with or without error feedback), ``top-k``
+    (values fp32 or int4), ``16-bit`` or ``fp32`` (``none``); a ``-rbf16`` residual does not change it."""
+    o = option.removesuffix("-rbf16")
+    if o.startswith("int"):
+        return "quantized"
+    if o.startswith("topk"):
+        return "top-k"
+    return {"fp16": "16-bit", "bf16": "16-bit", "none": "fp32"}.get(o, o)
+
+
+def plan_family(choice: Mapping[str, str], numel: Mapping[str, int], every: int = 1, hook: bool = True) -> str:
+    """What kind of answer a plan is: ``local steps``, ``plain DDP`` (no hook, or fp32 for every tuned
+    tensor), else the codec family (:func:`codec_family`) of most of the tuned gradient elements
+    (``numel``: parameter -> elements). Two runs of one command must agree on it (issue 38: one run
+    of the same command gave an int4/int6/int8 mix, the next fp32 everywhere)."""
+    if every > 1:
+        return "local steps"
+    by: dict[str, int] = {}
+    for name, n in numel.items():
+        f = codec_family(choice.get(name, "none"))
+        by[f] = by.get(f, 0) + int(n)
+    if not hook or not by or set(by) == {"fp32"}:
+        return "plain DDP"
+    return max(by, key=lambda f: (by[f], f))

@@ -59,6 +59,10 @@ class Workload:
     eval_fn: Callable[[torch.nn.Module], float] | None = None
     optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | None = None
     name: str = "workload"
+    # What the target was, so the report names the call that trains with the plan: "workload" (a
+    # Workload: register_hook on your DDP model), "trainer" (transformers.setup), "lightning"
+    # (FastMLStrategy). Set by as_workload.
+    kind: str = "workload"
     # Filled by as_workload for LightningModules: builds the optimizer from a fresh model copy.
     _optimizer_from_model: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = field(
         default=None, repr=False)
@@ -177,7 +181,7 @@ def _lightning_workload(module: Any, datamodule: Any | None, name: str) -> Workl
         return out
 
     return Workload(model=module, batches=batches, loss_fn=loss_fn,
-                    eval_fn=_lightning_eval_fn(module, datamodule), name=name,
+                    eval_fn=_lightning_eval_fn(module, datamodule), name=name, kind="lightning",
                     _optimizer_from_model=_lightning_optimizer)
 
 
@@ -294,7 +298,7 @@ def _trainer_workload(trainer: Any, name: str) -> Workload:
         finally:
             trainer.optimizer = given_optimizer
 
-    return Workload(model=trainer.model, batches=batches, loss_fn=loss_fn, name=name,
+    return Workload(model=trainer.model, batches=batches, loss_fn=loss_fn, name=name, kind="trainer",
                     _optimizer_from_model=optimizer)
 
 

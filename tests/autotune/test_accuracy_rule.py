@@ -289,7 +289,7 @@ def test_plain_ddp_recommendation_means_no_hook(tmp_path):
 def test_budget_caps_the_run_and_the_report_says_what_it_left_out(tmp_path):
     out = tmp_path / "b"
     args = [TARGET, "--world-size", "2", "--link", "100mbit", "--out", str(out), "--budget", "0.01",
-            *[a for a in FAST if a != "--no-local-steps"]]
+            *[a for a in FAST if a != "--no-local-steps"], "--local-steps"]
     r = _run(args)
     assert r.returncode == 0, r.stderr[-3000:]
     cal = pd.read_csv(out / "calibration.csv")

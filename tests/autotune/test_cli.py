@@ -169,8 +169,12 @@ def test_report_opens_with_the_answer_in_words(tuned):
     first = md[2]  # after the title and a blank line
     # which of the three answers depends on the timings measured on this machine; each is a verdict
     answers = ("- **Use the tuned plan (plan.json) on your cluster", "- **Use plain DDP on your cluster",
-               "- **Use local steps on your cluster: LocalSGD with plan.json")
+               "- **Use local steps on your cluster: LocalSGD with plan.json", "- **Use uniform ")
     assert first.startswith(answers), first
+    # the headline names what plan.json holds: the uniform plan the check put in the tuned plan's place
+    check = json.loads((out / "plan.json").read_text())["meta"].get("checked_against_uniform") or {}
+    if check.get("replaced"):
+        assert first.startswith(f"- **Use {check['replaced']} (plan.json) on your cluster"), first
     verdict = [line for line in md[2:8] if line.startswith("- ")]
     text = " ".join(verdict)
     # human units, no scientific notation, and the saving in words

@@ -106,7 +106,7 @@ def test_autotune_doc_sample_follows_the_current_output_format():
         hits = [name for name, ts in others.items() if any(_follows(line, t) for t in ts)]
         assert hits, f"docs/autotune.md sample line follows no format string of cli.py / report.py: {line!r}"
         used.update(hits)
-    # every run of the documented command (local steps on by default) prints these
+    # every run of the documented command (with --local-steps) prints these
     assert {"headline", "cli", "winner_line"} <= used, used
     for must in ("  Wrote ", "  Wall time: "):
         tmpl = [t for t in printed if t[0] == must]
