@@ -183,16 +183,7 @@ class Star:
                     p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
                     bf._CHILDREN.append(p)
                     procs.append(p)
-            deadline = time.monotonic() + timeout
-            try:
-                for p in procs:
-                    p.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            finally:
-                for p in procs:
-                    bf._stop(p)
-                    bf._CHILDREN.remove(p)
+            bf.wait_then_stop(procs, timeout)
         if not os.path.exists(out) or os.path.getsize(out) == 0:
             with open(log_path) as f:
                 tail = f.read()[-4000:]

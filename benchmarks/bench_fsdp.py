@@ -387,6 +387,20 @@ def _stop(p: subprocess.Popen) -> None:
     p.wait()
 
 
+
+def wait_then_stop(procs, timeout: float) -> None:
+    """Wait up to ``timeout`` seconds for every launched process, then stop any left and forget them."""
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            _stop(p)
+            _CHILDREN.remove(p)
+
 def _cleanup() -> None:
     """Stop what this script started and remove its namespaces (their veth ends go with them)."""
     for p in _CHILDREN:
@@ -470,16 +484,7 @@ class Topology:
                                      start_new_session=True)
                 _CHILDREN.append(p)
                 procs.append(p)
-            deadline = time.monotonic() + timeout
-            try:
-                for p in procs:
-                    p.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            finally:
-                for p in procs:
-                    _stop(p)
-                    _CHILDREN.remove(p)
+            wait_then_stop(procs, timeout)
         # torchrun agents may report an exit-barrier error at teardown: the result file is what counts
         if not os.path.exists(out) or os.path.getsize(out) == 0:
             with open(log_path) as f:

@@ -89,24 +89,8 @@ DEFAULTS = dict(layers=3, width=2048, batch=2, steps=4, warmup=2)
 PROFILE_OPTIONS = ["none", "fp16", "int4", "topk1"]
 
 
-# -- the model -------------------------------------------------------------------------------------------
-def _model(a):
-    import torch
-
-    torch.manual_seed(0)
-    mods = []
-    for _ in range(a.layers):
-        mods += [torch.nn.Linear(a.width, a.width), torch.nn.ReLU()]
-    mods.append(torch.nn.Linear(a.width, 10))
-    return torch.nn.Sequential(*mods)
-
-
-def _batch(a, rank: int, step: int):
-    import torch
-
-    w = torch.randn(a.width, 10, generator=torch.Generator().manual_seed(4321))
-    x = torch.randn(a.batch, a.width, generator=torch.Generator().manual_seed(1_000_003 * step + rank))
-    return x, (x @ w).argmax(1)
+# -- the model: bench_topology's MLP and teacher-labelled batches ----------------------------------------
+from bench_topology import _batch, _model  # noqa: E402
 
 
 def _sgd(params):
