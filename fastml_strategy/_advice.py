@@ -29,7 +29,7 @@ from __future__ import annotations
 import warnings
 from typing import Iterable, Optional
 
-__all__ = ["FastMLAdvice", "advise", "little_compressed", "LITTLE_COMPRESSED_SHARE"]
+__all__ = ["FastMLAdvice", "advise", "unactionable", "little_compressed", "LITTLE_COMPRESSED_SHARE"]
 
 # Below this share of the trainable gradient bytes compressed, a lossy plan is advised about min_numel.
 LITTLE_COMPRESSED_SHARE = 0.05
@@ -58,6 +58,13 @@ def advise(kind: str, text: str, stacklevel: int = 2) -> bool:
     _GIVEN.add(kind)
     warnings.warn(text, FastMLAdvice, stacklevel=stacklevel + 1)
     return True
+
+
+def unactionable(kind: str) -> None:
+    """Give no advice of ``kind`` in this process: for an adapter whose framework offers the user no
+    way to act on it (Trainer builds DDP itself, and no ``TrainingArguments`` field sets
+    ``gradient_as_bucket_view``)."""
+    _GIVEN.add(kind)
 
 
 def _plural(n: int, word: str) -> str:

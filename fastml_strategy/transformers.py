@@ -103,7 +103,7 @@ from fastml_strategy._integration import TRAINER_KEYS, counters, find_ddp, metri
 from fastml_strategy.accelerate import LocalSGDCheckpoint
 from fastml_strategy.accelerate import setup as accelerate_setup
 from fastml_strategy.config import DEFAULT_RECIPE, RECIPES, Codec, Plan, resolve_plan
-from fastml_strategy._advice import advise
+from fastml_strategy._advice import advise, unactionable
 from fastml_strategy.hook import suggest_bucket_cap_mb
 from fastml_strategy.localsgd import LocalSGD, resolve_settings
 
@@ -183,6 +183,7 @@ class FastMLCallback(TrainerCallback):
             if self.localsgd is not None:
                 self.state = self._start_local_sgd(trainer, wrapped, ddp)
             else:
+                unactionable("gradient_as_bucket_view")  # no TrainingArguments field sets it
                 self.state = accelerate_setup(trainer.accelerator, wrapped, self.plan, checkpoint=False,
                                               layer_stats_every=self.layer_stats_every,
                                               check_replicas_every=self.check_replicas_every)

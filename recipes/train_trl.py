@@ -29,6 +29,7 @@ import collections
 import os
 import re
 import sys
+import warnings
 
 import torch
 
@@ -75,6 +76,10 @@ def main() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
     from trl import SFTConfig, SFTTrainer
 
+    # TRL's SFTTrainer reads model.is_gradient_checkpointing, deprecated in transformers 5 (upstream's
+    # FutureWarning, not this script's): silence just that one message
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+
     texts = corpus()
     tokenizer = word_tokenizer(texts, size=512)
     torch.manual_seed(0)
@@ -84,7 +89,9 @@ def main() -> None:
     config = SFTConfig(output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
                        learning_rate=args.lr, logging_steps=5, save_strategy="no", report_to="none",
                        use_cpu=args.cpu or not torch.cuda.is_available(), seed=0, disable_tqdm=True, max_length=32, packing=False,
-                       ddp_find_unused_parameters=False)  # the adapters train each step (else DDP warns)
+                       ddp_find_unused_parameters=False,  # the adapters train each step (else DDP warns)
+                       # TRL's default (checkpointing on) under its transformers 5 name, without the FutureWarning
+                       gradient_checkpointing=False, activation_checkpointing=True)
     trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_dict({"text": texts}),
                          processing_class=tokenizer,
                          peft_config=LoraConfig(r=args.rank, lora_alpha=2 * args.rank,
@@ -103,7 +110,8 @@ def main() -> None:
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         stats = callback.state.stats() if callback.state is not None else None
         trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
-        print(f"step {trainer.state.global_step}: loss {losses[0]:.3f} -> {losses[-1]:.3f}, {trainable} trainable "
+        loss = f"loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "no loss logged (under 5 steps)"
+        print(f"step {trainer.state.global_step}: {loss}, {trainable} trainable "
               f"(LoRA) parameters, compression {stats['compression_ratio'] if stats else 1.0:.2f}x "
               f"(plan {callback.plan.name})", flush=True)
 
