@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from fastml_strategy import codecs
-from fastml_strategy.config import Plan, resolve_plan
+from fastml_strategy.config import CodecConfig, Plan, resolve_plan
 from fastml_strategy.topology import agreed_topology, node_groups
 
 __all__ = ["agreed_plan", "agreed_machines", "checked_plan", "default_group_timeout", "model_names"]
@@ -173,8 +173,6 @@ def _short(v: Any) -> str:
         return "absent"
     if isinstance(v, dict) and "codec" in v:
         try:
-            from fastml_strategy.config import CodecConfig
-
             return repr(CodecConfig.from_dict(v).describe())
         except ValueError:
             pass
