@@ -117,9 +117,10 @@ def test_tables_are_consistent(tuned):
             # the check against uniform plans measured one of them reaching the tuned plan's losses
             # sooner: that uniform plan is reported (its bucket size re-chosen, so no worse than its trial)
             codec = replaced.split()[-1]
+            # (the sampler may have tried that uniform plan more than once, e.g. with other bucket sizes)
             uniform = t[t["choice"].map(lambda c: set(json.loads(c).values()) == {codec})]
-            assert len(uniform) == 1, (replaced, uniform)
-            assert reported <= uniform.iloc[0][col] * (1 + 1e-9), (reported, replaced, uniform.iloc[0][col])
+            assert len(uniform) >= 1, (replaced, uniform)
+            assert reported <= uniform[col].min() * (1 + 1e-9), (reported, replaced, uniform[col].min())
             continue
         assert reported == pytest.approx(tie_pick if tie_pick <= ddp[col] else ddp[col], rel=1e-9), (
             reported, feas[col].min(), tie_pick, ddp[col])
