@@ -433,6 +433,10 @@ def _nonfinite(rank, world_size, plan, ranks_per_node=None):
         from fastml_strategy import RECIPES, Plan
 
         plan = Plan.from_recipe("int4").with_layers({"2.weight": RECIPES["none"]})
+    elif plan == "int4 halving":  # recursive halving/doubling carries the NaN (issue 35)
+        from fastml_strategy import Plan
+
+        plan = Plan.from_recipe("int4", schedule="halving")
     model, ddp, state, opt = _setup(plan, check_replicas_every=1, ranks_per_node=ranks_per_node)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
     target = "2.weight"  # 128 x 128: compressed
@@ -471,6 +475,7 @@ def _nonfinite(rank, world_size, plan, ranks_per_node=None):
     out["identical"] = all(torch.equal(gathered[0], g) for g in gathered[1:])
     out["finite_params"] = bool(torch.isfinite(flat_params(model)).all())
     out["nonfinite_steps"] = state.stats()["nonfinite_steps"]
+    out["schedules"] = sorted(state.stats().get("schedules", {}))
     return out
 
 
@@ -478,7 +483,9 @@ def _nonfinite(rank, world_size, plan, ranks_per_node=None):
     ("int4", 2, None), ("topk1", 2, None), ("int4, poisoned layer none", 2, None), ("none", 2, None),
     # hierarchical: the NaN of rank 1 reaches one local rank's part on each machine (across machines)
     # and every rank through the intra-machine all-gather; the agreement skips the commit everywhere
-    ("int4", 4, 2)])
+    ("int4", 4, 2),
+    # recursive halving/doubling on 4 ranks: the poisoned part travels through log2 N rounds
+    ("int4 halving", 4, None)])
 def test_nonfinite_gradient_on_one_rank_reaches_all_and_spares_residuals(plan, world_size, ranks_per_node):
     for r, out in enumerate(run_workers(_nonfinite, world_size, plan, ranks_per_node, timeout=90,
                                         pg_timeout=PG_TIMEOUT)):
@@ -496,6 +503,8 @@ def test_nonfinite_gradient_on_one_rank_reaches_all_and_spares_residuals(plan, w
         assert out["residuals_changed"] == [True] * 3 + [False] + [True] * 4, (r, out)
         assert out["res_finite"] and out["residual_norm_at_3"] > 0
         assert out["nonfinite_steps"] == 1
+        if plan == "int4 halving":
+            assert "halving" in out["schedules"] and "ring" not in out["schedules"], out["schedules"]
         # Training went on normally: finite parameters, identical on every rank (checked every step
         # by check_replicas_every=1 as well).
         assert out["identical"] and out["finite_params"]
