@@ -81,6 +81,7 @@ import torch.distributed as dist
 from fastml_strategy._checkpoint import (STATE_FORMAT_VERSION, check_saved_state, check_state_kind,
                                          fitting_residuals, gather_states, gather_to_rank_zero, own_rank_state)
 from fastml_strategy._distributed import agreed_machines, agreed_plan, default_group_timeout, model_names
+from fastml_strategy._halving import may_halve
 from fastml_strategy._integration import resolve_local_steps
 from fastml_strategy._peers import FailureChannel
 from fastml_strategy._validate import LAYER_STATS_EVERY_LOCALSGD, whole_number
@@ -399,8 +400,10 @@ class LocalSGD:
         # counterpart) sees the closed connection, but rank 0 meets rank 2 across machines, which
         # failed in the island's own collective and never issues its part: rank 0 would wait for the
         # whole group timeout. (A collective: rank 0 draws the key. NCCL's wait does not block.)
+        # The same holds flat when the plan may run recursive halving (a rank meets only its partners
+        # of each round: fastml_strategy._halving).
         channel: Optional[FailureChannel] = None
-        if groups and not any(p.is_cuda for _, p in named):
+        if (groups or may_halve(self.plan, self.world_size)) and not any(p.is_cuda for _, p in named):
             channel = FailureChannel(self.process_group, self.rank)
             engine.use_channel(channel)
         return engine, channel

@@ -258,15 +258,55 @@ def _ddp_island_failure(rank, world_size, marks):
     return {"step": None}
 
 
+def _flat_halving_failure(rank, world_size, marks):
+    """Flat LocalSGD (one replica per rank) whose outer synchronisation runs recursive halving on 4
+    ranks: rank 2 fails in its second synchronisation before its first collective and stays alive.
+    Its partners of the first round wait on it; the others meet only ranks that did not fail: each
+    must hear of it through the failure channel, not at the group timeout (issue 35)."""
+    import fastml_strategy as fm
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    local = fm.LocalSGD(model, opt, every=2, plan=fm.Plan.from_recipe("int4", schedule="halving"))
+    assert local._channel is not None
+    if rank == 2:
+        real, calls = local._engine.start, []
+
+        def start(*a, **k):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("injected failure before the synchronisation's collectives")
+            return real(*a, **k)
+
+        local._engine.start = start
+    t0 = time.monotonic()
+    for step in range(6):
+        if step == 3:
+            t0 = time.monotonic()
+        try:
+            loss_of(model, rank, step).backward()
+            opt.step()
+            opt.zero_grad()
+            local.step()
+        except Exception as e:  # noqa: BLE001
+            report = {"step": step, "outer_steps": local.outer_steps,
+                      "schedules": sorted(local.stats().get("schedules", {})), **_error_report(e, t0)}
+            _stay_alive(marks, rank, world_size)
+            return report
+    return {"step": None}
+
+
 def _island_faults(rank, world_size, path):
-    """Two faults in one launch (to keep CI time down): a DDP island's rank fails (alive), then an
-    FSDP2 island's rank dies."""
+    """Three faults in one launch (to keep CI time down): a DDP island's rank fails (alive), a rank of
+    flat LocalSGD over the halving schedule fails (alive), then an FSDP2 island's rank dies."""
     import json
 
-    for sub in ("raised", "marks"):
+    for sub in ("raised", "flat", "marks"):
         os.makedirs(os.path.join(path, sub), exist_ok=True)
     with open(os.path.join(path, f"ddp{rank}.json"), "w") as f:
         json.dump(_ddp_island_failure(rank, world_size, os.path.join(path, "raised")), f)
+    with open(os.path.join(path, f"flat{rank}.json"), "w") as f:
+        json.dump(_flat_halving_failure(rank, world_size, os.path.join(path, "flat")), f)
     return _fsdp_island_death(rank, world_size, os.path.join(path, "marks"))
 
 
@@ -321,6 +361,11 @@ def test_island_rank_failure_or_death_fails_every_other_rank_fast(tmp_path):
         assert res["step"] == 3 and res["outer_steps"] == 1 and res["type"] == "CompressionError", (r, res)
         assert "restart from the last checkpoint" in res["msg"] and "injected failure" in res["msg"], (r, res)
         assert res["elapsed"] < ISLAND_TIMEOUT / 3, (r, res)
+    # flat LocalSGD, halving on 4 ranks: likewise through the failure channel
+    for r in range(4):
+        res = json.loads((tmp_path / f"flat{r}.json").read_text())
+        assert res["step"] == 3 and res["outer_steps"] == 1 and res["type"] == "CompressionError", (r, res)
+        assert "injected failure" in res["msg"] and res["elapsed"] < ISLAND_TIMEOUT / 3, (r, res)
     # FSDP2 island, int4, a rank dies
     assert results[3][0] == "died", results[3]
     status, res = results[2]  # FSDP's all-gather with the dead rank: gloo's own error, at once
