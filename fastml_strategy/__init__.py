@@ -10,6 +10,9 @@ Public API, grouped by purpose:
   :class:`FastMLAdvice` (a warning, once per job on rank 0, of what to change: bucket size,
   ``gradient_as_bucket_view``, a plan that compresses almost nothing because of ``min_numel``)
 - sharded training (FSDP2, HSDP): ``fastml_strategy.fsdp.register`` and ``FSDPState``
+- one interface for the three engines: :class:`Engine` (``stats``, ``state_dict``,
+  ``load_state_dict``, ``close``, ``failure``); :func:`attach` registers the DDP hook or FSDP's engine
+  on a model a framework wrapped (``fastml_strategy.engine``)
 - Lightning / Fabric: ``fastml_strategy.lightning.FastMLStrategy``, ``FastMLFSDPStrategy`` and
   ``FastMLLocalSGDStrategy``; ``import fastml_strategy.lightning`` registers the names ``"fastml"``,
   ``"fastml_fsdp"`` and ``"fastml_localsgd"`` with Lightning's strategy registries (so does
@@ -27,6 +30,7 @@ import warnings
 
 from fastml_strategy._advice import FastMLAdvice
 from fastml_strategy.config import RECIPES, Codec, CodecConfig, LocalSteps, Plan
+from fastml_strategy.engine import Engine, attach
 from fastml_strategy.hook import CompressionError, FastMLState, ReplicaDriftError, register_hook
 from fastml_strategy.localsgd import LocalSGD
 
@@ -44,6 +48,9 @@ __all__ = [
     "FastMLState",
     # local steps with compressed outer synchronisation (DiLoCo)
     "LocalSGD",
+    # the engines' interface
+    "Engine",
+    "attach",
     # errors
     "CompressionError",
     "ReplicaDriftError",

@@ -107,7 +107,8 @@ from fastml_strategy._checkpoint import STATE_FORMAT_VERSION, gather_to_rank_zer
 from fastml_strategy._distributed import checked_plan
 from fastml_strategy._integration import find_ddp, find_fsdp2, is_fsdp1, setting
 from fastml_strategy.config import Plan, resolve_plan
-from fastml_strategy.hook import FastMLState, register_hook
+from fastml_strategy.engine import attach
+from fastml_strategy.hook import FastMLState
 from fastml_strategy.localsgd import LocalSGD, island_model, resolve_settings
 
 if TYPE_CHECKING:
@@ -173,25 +174,15 @@ def setup(
     resolved = resolve_plan(plan)  # a bad FASTML_PLAN fails here, on every process, naming it
     check_every = setting("check_replicas_every", check_replicas_every, owner=_SETUP)
     layer_every = setting("layer_stats_every", layer_stats_every, owner=_SETUP)
-    _reject_fsdp1(model)
-    ddp = find_ddp(model)
-    fsdp = find_fsdp2(model) if ddp is None else None
-    fsdp_only = [k for k, v in (("shard_plan", shard_plan), ("replicate_group", replicate_group),
-                                ("all_gather_bits", all_gather_bits)) if v is not None]
-    if fsdp is None and fsdp_only:
-        raise ValueError(f"fastml_strategy.accelerate.setup: {fsdp_only} are for an FSDP2 model; this one is "
-                         f"a {type(model).__name__}, not sharded with fully_shard (fsdp_version: 2)")
-    if ddp is not None:
-        state: Any = register_hook(ddp, resolved, check_replicas_every=check_every, layer_stats_every=layer_every)
-    elif fsdp is not None:
-        if check_every:
-            warnings.warn("fastml_strategy.accelerate.setup: check_replicas_every (FASTML_CHECK_REPLICAS_EVERY) "
-                          "applies to DDP models only; this FSDP2 model is not checked", stacklevel=2)
-        from fastml_strategy.fsdp import register
-
-        state = register(fsdp, resolved, replicate_group=replicate_group, shard_plan=shard_plan,
-                         all_gather_bits=all_gather_bits, layer_stats_every=layer_every)
-    else:
+    _reject_fsdp1(model)  # Accelerate's own words for it (its FSDP plugin's default is FSDP1)
+    if check_every and find_ddp(model) is None and find_fsdp2(model) is not None:
+        warnings.warn("fastml_strategy.accelerate.setup: check_replicas_every (FASTML_CHECK_REPLICAS_EVERY) "
+                      "applies to DDP models only; this FSDP2 model is not checked", stacklevel=2)
+        check_every = 0
+    state: Any = attach(model, resolved, owner=_SETUP, check_replicas_every=check_every,
+                        layer_stats_every=layer_every, shard_plan=shard_plan, replicate_group=replicate_group,
+                        all_gather_bits=all_gather_bits)
+    if state is None:
         inner = accelerator.unwrap_model(model) if hasattr(accelerator, "unwrap_model") else model
         checked_plan(resolved, inner)  # the check register_hook makes (tied names, frozen parameters)
         if getattr(accelerator, "num_processes", 1) > 1:

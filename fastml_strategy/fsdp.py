@@ -175,7 +175,10 @@ def _scale_of(op, world_size: int, group) -> float:
 class FSDPState:
     """FastML's state for one FSDP2 model on one rank (the same contract as the DDP
     :class:`~fastml_strategy.hook.FastMLState`): ``stats()``, ``state_dict()`` /
-    ``load_state_dict()`` (residuals, step, plans), ``close()``."""
+    ``load_state_dict()`` (residuals, step, plans), ``close()``, ``failure``:
+    :class:`fastml_strategy.engine.Engine`, ``kind == "fsdp"``."""
+
+    kind = "fsdp"
 
     def __init__(self, model, units: list, plan: Optional[Plan], shard_plan: Optional[Plan],
                  shard_size: int, shard_rank: int, replicate_group, layer_stats_every: int,
@@ -362,6 +365,11 @@ class FSDPState:
         self._step_finite = self._step_finite and finite
 
     # -- public ---------------------------------------------------------------------------------------------
+    @property
+    def failure(self) -> Optional[BaseException]:
+        """The first error of a compressed collective, which every later one raises (None: none)."""
+        return self._failure
+
     def stats(self) -> dict:
         """Cumulative figures of this rank: bytes FastML sent against what FSDP's own collectives
         would have sent for the same tensors (in their reduce or parameter dtype), per hop
@@ -393,6 +401,7 @@ class FSDPState:
                                rel_error=max(prev["rel_error"], row["rel_error"]))
                 layers[name] = row
         return {
+            "engine": self.kind,
             "steps": self.step,
             "world_size": self.world_size,
             "shard_size": self.shard_size,

@@ -291,7 +291,11 @@ class FastMLState:
     group, the thread or the parameters, as ``PowerSGDState`` drops its process group. An unpickled
     state is *detached*: ``stats()`` and ``state_dict()`` answer from what was saved, and a hook that
     runs on it raises, saying to register the hook on the model again and load this state into it.
+
+    One of FastML's engines (:class:`fastml_strategy.engine.Engine`, ``kind == "ddp"``).
     """
+
+    kind = "ddp"
 
     def __init__(self, plan: Plan, process_group, rank: int, world_size: int, names: dict,
                  params: list, check_replicas_every: int = 0, layer_stats_every: int = LAYER_STATS_EVERY,
@@ -397,6 +401,12 @@ class FastMLState:
                 "again (new = fastml_strategy.register_hook(ddp_model, plan=state.plan)) and "
                 "new.load_state_dict(state.state_dict())")
         return self._runner.failure
+
+    @property
+    def failure(self) -> Optional[BaseException]:
+        """The first error of the communication thread, which every later bucket raises (None: none;
+        a detached state has none either: it never ran)."""
+        return None if self._runner is None else self._runner.failure
 
     def _submit(self, job: _Job) -> None:
         if self._runner is None:
@@ -540,6 +550,7 @@ class FastMLState:
         inter, intra = self._split_bytes(sent, counters)
         hier = self._hier_stats(counters) if self.hierarchical else {}
         return {
+            "engine": self.kind,
             "steps": self.step,
             "world_size": self.world_size,
             "plan": self.plan.name,

@@ -293,7 +293,11 @@ class LocalSGD:
     The constructor is a collective: every rank calls it, before the first inner step; it broadcasts
     rank 0's parameters and buffers so the replicas start identical, and every rank raises the same
     error for a bad argument or plan.
+
+    One of FastML's engines (:class:`fastml_strategy.engine.Engine`, ``kind == "localsgd"``).
     """
+
+    kind = "localsgd"
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: Optional[torch.optim.Optimizer] = None, *,
                  every: int = _DEFAULT.every, outer: str = _DEFAULT.outer, outer_lr: float = _DEFAULT.outer_lr,
@@ -625,6 +629,11 @@ class LocalSGD:
             if frag.pending is not None:
                 self._wait(frag)
 
+    @property
+    def failure(self) -> Optional[BaseException]:
+        """The first error of a synchronisation, which every later one raises (None: none)."""
+        return self._failure
+
     def stats(self) -> dict:
         """Cumulative figures of this rank: bytes sent by the synchronisations, and what DDP's fp32
         all-reduce would have sent for the same inner steps (``ddp_bytes``: one all-reduce of every
@@ -637,6 +646,7 @@ class LocalSGD:
         unc = eng.bytes_uncompressed
         steps = max(1, self.inner_steps)
         return {
+            "engine": self.kind,
             "inner_steps": self.inner_steps,
             "outer_steps": self.outer_steps,
             "every": self.every,
