@@ -59,7 +59,7 @@ class Engine(Protocol):
 
 
 def attach(model: Any, plan: Plan | str | os.PathLike | dict | None = None, *, owner: str = "fastml_strategy.attach",
-           check_replicas_every: int = 0, layer_stats_every: int = 0,
+           layer_stats_every: int | None = None, check_replicas_every: int = 0, ranks_per_node: int | None = None,
            shard_plan: Plan | str | os.PathLike | dict | None = None, replicate_group: Any = None,
            all_gather_bits: int | None = None) -> Optional[Engine]:
     """Register FastML's engine on ``model`` as a framework wrapped it; call it on every rank.
@@ -67,10 +67,11 @@ def attach(model: Any, plan: Plan | str | os.PathLike | dict | None = None, *, o
     A DistributedDataParallel inside ``model`` gets the DDP hook
     (:func:`~fastml_strategy.register_hook`), an FSDP2 module (``fully_shard``) FSDP's engine
     (:func:`fastml_strategy.fsdp.register`); None when there is neither (one process, DeepSpeed): the
-    caller then checks the plan against the model and says that nothing is compressed. ``shard_plan``,
-    ``replicate_group`` and ``all_gather_bits`` are FSDP's and refused for a DDP model;
-    ``check_replicas_every`` is DDP's. ``owner`` names the caller in errors. Raises TypeError for FSDP1
-    (which FastML does not support), on every rank alike: the model's type is the same everywhere."""
+    caller then checks the plan against the model and says that nothing is compressed.
+    ``layer_stats_every``: None for the engine's default. ``check_replicas_every`` and
+    ``ranks_per_node`` are DDP's; ``shard_plan``, ``replicate_group`` and ``all_gather_bits`` are
+    FSDP's and refused for another model. ``owner`` names the caller in errors. Raises TypeError for
+    FSDP1 (which FastML does not support), on every rank alike: the model's type is the same everywhere."""
     if is_fsdp1(model):
         raise TypeError(f"{owner}: the model is wrapped in FSDP1 (FullyShardedDataParallel), which FastML does "
                         f"not compress; use FSDP2 (torch.distributed.fsdp.fully_shard; in Accelerate "
@@ -82,14 +83,15 @@ def attach(model: Any, plan: Plan | str | os.PathLike | dict | None = None, *, o
     if fsdp is None and fsdp_only:
         raise ValueError(f"{owner}: {fsdp_only} are for an FSDP2 model; this one is a {type(model).__name__}, "
                          f"not sharded with fully_shard (fsdp_version: 2)")
+    every = {} if layer_stats_every is None else {"layer_stats_every": layer_stats_every}
     if ddp is not None:
         from fastml_strategy.hook import register_hook
 
-        return register_hook(ddp, plan, check_replicas_every=check_replicas_every,
-                             layer_stats_every=layer_stats_every)
+        return register_hook(ddp, plan, check_replicas_every=check_replicas_every, ranks_per_node=ranks_per_node,
+                             **every)
     if fsdp is not None:
         from fastml_strategy.fsdp import register
 
         return register(fsdp, plan, replicate_group=replicate_group, shard_plan=shard_plan,
-                        all_gather_bits=all_gather_bits, layer_stats_every=layer_stats_every)
+                        all_gather_bits=all_gather_bits, **every)
     return None

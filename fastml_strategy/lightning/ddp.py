@@ -44,7 +44,7 @@ import torch
 
 from fastml_strategy._integration import fsdp2_units, is_fsdp1, setting
 from fastml_strategy.config import Plan
-from fastml_strategy.hook import register_hook
+from fastml_strategy.engine import attach
 from fastml_strategy.lightning._common import (_HOOK_KWARGS, _HOOK_KWARGS_FIX, CHECKPOINT_KEY, FSDP_STRATEGY_NAME,
                                                STRATEGY_NAME, _check_key_free, _FastMLStateHolder,
                                                _load_from_remainder, _ranks_per_node, _reject_kwargs,
@@ -105,10 +105,9 @@ class _TrainerStrategy(_TrainerLogging, _FastMLStateHolder):
         if had_checkpoint and self._fastml_pending is None:
             self._fastml_warn_missing()
         layer_every = self._fastml_intervals()[1]
-        self._fastml_adopt(lambda: register_hook(self.model, self._fastml_plan,
-                                                 check_replicas_every=self._fastml_check_every,
-                                                 layer_stats_every=layer_every,
-                                                 ranks_per_node=_ranks_per_node(self)))
+        self._fastml_adopt(lambda: attach(self.model, self._fastml_plan, owner=type(self).__name__,
+                                          check_replicas_every=self._fastml_check_every,
+                                          layer_stats_every=layer_every, ranks_per_node=_ranks_per_node(self)))
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         # Runs on every rank (Trainer.save_checkpoint and ModelCheckpoint call it everywhere), so the
@@ -157,10 +156,10 @@ class _FabricStrategy(_FastMLStateHolder):
     def setup_module(self, module: Any) -> Any:
         _reject_sharded(module, type(self).__name__)
         ddp_model = super().setup_module(module)
-        self._fastml_adopt(lambda: register_hook(ddp_model, self._fastml_plan,
-                                                 check_replicas_every=self._fastml_check_every,
-                                                 layer_stats_every=self._fastml_layer_stats_every,
-                                                 ranks_per_node=_ranks_per_node(self)))
+        self._fastml_adopt(lambda: attach(ddp_model, self._fastml_plan, owner=type(self).__name__,
+                                          check_replicas_every=self._fastml_check_every,
+                                          layer_stats_every=self._fastml_layer_stats_every,
+                                          ranks_per_node=_ranks_per_node(self)))
         return ddp_model
 
     def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any | None = None,

@@ -50,6 +50,7 @@ import torch
 from fastml_strategy._integration import fsdp2_units, is_fsdp1, is_fsdp2, setting
 from fastml_strategy._validate import whole_number
 from fastml_strategy.config import Plan, resolve_plan
+from fastml_strategy.engine import attach
 from fastml_strategy.lightning._common import (CHECKPOINT_KEY, FSDP_STRATEGY_NAME, _FastMLStateHolder,
                                                _lightning_private, _load_from_remainder, _check_key_free,
                                                _reject_kwargs, _set_private, _TrainerLogging)
@@ -257,17 +258,15 @@ class _FSDPMixin:
         return module
 
     def _fastml_register_fsdp(self, model: torch.nn.Module, layer_stats_every: int) -> Any:
-        import fastml_strategy.fsdp as ff
-
         replicate_group = None
         mesh, units = self.device_mesh, _units_mesh(model)
         # HSDP whose units the user sharded on the 1-D "shard" submesh: FastML all-reduces across replicas.
         if mesh.ndim == 2 and units is not None and units.ndim == 1 and torch.equal(units.mesh, mesh["shard"].mesh):
             replicate_group = mesh["replicate"].get_group()
-        return self._fastml_adopt(lambda: ff.register(model, self._fastml_plan, replicate_group=replicate_group,
-                                                      shard_plan=self._fastml_shard_plan,
-                                                      all_gather_bits=self._fastml_all_gather_bits,
-                                                      layer_stats_every=layer_stats_every))
+        return self._fastml_adopt(lambda: attach(model, self._fastml_plan, owner=type(self).__name__,
+                                                 replicate_group=replicate_group, shard_plan=self._fastml_shard_plan,
+                                                 all_gather_bits=self._fastml_all_gather_bits,
+                                                 layer_stats_every=layer_stats_every))
 
     # -- distributed checkpoints ------------------------------------------------------------------------------
     def _fastml_save_dcp(self, path: Path) -> None:
