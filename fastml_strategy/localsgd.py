@@ -274,6 +274,8 @@ class _Fragment:
         self.offset = offset  # its first synchronisation step (staggered by fragment)
         self.numel = sum(self.numels)
         self.full_numel = sum(self.full_numels)
+        # DDP's all-reduce of these gradients would move them in their own dtype (bf16: 2 bytes)
+        self.full_nbytes = sum(n * p.element_size() for n, p in zip(self.full_numels, params))
         self.pending: Optional[tuple] = None  # (apply at inner step, future of the averaged delta)
 
 
@@ -635,14 +637,14 @@ class LocalSGD:
         return self._failure
 
     def stats(self) -> dict:
-        """Cumulative figures of this rank: bytes sent by the synchronisations, and what DDP's fp32
-        all-reduce would have sent for the same inner steps (``ddp_bytes``: one all-reduce of every
-        gradient per inner step)."""
+        """Cumulative figures of this rank: bytes sent by the synchronisations, and what DDP's
+        all-reduce would have sent for the same inner steps (``ddp_bytes``: one ring all-reduce of every
+        gradient per inner step, in the parameters' own dtype: a bf16 model's in bf16)."""
         eng = self._engine
         sent = eng.bytes_sent
         W = self.world_size
-        numel = sum(f.full_numel for f in self._fragments)
-        ddp = 2.0 * (W - 1) / W * 4 * numel * self.inner_steps if W > 1 else 0.0
+        nbytes = sum(f.full_nbytes for f in self._fragments)
+        ddp = 2.0 * (W - 1) / W * nbytes * self.inner_steps if W > 1 else 0.0
         unc = eng.bytes_uncompressed
         steps = max(1, self.inner_steps)
         return {

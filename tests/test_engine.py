@@ -66,6 +66,17 @@ def _three_engines(rank, world_size):
     plain = _mlp()
     res["plain"] = attach(plain, "int4") is None  # neither DDP nor FSDP2: the caller says so
     res["localsgd"] = _exercise(fm.LocalSGD(plain, every=2, plan="int4"), plain, rank, every=2)
+    # LocalSGD's DDP baseline is DDP's all-reduce in the parameters' dtype (bf16: 2 bytes an element)
+    half = _mlp().to(torch.bfloat16)
+    local = fm.LocalSGD(half, every=1, plan="int4")
+    for step in range(2):
+        x = torch.randn(16, 64, generator=torch.Generator().manual_seed(step + rank)).to(torch.bfloat16)
+        half(x).float().pow(2).mean().backward()
+        torch.optim.SGD(half.parameters(), lr=0.05).step()
+        local.step()
+    numel = sum(p.numel() for p in half.parameters())
+    res["bf16_ddp_bytes"] = (local.stats()["ddp_bytes"], round(2.0 * (world_size - 1) / world_size * 2 * numel * 2))
+    local.close()
     dist.barrier()
     return res
 
@@ -81,4 +92,6 @@ def test_every_engine_offers_the_same_interface():
             assert out["failure"] is None, (r, kind, out)
         assert res["fsdp"]["sd_kind"] == "fsdp" and res["localsgd"]["sd_kind"] == "localsgd"
         assert res["plain"]
+        got, want = res["bf16_ddp_bytes"]
+        assert got == want, res["bf16_ddp_bytes"]
         assert "['all_gather_bits'] are for an FSDP2 model" in res["fsdp_only"] and "test:" in res["fsdp_only"]
