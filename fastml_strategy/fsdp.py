@@ -62,6 +62,7 @@ from fastml_strategy._layouts import ShardedTensor
 from fastml_strategy._reduce_scatter import CompressedReduceScatter
 from fastml_strategy.collective import CompressedAllReduce, CompressionError
 from fastml_strategy.config import Plan
+from fastml_strategy._advice import advise, little_compressed
 from fastml_strategy._checkpoint import (STATE_FORMAT_VERSION, check_saved_state, check_state_kind,
                                          fitting_residuals, gather_states, own_rank_state)
 from fastml_strategy._distributed import agreed_plan, checked_plan, model_names
@@ -879,6 +880,10 @@ def register(
         shard_plan_obj = agreed_plan(shard_plan_obj, names, world, world_size, aliases=aliases, frozen=frozen)
     units, native_hsdp, shard_size, rep = (found["units"], found["native_hsdp"], found["shard_size"],
                                            found["rep"])
+    if dist.get_rank() == 0 and plan_obj is not None:  # the DDP hook's advice (min_numel holding back a lossy plan)
+        little = little_compressed(plan_obj, model.named_parameters(), world_size, owner="FastML FSDP")
+        if little is not None:
+            advise("min_numel", little, stacklevel=2)
     restore: list = []
     state = FSDPState(model, units, plan_obj, shard_plan_obj, shard_size, units[0].group.mesh_info.shard_mesh_rank,
                       rep, layer_stats_every, restore)

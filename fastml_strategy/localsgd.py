@@ -78,6 +78,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from fastml_strategy._advice import advise, little_compressed
 from fastml_strategy._checkpoint import (STATE_FORMAT_VERSION, check_saved_state, check_state_kind,
                                          fitting_residuals, gather_states, gather_to_rank_zero, own_rank_state)
 from fastml_strategy._distributed import agreed_machines, agreed_plan, default_group_timeout, model_names
@@ -362,6 +363,10 @@ class LocalSGD:
             if self._own_group:  # refused on every rank alike: leave no group behind
                 dist.destroy_process_group(process_group)
             raise
+        if self.rank == 0:  # the advice the DDP hook gives: a lossy plan min_numel keeps from compressing
+            little = little_compressed(self.plan, named, self.world_size, owner="FastML LocalSGD")
+            if little is not None:
+                advise("min_numel", little, stacklevel=2)
         topo, groups = None, ()
         if island is not None:
             topo, groups = agreed_machines(process_group, self.rank, self.world_size, R)

@@ -77,8 +77,39 @@ def _three_engines(rank, world_size):
     numel = sum(p.numel() for p in half.parameters())
     res["bf16_ddp_bytes"] = (local.stats()["ddp_bytes"], round(2.0 * (world_size - 1) / world_size * 2 * numel * 2))
     local.close()
+    res["advice"] = _min_numel_advice()
     dist.barrier()
     return res
+
+
+def _min_numel_advice():
+    """FSDP2 and LocalSGD give the DDP hook's min_numel advice (every tensor of this model is under the
+    default min_numel, so int4 compresses nothing): on rank 0, once per engine."""
+    import warnings
+
+    from torch.distributed.fsdp import fully_shard
+
+    import fastml_strategy as fm
+    from fastml_strategy import _advice
+
+    def small():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+
+    out = {}
+    for kind in ("fsdp", "localsgd"):
+        _advice._GIVEN.clear()
+        model = small()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            if kind == "fsdp":
+                fully_shard(model)
+                engine = fm.attach(model, "int4")
+            else:
+                engine = fm.LocalSGD(model, every=2, plan="int4")
+        engine.close()
+        out[kind] = [str(w.message) for w in seen if issubclass(w.category, fm.FastMLAdvice)]
+    return out
 
 
 @pytest.mark.timeout(120)
@@ -93,5 +124,11 @@ def test_every_engine_offers_the_same_interface():
         assert res["fsdp"]["sd_kind"] == "fsdp" and res["localsgd"]["sd_kind"] == "localsgd"
         assert res["plain"]
         got, want = res["bf16_ddp_bytes"]
+        for kind in ("fsdp", "localsgd"):
+            advice = res["advice"][kind]
+            if r == 0:
+                assert len(advice) == 1 and "min_numel" in advice[0] and "compresses 0.0%" in advice[0], advice
+            else:
+                assert advice == [], advice
         assert got == want, res["bf16_ddp_bytes"]
         assert "['all_gather_bits'] are for an FSDP2 model" in res["fsdp_only"] and "test:" in res["fsdp_only"]
