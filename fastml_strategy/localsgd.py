@@ -363,24 +363,13 @@ class LocalSGD:
             if self._own_group:  # refused on every rank alike: leave no group behind
                 dist.destroy_process_group(process_group)
             raise
-        if self.rank == 0:  # the advice the DDP hook gives: a lossy plan min_numel keeps from compressing
-            little = little_compressed(self.plan, named, self.world_size, owner="FastML LocalSGD")
-            if little is not None:
-                advise("min_numel", little, stacklevel=2)
+        self._advise(named)
         topo, groups = None, ()
         if island is not None:
             topo, groups = agreed_machines(process_group, self.rank, self.world_size, R)
         self._start_identical(module, topo, groups)
         self._named = named
-        # the shared parameters (the last synchronisation's result; this rank's shards of an FSDP2
-        # island), fp32, and the outer optimizer on them
-        self._anchor = {n: _local(p.detach()).to(torch.float32, copy=True).requires_grad_(True)
-                        for n, p in named}
-        params = list(self._anchor.values())
-        if outer == "nesterov":
-            self._outer = torch.optim.SGD(params, lr=outer_lr, momentum=outer_momentum, nesterov=True)
-        else:
-            self._outer = torch.optim.SGD(params, lr=outer_lr, momentum=outer_momentum)
+        self._anchor, self._outer = self._outer_optimizer(named)
         self._fragments = self._split(named, fragments, every)
         self.ranks_per_node = R
         self._engine, self._channel = self._build_engine(topo, groups, named)
@@ -391,6 +380,19 @@ class LocalSGD:
         self.outer_steps = 0
         self.nonfinite_syncs = 0
         self._failure: Optional[BaseException] = None
+
+    def _advise(self, named: list) -> None:
+        """The advice the DDP hook gives (rank 0): a lossy plan that min_numel keeps from compressing."""
+        little = little_compressed(self.plan, named, self.world_size, owner="FastML LocalSGD") if self.rank == 0 else None
+        if little is not None:
+            advise("min_numel", little, stacklevel=3)
+
+    def _outer_optimizer(self, named: list) -> tuple[dict, torch.optim.Optimizer]:
+        """The shared parameters (the last synchronisation's result; this rank's shards of an FSDP2
+        island), fp32, and the outer optimizer on them."""
+        anchor = {n: _local(p.detach()).to(torch.float32, copy=True).requires_grad_(True) for n, p in named}
+        return anchor, torch.optim.SGD(list(anchor.values()), lr=self.outer_lr, momentum=self.outer_momentum,
+                                       nesterov=self.outer == "nesterov")
 
     def _build_engine(self, topo: Any, groups: tuple, named: list) -> tuple[Any, Optional[FailureChannel]]:
         """The engine of the outer synchronisation and, on CPU islands, its failure channel."""

@@ -169,14 +169,10 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     out_p = _check_out(out, refuse_finished=rank == 0 and not overwrite)
-    # The whole-number options: each is checked under its flag's name and stored under its own.
-    counts = {"trials": (trials, 1), "calibration_trials": (calibration_trials, 1),
-              "calibration_steps": (calibration_steps, 10), "profile_steps": (profile_steps, 1),
-              "measure_steps": (measure_steps, 1), "max_groups": (max_groups, 1), "min_numel": (min_numel, 0),
-              "verify_rounds": (verify_rounds, 0), "calibration_repeats": (calibration_repeats, 0),
-              "references": (references, 1)}
-    for name, (v, lo) in counts.items():
-        whole_number("--" + name.replace("_", "-"), v, lo)
+    counts = _check_counts(trials=(trials, 1), calibration_trials=(calibration_trials, 1), references=(references, 1),
+                           calibration_steps=(calibration_steps, 10), profile_steps=(profile_steps, 1),
+                           measure_steps=(measure_steps, 1), max_groups=(max_groups, 1), min_numel=(min_numel, 0),
+                           verify_rounds=(verify_rounds, 0), calibration_repeats=(calibration_repeats, 0))
     steps_source = _check_accuracy_and_length(max_accuracy_loss, target_steps, target_steps_source)
     sharding_v = _check_sharding(sharding, ranks_per_node, param_dtype, reduce_dtype,
                                  reshard_after_forward, intra_node_link, max_residual_gb)
@@ -202,7 +198,15 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
                     threads_per_rank=threads_v, threads_source=threads_src,
                     budget_s=float(budget) * 60.0 if budget else None,
                     distributed=distributed, rank=rank, storage=st.storage, created_out=st.created,
-                    **{k: v for k, (v, _) in counts.items()})
+                    **counts)
+
+
+def _check_counts(**given: tuple[Any, int]) -> dict[str, Any]:
+    """The whole-number options, each ``(value, least)``: checked under its flag's name, returned
+    under its own."""
+    for name, (v, lo) in given.items():
+        whole_number("--" + name.replace("_", "-"), v, lo)
+    return {name: v for name, (v, _) in given.items()}
 
 
 def _check_out(out: str | os.PathLike, refuse_finished: bool) -> Path:

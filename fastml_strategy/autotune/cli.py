@@ -55,6 +55,8 @@ def _steps_arg(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line: what to tune and for which hardware, then one group of options each for
+    calibration and profiling, local steps and sharded training."""
     p = argparse.ArgumentParser(
         prog=PROG,
         description="Choose per-layer gradient compression for a model by predicted time to accuracy "
@@ -94,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true",
                    help="replace the outputs of an earlier run in --out (its autotune.db is reused, so "
                         "finished steps are not redone)")
+    _calibration_options(p)
+    _local_steps_options(p)
+    _sharding_options(p)
+    return p
+
+
+def _calibration_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("calibration and profiling")
     g.add_argument("--calibration-trials", type=int, default=6, metavar="N",
                    help="short training runs of candidate plans against uncompressed training")
@@ -132,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "times (0: trust the first calibration)")
     g.add_argument("--seed", type=int, default=0, help="seed of the samplers and the calibration runs")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _local_steps_options(p: argparse.ArgumentParser) -> None:
     ls = p.add_argument_group(
         "local steps",
         "With --local-steps, besides compressing every step's gradients, the search considers "
@@ -149,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--local-fragments", default=None, metavar="F,F",
                     help="fragment counts F searched (Streaming DiLoCo), e.g. 1,2 (default: 1,2,4,8, at "
                          "most one per trainable parameter)")
+
+
+def _sharding_options(p: argparse.ArgumentParser) -> None:
     h = p.add_argument_group(
         "sharded training",
         "--sharding fsdp|hsdp tunes the plan for fastml_strategy.fsdp.register: the cost model then "
@@ -177,7 +192,6 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--max-residual-gb", type=float, default=None, metavar="X",
                    help="error-feedback memory allowed per rank, GiB: plans above it are infeasible "
                         "(default: no limit; the report shows it beside FSDP's own memory)")
-    return p
 
 
 def _init_distributed() -> bool:
