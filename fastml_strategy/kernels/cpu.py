@@ -8,14 +8,22 @@ with explicit SIMD for AVX2 (AVX-512 machines too), SSE2 (any x86-64) and NEON (
 scalar fallback, so it runs at a large fraction of the memory bandwidth on every build (see
 ``benchmarks/RESULTS.md``).
 
-How it is built: plain C ABI (no torch headers, no ninja, no Python.h), compiled with the system's
-C++ compiler (``$CXX``, else ``g++``, else ``c++``) as
-``-O3 -march=native -ffp-contract=off -fno-fast-math -fno-trapping-math`` into a cache directory
-(``$FASTML_CACHE_DIR``, else ``$XDG_CACHE_HOME/fastml_strategy``, else ``~/.cache/fastml_strategy``),
-keyed by a hash of the source, the flags, the compiler's version and the CPU's model and flags (the
-``-march=native`` build of one machine never runs on another), and loaded with ctypes, which releases
-the GIL during a call. Compiling takes about 2 s, once per machine. Several processes compiling at
-once are safe (each writes a private file, then renames it into place).
+How it is built: ``quantize_cpu.cpp`` (the kernels, plain C++ with a C ABI and no torch headers) and
+``quantize_cpu_op.cpp`` (the kernels as torch operators, ``torch.library``'s ``fastml::quantize``,
+``fastml::dequantize`` and ``fastml::reduce_quantize``, so torch.compile, the profiler and TorchScript see
+them) are compiled by ``torch.utils.cpp_extension.load`` (ninja; the compiler ``$CXX``, else ``g++``,
+else ``c++``) with ``-O3 -march=native -ffp-contract=off -fno-fast-math -fno-trapping-math`` into a cache
+directory (``$FASTML_CACHE_DIR``, else ``$XDG_CACHE_HOME/fastml_strategy``, else
+``~/.cache/fastml_strategy``), one build directory per hash of both sources, the flags, the compiler's
+version, the CPU's model and flags (the ``-march=native`` build of one machine never runs on another)
+and torch's version (the operators are compiled against its headers), and loaded with
+``torch.ops.load_library``. Calling an operator releases the GIL, as the ctypes call before it did.
+The first build takes about 15-20 s of CPU (torch's headers; the kernels alone compile in 2-7 s), once
+per machine; several processes building at once (DDP ranks) take turns on cpp_extension's lock file and
+load the one result. Building at first use rather than at install: an install-time build would need
+torch inside pip's isolated build environment (a second, possibly different torch, whose ABI the
+library must match) and cannot use ``-march=native`` for a wheel built elsewhere; ``import
+fastml_strategy`` builds nothing (the first CPU encode does).
 
 Builds: ``FASTML_CPU_MARCH`` (default ``native``) chooses ``-march``: ``x86-64-v3`` is what an
 AVX2-only machine runs, ``x86-64`` the SSE2 baseline, and ``generic`` the scalar kernels (no explicit
@@ -27,9 +35,9 @@ instruction set a build uses.
 Bit-exact with the reference: the same IEEE fp32 operations in the same order, and
 ``-ffp-contract=off`` so no multiply-add is fused.
 
-Fallback: if compiling or loading fails, :func:`available` returns False after warning once, and the
-dispatcher uses the torch reference. ``FASTML_CPU_KERNEL=0`` forces the reference without trying.
-``FASTML_CPU_THREADS`` sets the threads one call may use (default: ``torch.get_num_threads()``,
+Fallback: if compiling or loading fails (no compiler, no ninja, a compile error), :func:`available`
+returns False after warning once, with the reason, and the dispatcher uses the torch reference.
+``FASTML_CPU_KERNEL=0`` forces the reference without trying. ``FASTML_CPU_THREADS`` sets the threads one call may use (default: ``torch.get_num_threads()``,
 at most one per 256 Ki elements).
 """
 
