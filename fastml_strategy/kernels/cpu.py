@@ -1,4 +1,4 @@
-"""The compiled CPU path of the quantization codec: ``quantize_cpu.cpp``, built on first use.
+"""The compiled CPU path of the quantization codec: ``quantize_cpu.cpp`` as torch operators, built on first use.
 
 Why compiled: on one thread, pure eager torch makes a dozen passes over memory (convert, add, min/max,
 subtract, scale, round, clamp, pack, decode, subtract...), each a full read and write of the tensor,
@@ -37,8 +37,8 @@ Bit-exact with the reference: the same IEEE fp32 operations in the same order, a
 
 Fallback: if compiling or loading fails (no compiler, no ninja, a compile error), :func:`available`
 returns False after warning once, with the reason, and the dispatcher uses the torch reference.
-``FASTML_CPU_KERNEL=0`` forces the reference without trying. ``FASTML_CPU_THREADS`` sets the threads one call may use (default: ``torch.get_num_threads()``,
-at most one per 256 Ki elements).
+``FASTML_CPU_KERNEL=0`` forces the reference without trying. ``FASTML_CPU_THREADS`` sets the threads
+one call may use (default: ``torch.get_num_threads()``, at most one per 256 Ki elements).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from typing import NamedTuple
 
 import torch
 
-from fastml_strategy.kernels.reference import HASH_GOLDEN, num_blocks, packed_nbytes
+from fastml_strategy.kernels.reference import num_blocks, packed_nbytes, seed_word
 
 __all__ = [
     # the codec
@@ -70,6 +70,7 @@ __all__ = [
     # the build
     "available",
     "build_info",
+    "ops",
     # tests and benchmarks: one process runs several builds (e.g. native and AVX2-only)
     "use_build",
     "local_builds",
@@ -368,10 +369,6 @@ def _threads(n: int) -> int:
     return max(1, min(t, n // _MIN_ELEMS_PER_THREAD))
 
 
-def _seed_word(seed: int) -> int:
-    return (int(seed) * HASH_GOLDEN) & 0xFFFFFFFF
-
-
 def quantize(
     x: torch.Tensor,
     bits: int,
@@ -392,7 +389,7 @@ def quantize(
     n = x.numel()
     packed = packed_out if packed_out is not None else torch.empty(packed_nbytes(n, bits), dtype=torch.uint8)
     meta = meta_out if meta_out is not None else torch.empty(num_blocks(n, block_size), 2, dtype=torch.float32)
-    b.ops.quantize(x, bits, block_size, bool(stochastic), _seed_word(seed), residual, residual_out, packed, meta,
+    b.ops.quantize(x, bits, block_size, bool(stochastic), seed_word(seed), residual, residual_out, packed, meta,
                    _threads(n))
     return packed, meta
 
@@ -453,4 +450,4 @@ def reduce_quantize(
     b = _require()
     msgs = [_message(p, m) for p, m in sources]
     b.ops.reduce_quantize([p for p, _ in msgs], [m for _, m in msgs], float(divisor), numel, bits, block_size,
-                          packed_out, meta_out, bool(stochastic), _seed_word(seed), _threads(numel))
+                          packed_out, meta_out, bool(stochastic), seed_word(seed), _threads(numel))
