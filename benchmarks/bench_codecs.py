@@ -24,6 +24,7 @@ the whole set R times and keeps each case's best call, so that a burst of load c
     python benchmarks/bench_codecs.py --bits 4 --backends cpu --builds native,x86-64-v3,x86-64,generic
     python benchmarks/bench_codecs.py --backends cpu --rounds 3 --verify   # RESULTS.md's CPU table
     python benchmarks/bench_codecs.py --backends cpu --baseline /tmp/old.cpp --size-mb 0.5 --reps 300
+    python benchmarks/bench_codecs.py --backends cpu --loader-baseline /tmp/cpu_ctypes.py --bits 4 --rounds 3
     python benchmarks/bench_codecs.py --device cuda --size-mb 1024 --sweep
     python benchmarks/bench_codecs.py --bits 4 --backends cpu,torch --csv /tmp/b.csv
 
@@ -118,16 +119,18 @@ def default_builds() -> list[str]:
     return [b for b in cpu_kernels.local_builds() if b in ("native", "x86-64-v3")]
 
 
-def impls(backends: list[str], builds: list[str],
-          baseline: str | None = None) -> list[tuple[str, str, str | None]]:
+def impls(backends: list[str], builds: list[str], baseline: str | None = None,
+          loader: str | None = None) -> list[tuple[str, str, str | None]]:
     """(label, backend, build): the compiled CPU path once per build (and per build of ``baseline``,
-    as ``BUILD@baseline``), other backends once."""
+    as ``BUILD@baseline``, and through the ``loader`` module, as ``BUILD@loader``), other backends once."""
     out = []
     for be in backends:
         if be == "cpu":
             for b in builds:
                 if baseline:
                     out.append((f"cpu[{b}@baseline]", "cpu", f"{b}@{baseline}"))
+                if loader:
+                    out.append((f"cpu[{b}@loader]", "cpu", f"{b}#{loader}"))
                 out.append((f"cpu[{b}]", "cpu", b))
         else:
             out.append((be, be, None))
@@ -135,11 +138,42 @@ def impls(backends: list[str], builds: list[str],
 
 
 def selected(build: str | None):
-    """Select a build (``MARCH`` or ``MARCH@SOURCE``) for the block."""
+    """Select a build (``MARCH``, ``MARCH@SOURCE``, or ``MARCH#LOADER``: through another version of
+    ``kernels/cpu.py``) for the block."""
     if not build:
         return contextlib.nullcontext({})
+    if "#" in build:
+        return through_loader(*build.split("#", 1))
     march, _, source = build.partition("@")
     return cpu_kernels.use_build(march, source or None)
+
+
+_LOADERS: dict[str, object] = {}
+
+
+@contextlib.contextmanager
+def through_loader(march: str, path: str):
+    """Within the block, ``backend="cpu"`` runs the module at ``path`` (another version of
+    ``fastml_strategy/kernels/cpu.py``, e.g. the ctypes loader before the torch operators:
+    ``git show 110ba41:fastml_strategy/kernels/cpu.py > /tmp/cpu_ctypes.py``), its build ``march``, so
+    the dispatch of both versions is timed side by side through ``kernels.quantize``."""
+    import importlib.util
+
+    import fastml_strategy.kernels as pkg
+
+    if path not in _LOADERS:
+        spec = importlib.util.spec_from_file_location(f"_bench_loader_{len(_LOADERS)}", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        mod._SRC = cpu_kernels._SRC  # the same kernel source: only the loading and the calls differ
+        _LOADERS[path] = mod
+    mod, saved = _LOADERS[path], pkg.cpu
+    pkg.cpu = mod  # what ``from fastml_strategy.kernels import cpu`` in the dispatcher finds
+    try:
+        with mod.use_build(march) as info:
+            yield info
+    finally:
+        pkg.cpu = saved
 
 
 def run(args) -> list[dict]:
@@ -156,7 +190,7 @@ def run(args) -> list[dict]:
         backends.remove("triton")  # the interpreter is a test tool, not a CPU path
     timer = Timer(device, args.reps, args.budget_s)
     builds = (args.builds.split(",") if args.builds else default_builds()) if device.type == "cpu" else []
-    todo = impls(backends, builds, args.baseline)
+    todo = impls(backends, builds, args.baseline, args.loader_baseline or None)
     isa = {}
     for label, _be, build in todo:
         if build:
@@ -349,6 +383,9 @@ def main(argv=None) -> None:
     p.add_argument("--baseline", default="",
                    help="another quantize_cpu.cpp (e.g. `git show HEAD~1:fastml_strategy/kernels/quantize_cpu.cpp "
                         "> /tmp/old.cpp`): each build of it runs beside the same build of this one")
+    p.add_argument("--loader-baseline", default="",
+                   help="another fastml_strategy/kernels/cpu.py (e.g. `git show 110ba41:fastml_strategy/kernels/cpu.py "
+                        "> /tmp/cpu_ctypes.py`, the ctypes loader): each build also runs through it, as BUILD@loader")
     p.add_argument("--rounds", type=int, default=1,
                    help="repeat the whole interleaved set this many times; each case keeps its best call "
                         "(use 3 or more on a shared machine)")

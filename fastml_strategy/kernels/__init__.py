@@ -9,8 +9,10 @@ Backends (``backend=``):
   when the compiled CPU path is available, else ``"torch"``;
 - ``"triton"``: :mod:`~fastml_strategy.kernels.quantize_triton` (CUDA; CPU tensors too under
   ``TRITON_INTERPRET=1``, which the tests use);
-- ``"cpu"``: :mod:`~fastml_strategy.kernels.cpu`, a C++ kernel compiled on first use (about 2 s,
-  cached); ``FASTML_CPU_KERNEL=0`` disables it;
+- ``"cpu"``: :mod:`~fastml_strategy.kernels.cpu`, a C++ kernel compiled on first use with
+  ``torch.utils.cpp_extension`` (about 15-20 s of CPU once per machine, cached) and registered as the
+  torch operators ``torch.ops.fastml.quantize`` / ``dequantize`` / ``reduce_quantize``;
+  ``FASTML_CPU_KERNEL=0`` disables it;
 - ``"torch"``: the pure-torch reference (any device; the test oracle).
 
 Segment tables (Triton only): ``encode_table`` / ``decode_table`` describe many chunks of one

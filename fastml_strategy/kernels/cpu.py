@@ -1,4 +1,4 @@
-"""The compiled CPU path of the quantization codec: ``quantize_cpu.cpp``, built on first use.
+"""The compiled CPU path of the quantization codec: ``quantize_cpu.cpp`` as torch operators, built on first use.
 
 Why compiled: on one thread, pure eager torch makes a dozen passes over memory (convert, add, min/max,
 subtract, scale, round, clamp, pack, decode, subtract...), each a full read and write of the tensor,
@@ -8,14 +8,22 @@ with explicit SIMD for AVX2 (AVX-512 machines too), SSE2 (any x86-64) and NEON (
 scalar fallback, so it runs at a large fraction of the memory bandwidth on every build (see
 ``benchmarks/RESULTS.md``).
 
-How it is built: plain C ABI (no torch headers, no ninja, no Python.h), compiled with the system's
-C++ compiler (``$CXX``, else ``g++``, else ``c++``) as
-``-O3 -march=native -ffp-contract=off -fno-fast-math -fno-trapping-math`` into a cache directory
-(``$FASTML_CACHE_DIR``, else ``$XDG_CACHE_HOME/fastml_strategy``, else ``~/.cache/fastml_strategy``),
-keyed by a hash of the source, the flags, the compiler's version and the CPU's model and flags (the
-``-march=native`` build of one machine never runs on another), and loaded with ctypes, which releases
-the GIL during a call. Compiling takes about 2 s, once per machine. Several processes compiling at
-once are safe (each writes a private file, then renames it into place).
+How it is built: ``quantize_cpu.cpp`` (the kernels, plain C++ with a C ABI and no torch headers) and
+``quantize_cpu_op.cpp`` (the kernels as torch operators, ``torch.library``'s ``fastml::quantize``,
+``fastml::dequantize`` and ``fastml::reduce_quantize``, so torch.compile, the profiler and TorchScript see
+them) are compiled by ``torch.utils.cpp_extension.load`` (ninja; the compiler ``$CXX``, else ``g++``,
+else ``c++``) with ``-O3 -march=native -ffp-contract=off -fno-fast-math -fno-trapping-math`` into a cache
+directory (``$FASTML_CACHE_DIR``, else ``$XDG_CACHE_HOME/fastml_strategy``, else
+``~/.cache/fastml_strategy``), one build directory per hash of both sources, the flags, the compiler's
+version, the CPU's model and flags (the ``-march=native`` build of one machine never runs on another)
+and torch's version (the operators are compiled against its headers), and loaded with
+``torch.ops.load_library``. Calling an operator releases the GIL, as the ctypes call before it did.
+The first build takes about 15-20 s of CPU (torch's headers; the kernels alone compile in 2-7 s), once
+per machine; several processes building at once (DDP ranks) take turns on cpp_extension's lock file and
+load the one result. Building at first use rather than at install: an install-time build would need
+torch inside pip's isolated build environment (a second, possibly different torch, whose ABI the
+library must match) and cannot use ``-march=native`` for a wheel built elsewhere; ``import
+fastml_strategy`` builds nothing (the first CPU encode does).
 
 Builds: ``FASTML_CPU_MARCH`` (default ``native``) chooses ``-march``: ``x86-64-v3`` is what an
 AVX2-only machine runs, ``x86-64`` the SSE2 baseline, and ``generic`` the scalar kernels (no explicit
@@ -27,31 +35,30 @@ instruction set a build uses.
 Bit-exact with the reference: the same IEEE fp32 operations in the same order, and
 ``-ffp-contract=off`` so no multiply-add is fused.
 
-Fallback: if compiling or loading fails, :func:`available` returns False after warning once, and the
-dispatcher uses the torch reference. ``FASTML_CPU_KERNEL=0`` forces the reference without trying.
-``FASTML_CPU_THREADS`` sets the threads one call may use (default: ``torch.get_num_threads()``,
-at most one per 256 Ki elements).
+Fallback: if compiling or loading fails (no compiler, no ninja, a compile error), :func:`available`
+returns False after warning once, with the reason, and the dispatcher uses the torch reference.
+``FASTML_CPU_KERNEL=0`` forces the reference without trying. ``FASTML_CPU_THREADS`` sets the threads
+one call may use (default: ``torch.get_num_threads()``, at most one per 256 Ki elements).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import hashlib
 import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import threading
 import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-from fastml_strategy.kernels.reference import HASH_GOLDEN, num_blocks, packed_nbytes
+from fastml_strategy.kernels.reference import num_blocks, packed_nbytes, seed_word
 
 __all__ = [
     # the codec
@@ -63,16 +70,19 @@ __all__ = [
     # the build
     "available",
     "build_info",
+    "ops",
     # tests and benchmarks: one process runs several builds (e.g. native and AVX2-only)
     "use_build",
     "local_builds",
 ]
 
 _SRC = Path(__file__).with_name("quantize_cpu.cpp")
+_OP_SRC = Path(__file__).with_name("quantize_cpu_op.cpp")  # the torch operators around the kernels
 # -ffp-contract=off: no fused multiply-add (bit-exactness). -fno-trapping-math changes no value, only
 # whether FP exception flags may be raised: without it gcc does not vectorise the scalar build's clamp.
-_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math", "-std=c++17",
-          "-shared", "-fPIC", "-pthread")
+# (torch.utils.cpp_extension adds -fPIC, -std=c++20 and torch's include paths; tests/kernels/codec_digest.cpp
+# compiles the kernel alone with these.)
+_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math", "-pthread")
 
 
 # The scalar kernels: no -march (the compiler's default target) and no explicit SIMD.
@@ -143,15 +153,15 @@ def local_builds() -> list[str]:
     return [b for b in builds if not _missing_features(b)]
 
 
-_DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _MIN_ELEMS_PER_THREAD = 1 << 18
 
 _lock = threading.Lock()
-_lib: ctypes.CDLL | None = None  # the default build (FASTML_CPU_MARCH), or None if it failed
+_lib: _Build | None = None  # the default build (FASTML_CPU_MARCH), or None if it failed
 _tried = False
 _info: dict = {}
-_other: dict[str, tuple[ctypes.CDLL, dict]] = {}  # builds loaded by use_build, by -march value
-_override: ctypes.CDLL | None = None  # set inside use_build
+_other: dict[str, "_Build"] = {}  # builds loaded by use_build, by -march value (and source)
+_override: "_Build | None" = None  # set inside use_build
+_faked: set[str] = set()  # operator namespaces whose fake implementations are registered
 
 
 def _enabled() -> bool:
@@ -190,9 +200,20 @@ def _cpu_id() -> str:
     return "\n".join(parts)
 
 
-def _build(march: str | None = None, info: dict | None = None, source: Path | None = None) -> ctypes.CDLL:
+class _Build(NamedTuple):
+    """One loaded build: its operators (``torch.ops.<namespace>``), its :func:`build_info`, and which
+    entry points its kernel source has (an older source given to :func:`use_build` may lack some)."""
+
+    ops: object
+    info: dict
+    bf16_residual: bool
+    reduce: bool
+
+
+def _build(march: str | None = None, info: dict | None = None, source: Path | None = None,
+           namespace: str = "fastml") -> _Build:
     """Compile (or take from the cache) and load the build for ``march`` of ``source`` (default: this
-    package's ``quantize_cpu.cpp``); fills ``info``."""
+    package's ``quantize_cpu.cpp``), its operators in ``torch.ops.<namespace>``; fills ``info``."""
     info = _info if info is None else info
     source = _SRC if source is None else Path(source)
     march = _check_march(_default_march() if march is None else march)
@@ -203,54 +224,59 @@ def _build(march: str | None = None, info: dict | None = None, source: Path | No
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (tried $CXX, g++, c++, clang++)")
+    from torch.utils import cpp_extension  # (imports setuptools: only here, at the first build)
+
+    if not cpp_extension.is_ninja_available():
+        raise RuntimeError("ninja is not installed, and torch.utils.cpp_extension builds with it "
+                           "(`pip install ninja`)")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
-    src = source.read_bytes()
-    flags = _flags(march)
-    key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), version.encode(),
-                                     _cpu_id().encode()])).hexdigest()[:20]
-    out_dir = _cache_dir()
-    lib_path = out_dir / f"quantize_cpu-{key}.so"
+    flags = (*_flags(march), f"-DFASTML_OP_NAMESPACE={namespace}")
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), _OP_SRC.read_bytes(), " ".join(flags).encode(),
+                                     version.encode(), _cpu_id().encode(), torch.__version__.encode()])
+                         ).hexdigest()[:20]
+    name = f"fastml_cpu_{key}"
+    build_dir = _cache_dir() / name
+    lib_path = build_dir / f"{name}.so"
     info.update(compiler=cxx, march=march, flags=" ".join(flags), source=str(source), path=str(lib_path),
-                cached=lib_path.exists(), compile_s=0.0)
-    if not lib_path.exists():
-        out_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out_dir)
-        os.close(fd)
-        try:
-            t0 = time.perf_counter()
-            proc = subprocess.run([cxx, *flags, "-o", tmp, str(source)], capture_output=True, text=True,
-                                  timeout=300)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{cxx} failed (exit {proc.returncode}): {proc.stderr.strip()[-800:]}")
-            info["compile_s"] = time.perf_counter() - t0
-            os.replace(tmp, lib_path)  # atomic: concurrent builders (DDP ranks) are safe
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    lib = ctypes.CDLL(str(lib_path))
-    p, i64, i32, u32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint32
-    lib.fastml_quantize.argtypes = [p, i32, i64, p, p, p, p, i32, i64, i32, u32, i32]
-    lib.fastml_quantize.restype = i32
-    lib.fastml_dequantize.argtypes = [p, i64, p, i64, i32, i64, p, i32, i32]
-    lib.fastml_dequantize.restype = i32
-    if hasattr(lib, "fastml_quantize_r"):  # (sources before 2026-12-01 lack it: native_bf16_residual)
-        lib.fastml_quantize_r.argtypes = [p, i32, i64, p, p, i32, p, p, i32, i64, i32, u32, i32]
-        lib.fastml_quantize_r.restype = i32
-    if hasattr(lib, "fastml_reduce_quantize"):  # (sources before 2026-12-01 lack it: has_reduce)
-        lib.fastml_reduce_quantize.argtypes = [p, p, p, i32, ctypes.c_float, i64, i32, i64, p, p, i32, u32, i32]
-        lib.fastml_reduce_quantize.restype = i32
-    lib.fastml_cpu_abi_version.restype = i32
-    if lib.fastml_cpu_abi_version() != 2:
-        raise RuntimeError("stale library in the cache (ABI version mismatch)")
-    if hasattr(lib, "fastml_cpu_isa"):  # (sources before 2026-12 lack it)
-        lib.fastml_cpu_isa.restype = ctypes.c_char_p
-        info["isa"] = lib.fastml_cpu_isa().decode()
-    else:
-        info["isa"] = "?"
-    return lib
+                cached=lib_path.exists(), compile_s=0.0, namespace=namespace)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with _cxx_env(cxx):  # cpp_extension compiles with $CXX (else c++); ranks building at once take turns
+        cpp_extension.load(name, [str(_OP_SRC), str(source)], extra_cflags=list(flags),
+                           extra_ldflags=["-pthread", "-Wl,-Bsymbolic"], build_directory=str(build_dir),
+                           is_python_module=False, verbose=False)
+    if not info["cached"]:
+        info["compile_s"] = time.perf_counter() - t0
+    ops = getattr(torch.ops, namespace)
+    if ops.abi_version() != 2:
+        raise RuntimeError(f"{lib_path}: the kernel's ABI version is {ops.abi_version()}, not 2")
+    features = ops.features()
+    info["isa"] = ops.isa()
+    if namespace not in _faked:  # (a retried load finds the library loaded, its operators registered)
+        for op in ("quantize", "dequantize", "reduce_quantize"):  # they write into their arguments: no output
+            torch.library.register_fake(f"{namespace}::{op}")(_no_output)
+        _faked.add(namespace)
+    return _Build(ops, info, bool(features & 1), bool(features & 2))
 
 
-def _load() -> ctypes.CDLL | None:
+def _no_output(*args, **kwargs) -> None:
+    """The operators' fake (meta) implementation for torch.compile: they return nothing."""
+
+
+@contextlib.contextmanager
+def _cxx_env(cxx: str) -> Iterator[None]:
+    saved = os.environ.get("CXX")
+    os.environ["CXX"] = cxx
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["CXX"]
+        else:
+            os.environ["CXX"] = saved
+
+
+def _load() -> _Build | None:
     global _lib, _tried
     if _tried:
         return _lib
@@ -260,21 +286,28 @@ def _load() -> ctypes.CDLL | None:
         try:
             _lib = _build()
         except Exception as e:  # noqa: BLE001 - any failure means: use the reference
-            _info["error"] = f"{type(e).__name__}: {e}"
+            _info["error"] = f"{type(e).__name__}: {str(e).strip()[-800:]}"
             warnings.warn(
                 "FastML's compiled CPU codec could not be built, so CPU tensors use the pure-torch "
                 f"reference (20x slower or more). This happened because {_info['error']}. Install a C++ "
-                "compiler (e.g. `apt-get install g++`) or point $CXX at one; set FASTML_CPU_KERNEL=0 "
-                "to use the reference without trying (and without this warning).",
+                "compiler (e.g. `apt-get install g++`) or point $CXX at one, and ninja (`pip install ninja`); "
+                "set FASTML_CPU_KERNEL=0 to use the reference without trying (and without this warning).",
                 RuntimeWarning, stacklevel=3)
             _lib = None
         _tried = True
         return _lib
 
 
-def _active() -> ctypes.CDLL | None:
+def _active() -> _Build | None:
     """The build this call uses: the one :func:`use_build` selected, else the default."""
     return _override if _override is not None else _load()
+
+
+def _require() -> _Build:
+    b = _active()
+    if b is None:
+        raise RuntimeError(f"the compiled CPU codec is unavailable: {_info.get('error')}")
+    return b
 
 
 def available() -> bool:
@@ -284,20 +317,30 @@ def available() -> bool:
 
 def build_info(march: str | None = None) -> dict:
     """Compiler, ``march``, ``flags``, ``isa`` (the kernels' instruction set: avx2, sse2, neon or
-    scalar), ``source``, library path, whether it came from the cache, compile seconds, or the error.
-    ``march``: a build loaded by :func:`use_build` (default: the default build)."""
+    scalar), ``source``, library path, the operators' ``namespace``, whether it came from the cache,
+    compile seconds, or the error. ``march``: a build loaded by :func:`use_build` (default: the default
+    build)."""
     if march is not None and march in _other:
-        return dict(_other[march][1])
+        return dict(_other[march].info)
     _load()
     return dict(_info)
+
+
+def ops() -> object:
+    """The operators of the build in use (``torch.ops.fastml`` for the default build): ``quantize``,
+    ``dequantize``, ``reduce_quantize`` (see ``quantize_cpu_op.cpp`` for their schemas), ``isa``,
+    ``features``. Raises ``RuntimeError`` when the compiled path is unavailable."""
+    return _require().ops
 
 
 @contextlib.contextmanager
 def use_build(march: str, source: str | os.PathLike | None = None) -> Iterator[dict]:
     """Within the block, this module (so ``backend="cpu"``) uses the build for ``-march=march``
     (``"native"``, ``"x86-64-v3"``, ``"x86-64"``, ``"generic"`` for the scalar kernels, ...), compiled
-    on first use into its own cache entry; yields its :func:`build_info`. ``source``: another version
-    of ``quantize_cpu.cpp`` with the same C ABI (e.g. the previous commit's, to measure a change).
+    on first use into its own cache entry, its operators in a namespace of their own
+    (``torch.ops.fastml_<march>_<n>``; the default build's are ``torch.ops.fastml``); yields its
+    :func:`build_info`. ``source``: another version of ``quantize_cpu.cpp`` with the same C ABI (e.g.
+    the previous commit's, to measure a change).
 
     For tests and benchmarks: the switch is process-wide (every thread), and blocks must not overlap
     across threads. Raises ``RuntimeError`` if the build cannot be compiled or this CPU cannot run it.
@@ -305,15 +348,18 @@ def use_build(march: str, source: str | os.PathLike | None = None) -> Iterator[d
     global _override
     march = _check_march(march)
     key = march if source is None else f"{march}@{Path(source).resolve()}"
-    with _lock:
-        if key not in _other:
-            info: dict = {}
-            lib = _build(march, info, None if source is None else Path(source))
-            _other[key] = (lib, info)
-        lib, info = _other[key]
-    saved, _override = _override, lib
+    if source is None and march == _default_march() and _load() is not None:
+        build = _lib  # the default build itself: no second compile of the same code
+    else:
+        with _lock:
+            if key not in _other:
+                namespace = f"fastml_{march.replace('-', '_').replace('.', '_')}_{len(_other)}"
+                info: dict = {}
+                _other[key] = _build(march, info, None if source is None else Path(source), namespace)
+            build = _other[key]
+    saved, _override = _override, build
     try:
-        yield dict(info)
+        yield dict(build.info)
     finally:
         _override = saved
 
@@ -321,13 +367,6 @@ def use_build(march: str, source: str | os.PathLike | None = None) -> Iterator[d
 def _threads(n: int) -> int:
     t = int(os.environ.get("FASTML_CPU_THREADS", "0") or 0) or torch.get_num_threads()
     return max(1, min(t, n // _MIN_ELEMS_PER_THREAD))
-
-
-def _check(t: torch.Tensor, numel: int, dtype: torch.dtype, name: str) -> None:
-    if t.dtype != dtype or t.numel() != numel or not t.is_contiguous() or t.device.type != "cpu":
-        raise ValueError(
-            f"{name}: expected a contiguous CPU {dtype} tensor of {numel} elements, got {t.device} "
-            f"{t.dtype} {tuple(t.shape)} (contiguous={t.is_contiguous()})")
 
 
 def quantize(
@@ -341,43 +380,17 @@ def quantize(
     packed_out: torch.Tensor | None = None,
     meta_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Compiled twin of :func:`~fastml_strategy.kernels.reference.quantize_reference`."""
-    lib = _active()
-    if lib is None:
-        raise RuntimeError(f"the compiled CPU codec is unavailable: {_info.get('error')}")
-    if x.dtype not in _DTYPE_CODE:
-        raise TypeError(f"quantize: x is {x.dtype}; the codec takes float32, float16 or bfloat16")
+    """Compiled twin of :func:`~fastml_strategy.kernels.reference.quantize_reference`
+    (``torch.ops.fastml.quantize``; arguments are checked there)."""
+    b = _require()
     x = x.reshape(-1)
     if not x.is_contiguous():
         x = x.contiguous()
     n = x.numel()
-    nb = num_blocks(n, block_size)
-    nbytes = packed_nbytes(n, bits)
-    packed = packed_out if packed_out is not None else torch.empty(nbytes, dtype=torch.uint8)
-    meta = meta_out if meta_out is not None else torch.empty(nb, 2, dtype=torch.float32)
-    _check(packed, nbytes, torch.uint8, "packed_out")
-    _check(meta, 2 * nb, torch.float32, "meta_out")
-    r_ptr = rout_ptr = None
-    r_dtype = torch.float32
-    if residual is not None:
-        r_dtype = residual.dtype
-        if r_dtype == torch.bfloat16 and not hasattr(lib, "fastml_quantize_r"):
-            raise ValueError("quantize: this build of the CPU codec takes a float32 residual only")
-        _check(residual, n, r_dtype if r_dtype == torch.bfloat16 else torch.float32, "residual")
-        r_ptr = residual.data_ptr()
-        if residual_out is not None:
-            _check(residual_out, n, r_dtype, "residual_out")
-            rout_ptr = residual_out.data_ptr()
-    seed_s = (int(seed) * HASH_GOLDEN) & 0xFFFFFFFF
-    if r_dtype == torch.bfloat16:
-        rc = lib.fastml_quantize_r(x.data_ptr(), _DTYPE_CODE[x.dtype], n, r_ptr, rout_ptr, 2, packed.data_ptr(),
-                                   meta.data_ptr(), bits, block_size, int(bool(stochastic)), seed_s, _threads(n))
-    else:
-        rc = lib.fastml_quantize(x.data_ptr(), _DTYPE_CODE[x.dtype], n, r_ptr, rout_ptr, packed.data_ptr(),
-                                 meta.data_ptr(), bits, block_size, int(bool(stochastic)), seed_s, _threads(n))
-    if rc != 0:
-        raise ValueError(f"quantize: invalid arguments (bits={bits}, block_size={block_size}): bits must be "
-                         "1-8 and block_size a power of two >= 8")
+    packed = packed_out if packed_out is not None else torch.empty(packed_nbytes(n, bits), dtype=torch.uint8)
+    meta = meta_out if meta_out is not None else torch.empty(num_blocks(n, block_size), 2, dtype=torch.float32)
+    b.ops.quantize(x, bits, block_size, bool(stochastic), seed_word(seed), residual, residual_out, packed, meta,
+                   _threads(n))
     return packed, meta
 
 
@@ -390,47 +403,33 @@ def dequantize(
     out: torch.Tensor | None = None,
     accumulate: bool = False,
 ) -> torch.Tensor:
-    """Compiled twin of :func:`~fastml_strategy.kernels.reference.dequantize_reference`."""
+    """Compiled twin of :func:`~fastml_strategy.kernels.reference.dequantize_reference`
+    (``torch.ops.fastml.dequantize``)."""
+    b = _require()
     if out is None:
         out = (torch.zeros if accumulate else torch.empty)(numel, dtype=torch.float32)
-    _check(out, numel, torch.float32, "out")
-    _decode(packed, meta, numel, bits, block_size, out, 1 if accumulate else 0)
+    b.ops.dequantize(*_message(packed, meta), numel, bits, block_size, out, bool(accumulate), _threads(numel))
     return out
 
 
-def _decode(packed, meta, numel, bits, block_size, out, mode):
-    lib = _active()
-    if lib is None:
-        raise RuntimeError(f"the compiled CPU codec is unavailable: {_info.get('error')}")
-    if numel == 0:
-        return
-    packed = packed.reshape(-1).contiguous()
-    meta = meta.reshape(-1).to(torch.float32).contiguous()
-    nb = num_blocks(numel, block_size)
-    if meta.numel() != 2 * nb or packed.numel() < packed_nbytes(numel, bits) or packed.dtype != torch.uint8:
-        raise ValueError(
-            f"dequantize: {numel} elements of {bits} bits in blocks of {block_size} need "
-            f"{packed_nbytes(numel, bits)} uint8 payload bytes and {nb}x2 metadata; got {packed.numel()} "
-            f"{packed.dtype} and {meta.numel()} metadata values")
-    rc = lib.fastml_dequantize(packed.data_ptr(), packed.numel(), meta.data_ptr(), numel, bits, block_size,
-                               out.data_ptr(), mode, _threads(numel))
-    if rc != 0:
-        raise ValueError(f"dequantize: invalid arguments (bits={bits}, block_size={block_size})")
+def _message(packed: torch.Tensor, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A message's payload and metadata as the operators take them: flat, contiguous, fp32 metadata."""
+    return packed.reshape(-1).contiguous(), meta.reshape(-1).to(torch.float32).contiguous()
 
 
 def native_bf16_residual() -> bool:
     """Whether the build in use reads and writes a bf16 residual itself (:func:`quantize` with a
     bfloat16 ``residual``: 2 bytes read and 2 written per element instead of 4 and 4); an older source
     given to :func:`use_build` may not."""
-    lib = _active()
-    return lib is not None and hasattr(lib, "fastml_quantize_r")
+    b = _active()
+    return b is not None and b.bf16_residual
 
 
 def has_reduce() -> bool:
     """Whether the build in use has the fused reduce (:func:`reduce_quantize`); an older source given
     to :func:`use_build` may not."""
-    lib = _active()
-    return lib is not None and hasattr(lib, "fastml_reduce_quantize")
+    b = _active()
+    return b is not None and b.reduce
 
 
 def reduce_quantize(
@@ -446,35 +445,9 @@ def reduce_quantize(
 ) -> None:
     """Compiled twin of :func:`fastml_strategy.kernels.reduce_quantize`: the ``(packed, meta)``
     messages of ``sources`` (``numel`` elements each) decoded, summed in order, divided by ``divisor``
-    and quantized into ``packed_out`` / ``meta_out``, in one pass over each block."""
-    lib = _active()
-    if lib is None or not hasattr(lib, "fastml_reduce_quantize"):
-        raise RuntimeError("the compiled CPU codec in use has no fused reduce (see has_reduce())")
-    nb = num_blocks(numel, block_size)
-    nbytes = packed_nbytes(numel, bits)
-    _check(packed_out, nbytes, torch.uint8, "packed_out")
-    _check(meta_out, 2 * nb, torch.float32, "meta_out")
-    if numel == 0:
-        return
-    n = len(sources)
-    packed_ptrs = (ctypes.c_void_p * n)()
-    avail = (ctypes.c_int64 * n)()
-    meta_ptrs = (ctypes.c_void_p * n)()
-    keep = []  # contiguous copies, alive until the call returns
-    for i, (packed, meta) in enumerate(sources):
-        packed = packed.reshape(-1).contiguous()
-        meta = meta.reshape(-1).to(torch.float32).contiguous()
-        if packed.dtype != torch.uint8 or packed.numel() < nbytes or meta.numel() != 2 * nb:
-            raise ValueError(
-                f"reduce_quantize: source {i}: {numel} elements of {bits} bits in blocks of {block_size} "
-                f"need {nbytes} uint8 payload bytes and {nb}x2 metadata; got {packed.numel()} "
-                f"{packed.dtype} and {meta.numel()} metadata values")
-        keep.append((packed, meta))
-        packed_ptrs[i], avail[i], meta_ptrs[i] = packed.data_ptr(), packed.numel(), meta.data_ptr()
-    seed_s = (int(seed) * HASH_GOLDEN) & 0xFFFFFFFF
-    rc = lib.fastml_reduce_quantize(packed_ptrs, avail, meta_ptrs, n, float(divisor), numel, bits, block_size,
-                                    packed_out.data_ptr(), meta_out.data_ptr(), int(bool(stochastic)), seed_s,
-                                    _threads(numel))
-    if rc != 0:
-        raise ValueError(f"reduce_quantize: invalid arguments (bits={bits}, block_size={block_size}, "
-                         f"{n} sources)")
+    and quantized into ``packed_out`` / ``meta_out``, in one pass over each block
+    (``torch.ops.fastml.reduce_quantize``)."""
+    b = _require()
+    msgs = [_message(p, m) for p, m in sources]
+    b.ops.reduce_quantize([p for p, _ in msgs], [m for _, m in msgs], float(divisor), numel, bits, block_size,
+                          packed_out, meta_out, bool(stochastic), seed_word(seed), _threads(numel))

@@ -121,3 +121,31 @@ def test_aarch64_builds_write_the_same_bytes(tmp_path):
     for name in ("neon", "arm-scalar"):
         diff = [(a, b) for a, b in zip(host, outs[name][1]) if a != b]
         assert not diff and len(outs[name][1]) == len(host), f"{name}: {len(diff)} cases differ, e.g. {diff[:3]}"
+
+
+def test_kernels_are_torch_operators():
+    """The default build's kernels are the operators torch.ops.fastml.*: the profiler records them by
+    name, torch.compile traces them (aot_eager: functionalised, without an Inductor build), and a direct
+    call with a wrong buffer raises instead of writing out of bounds."""
+    from fastml_strategy.kernels import packed_nbytes, quantize
+
+    assert cpu.build_info()["namespace"] == "fastml" and cpu.ops() is torch.ops.fastml
+    n = 3000
+    x = torch.randn(n)
+    packed, meta = torch.empty(packed_nbytes(n, 4), dtype=torch.uint8), torch.empty(6, 2)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        quantize(x, 4, packed_out=packed, meta_out=meta, backend="cpu")
+    assert "fastml::quantize" in {e.key for e in prof.key_averages()}
+
+    def encode(v):
+        p, m = torch.empty(packed_nbytes(n, 4), dtype=torch.uint8), torch.empty(6, 2)
+        torch.ops.fastml.quantize(v, 4, 512, False, 0, None, None, p, m, 1)
+        return p, m
+
+    got = torch.compile(encode, backend="aot_eager", fullgraph=True)(x)
+    ref = quantize_reference(x, 4)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    with pytest.raises(ValueError, match="packed_out: expected a contiguous CPU Byte tensor of 1500"):
+        torch.ops.fastml.quantize(x, 4, 512, False, 0, None, None, torch.empty(3, dtype=torch.uint8), meta, 1)
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
+        torch.ops.fastml.quantize(x.double(), 4, 512, False, 0, None, None, packed, meta, 1)

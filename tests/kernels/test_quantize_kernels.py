@@ -470,3 +470,25 @@ def test_cpu_build_failure_falls_back(monkeypatch, tmp_path):
     assert resolve_backend(torch.zeros(1), None) == "torch"
     p, m = quantize(torch.randn(100), 4)
     assert p.numel() == 50
+
+
+def test_cpu_build_without_ninja_falls_back(monkeypatch, tmp_path):
+    """torch.utils.cpp_extension builds with ninja: without it, one warning naming the fix, then the
+    reference (and no second warning)."""
+    import warnings
+
+    from torch.utils import cpp_extension
+
+    from fastml_strategy.kernels import cpu
+
+    monkeypatch.setattr(cpu, "_lib", None)
+    monkeypatch.setattr(cpu, "_tried", False)
+    monkeypatch.setattr(cpu, "_info", {})
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
+    monkeypatch.setenv("FASTML_CACHE_DIR", str(tmp_path))
+    with pytest.warns(RuntimeWarning, match="pip install ninja"):
+        assert not cpu.available()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not cpu.available() and resolve_backend(torch.zeros(1), None) == "torch"
+    assert not any(tmp_path.iterdir())  # nothing was compiled
