@@ -150,7 +150,7 @@ def powersgd_step_time(profile: Profile, option: HardwareOption, rank: int, code
     cpu_total = wire_total = end = 0.0
     nbytes = 0
     for bucket, part in zip(buckets, parts):
-        c = codec_s * part.flops / flops
+        c = codec_s * part.flops / flops / option.compute_speed
         b = int(round(ring * 4 * part.elements))
         w = (3 * 2 * (W - 1) * link.latency_s + b / link.bandwidth_Bps) if W > 1 else 0.0
         ready = max(lp.ready_s for lp in bucket) * scale
