@@ -21,8 +21,12 @@ What it measures
 1. ``fastml-autotune`` on the workload, launched with torchrun on 2 ranks inside the emulated link:
    it measures the link (timed collectives), profiles, calibrates, searches and writes plan.json plus
    its predicted step times (``tune/step_times.csv``).
-2. Training to the target with each plan: the tuned plan.json, the uniform recipes, and plain fp32
-   DDP (no hook). Same seed, data and optimizer; the clock runs only during training steps
+2. Training to the target with each plan: the tuned plan.json, the uniform recipes, torch's own
+   PowerSGD hook (issue 36: ``--powersgd-ranks`` 1,2,4 x ``--powersgd-starts`` 2,10, one DDP bucket
+   each, since torch's hook aborts on gloo with two; its bytes are what it hands to
+   ``torch.distributed.all_reduce``, counted, and its ms/step is the median of its compressing steps,
+   while its time to the target includes its first ``start_powerSGD_iter`` uncompressed steps), and
+   plain fp32 DDP (no hook). Same seed, data and optimizer; the clock runs only during training steps
    (evaluation every few steps is paused). Full runs: the time to the target is the sum of the
    measured steps up to the evaluation that reached it, not a prediction.
 3. A table: measured ms/step, predicted ms/step and the prediction error, steps and seconds to the
@@ -36,7 +40,8 @@ What it measures
 4. ``--seed N`` (default 0) is the tuner's ``--seed`` and the training's: the model's initial
    weights and every rank's data stream change with it (the validation batches do not).
    ``--summary`` prints, from every such CSV under ``benchmarks/results/``, per workload, rate and
-   seed the tuned plan's measured time to the target against the best uniform recipe's.
+   seed the tuned plan's measured time to the target against the best uniform recipe's and the best
+   torch PowerSGD setting's (``tuned_over_best_powersgd``).
 
 The emulated link: a commodity cluster link on one machine
 ----------------------------------------------------------

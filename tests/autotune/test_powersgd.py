@@ -177,3 +177,29 @@ def test_the_check_trains_torch_powersgd_beside_the_tuned_plan(tmp_path):
     assert len(rec["powersgd"]) == 3 and not any(e["sooner"] for e in rec["powersgd"])
     assert "powersgd_faster" not in rec
     assert "No torch PowerSGD rank reached" in report._check_text(SimpleNamespace(check=rec))
+
+
+def test_bench_summary_keeps_powersgd_apart_from_the_uniform_recipes(tmp_path):
+    # bench_autotune's --summary: the best uniform FastML recipe and the best torch PowerSGD setting,
+    # each against the tuned plan (before, a PowerSGD row would have counted as a uniform recipe)
+    import csv
+
+    sys.path.insert(0, str(HERE.parents[1] / "benchmarks"))
+    import bench_autotune
+
+    rows = [("tuned", "40", "20.0"), ("int4", "45", "30.0"), ("powersgd-r4-s2", "75", "25.0"),
+            ("powersgd-r1-s2", "", ""), ("ddp-fp32", "45", "160.0")]
+    path = tmp_path / "bench_autotune_gpt2_50mbit_seed0_x_cpu.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, ["workload", "link", "seed", "target", "plan", "steps_to_target",
+                               "seconds_to_target", "ms_per_step"])
+        w.writeheader()
+        for plan, steps, secs in rows:
+            w.writerow({"workload": "gpt2", "link": "50mbit", "seed": 0, "target": 1.3, "plan": plan,
+                        "steps_to_target": steps, "seconds_to_target": secs, "ms_per_step": 1})
+    (got,) = bench_autotune.summary(tmp_path)
+    assert got["best_uniform"] == "int4" and got["tuned_over_best_uniform"] == pytest.approx(20 / 30, abs=1e-3)
+    assert got["best_powersgd"] == "powersgd-r4-s2"
+    assert got["tuned_over_best_powersgd"] == pytest.approx(0.8)
+    assert [bench_autotune._method(p) for p, _, _ in rows] == [
+        "tuned plan", "fastml recipe", "torch powersgd", "torch powersgd", "ddp"]
