@@ -489,7 +489,8 @@ def inner(args: argparse.Namespace) -> None:
         print(f"tuned plan against the best torch PowerSGD setting {best_psgd['plan']}: "
               f"{best_psgd['seconds_to_target']} s, tuned / PowerSGD = "
               f"{tuned['seconds_to_target'] / best_psgd['seconds_to_target']:.3f} "
-              f"(PowerSGD takes {best_psgd['seconds_to_target'] / tuned['seconds_to_target']:.2f}x the tuned plan's time)")
+              f"(PowerSGD takes {best_psgd['seconds_to_target'] / tuned['seconds_to_target']:.2f}x the tuned "
+              f"plan's time)")
     print(f"\nwrote {csv_path} and {tune}/report.html")
 
 
