@@ -80,6 +80,7 @@ def _hook_bytes(rank, world_size, ranks, start, steps):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_predicted_bytes_equal_what_torchs_hook_all_reduces():
     """On two gloo ranks: plain fp32 for ``start_powerSGD_iter`` steps, then per bucket three
@@ -139,6 +140,7 @@ def _check_inputs(tmp_path, tuned_step_s, limit):
     return s, prof, groups, [opt], found, cal, Convergence(k=0.0, gamma=1.0, e_max=1.0)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_check_trains_torch_powersgd_beside_the_tuned_plan(tmp_path):
     from fastml_strategy.autotune import report
