@@ -465,11 +465,6 @@ def inner(args: argparse.Namespace) -> None:
     csv_path = Path(args.csv or _bench.default_csv(default_name, documented=not args.no_netns))
     csv_path.parent.mkdir(parents=True, exist_ok=True)
     _bench.write_csv(csv_path, rows)
-    best = min((r for r in rows if r["seconds_to_target"] != "" and r["method"] == "fastml recipe"),
-               key=lambda r: r["seconds_to_target"], default=None)
-    best_psgd = min((r for r in rows if r["seconds_to_target"] != "" and r["method"] == "torch powersgd"),
-                    key=lambda r: r["seconds_to_target"], default=None)
-    tuned = rows[0]
     print()
     print(f"{task.name}: 2 ranks x 1 thread, link: {'none (plain loopback)' if args.no_netns else args.rate + ' emulated (tbf)'}; "
           f"target {task.metric} {args.target}; {_bench.machine_line()}, load {load}; tuning "
@@ -482,6 +477,18 @@ def inner(args: argparse.Namespace) -> None:
                    headers=["plan", "ms/step", "predicted", "pred. error", "compute ms", "MB/step/rank",
                             "bound ms", "x bound", "steps to target", "s to target", task.metric,
                             "compression"], tablefmt="github"))
+    _print_ratios(rows)
+    print(f"\nwrote {csv_path} and {tune}/report.html")
+
+
+def _print_ratios(rows: list[dict]) -> None:
+    """The tuned plan's time to the target against the best uniform recipe's and the best torch
+    PowerSGD setting's (rows[0] is the tuned plan)."""
+    tuned = rows[0]
+    best = min((r for r in rows if r["seconds_to_target"] != "" and r["method"] == "fastml recipe"),
+               key=lambda r: r["seconds_to_target"], default=None)
+    best_psgd = min((r for r in rows if r["seconds_to_target"] != "" and r["method"] == "torch powersgd"),
+                    key=lambda r: r["seconds_to_target"], default=None)
     if best and tuned["seconds_to_target"] != "":
         print(f"\ntuned plan: {tuned['seconds_to_target']} s to the target; best uniform recipe {best['plan']}: "
               f"{best['seconds_to_target']} s ({best['seconds_to_target'] / tuned['seconds_to_target']:.2f}x)")
@@ -491,7 +498,6 @@ def inner(args: argparse.Namespace) -> None:
               f"{tuned['seconds_to_target'] / best_psgd['seconds_to_target']:.3f} "
               f"(PowerSGD takes {best_psgd['seconds_to_target'] / tuned['seconds_to_target']:.2f}x the tuned "
               f"plan's time)")
-    print(f"\nwrote {csv_path} and {tune}/report.html")
 
 
 def _method(label: str) -> str:
