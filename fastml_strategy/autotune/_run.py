@@ -817,11 +817,7 @@ def _check(s: Settings, profile: Profile, groups: Mapping[str, list[str]], optio
         record["verdict"] = ("nothing to compare: the tuned plan is itself the fastest and the best "
                              "uniform plan within the accuracy limit, or no uniform plan is within it, "
                              "by the fit or in its own calibration runs")
-        if getattr(s, "workload", None) is not None:  # torch's PowerSGD is compared all the same
-            t_losses = list(ref["losses"]) if plain else _check_curve(s, profile, groups, tuned.choice, cal,
-                                                                      cal_name)[0]
-            _powersgd_baselines(s, profile, options, chosen, tuned, t_losses, cal, cal_name, ref, record, bar,
-                                deadline, notes)
+        _powersgd_check(s, profile, groups, options, chosen, found, cal, cal_name, ref, record, bar, deadline, notes)
         return record
     todo = [a for a in ([] if plain else [tuned]) + [r for r, _ in alts]
             if not any(p["choice"] == a.choice and int(p.get("seed", s.seed)) == s.seed and p.get("losses")
@@ -835,13 +831,12 @@ def _check(s: Settings, profile: Profile, groups: Mapping[str, list[str]], optio
     t_losses = list(ref["losses"]) if plain else _check_curve(s, profile, groups, tuned.choice, cal, cal_name)[0]
     bar.update(1)
     best_alt = _compare_alternatives(s, profile, groups, alts, t_losses, tuned, cal, cal_name, ref, record, bar)
-    _powersgd_baselines(s, profile, options, chosen, tuned, t_losses, cal, cal_name, ref, record, bar,
-                        deadline, notes)
     if best_alt is None:
         tuned_words = "plain DDP stands" if plain else "the tuned plan stands"
         why_not = [f"{e['plan']}: " + ("over the accuracy limit in its run" if e["sooner"] and not e["within_limit"]
                                        else "not sooner") for e in record["alternatives"]]
         record["verdict"] = f"{tuned_words} (" + "; ".join(why_not) + ")"
+        _powersgd_check(s, profile, groups, options, chosen, found, cal, cal_name, ref, record, bar, deadline, notes)
         return record
     row = best_alt[1]
     # a recipe its own runs placed within the limit is admitted by them, whatever the fit said
@@ -854,6 +849,7 @@ def _check(s: Settings, profile: Profile, groups: Mapping[str, list[str]], optio
     record["verdict"] = (f"{record['replaced']} reached the {'reference' if plain else 'tuned plan'}'s losses "
                          f"in {best_alt[0]:.3g}x its time, within the accuracy limit: plan.json holds "
                          f"{record['replaced']} instead" + (" of plain DDP" if plain else ""))
+    _powersgd_check(s, profile, groups, options, chosen, found, cal, cal_name, ref, record, bar, deadline, notes)
     return record
 
 
@@ -928,6 +924,21 @@ def _powersgd_curve(s: Settings, rank: int, start: int, cal_name: str) -> tuple[
     return [math.inf if v is None else float(v) for v in got["losses"]], got["metric"], float(got["hook_s"])
 
 
+def _powersgd_check(s: Settings, profile: Profile | None, groups: Mapping[str, list[str]],
+                    options: list[HardwareOption], chosen: str, found: _OptionSearch, cal: _Calibrated,
+                    cal_name: str, ref: Mapping[str, Any], record: dict[str, Any], bar: _Progress,
+                    deadline: float | None, notes: list[str]) -> None:
+    """The check's last step: torch's PowerSGD hook against the plan plan.json will hold (the tuned
+    plan, the uniform plan that replaced it, or plain DDP), :func:`_powersgd_baselines`."""
+    if getattr(s, "workload", None) is None or profile is None:
+        return
+    final = Trial.of(found.best[chosen])
+    plain = not final.use_hook
+    losses = list(ref["losses"]) if plain else _check_curve(s, profile, groups, final.choice, cal, cal_name)[0]
+    record["powersgd_against"] = record.get("replaced") or ("plain DDP" if plain else "the tuned plan")
+    _powersgd_baselines(s, profile, options, chosen, final, losses, cal, cal_name, ref, record, bar, deadline, notes)
+
+
 def _powersgd_baselines(s: Settings, profile: Profile | None, options: list[HardwareOption], chosen: str,
                         tuned: Trial, t_losses: list[float], cal: _Calibrated, cal_name: str,
                         ref: Mapping[str, Any], record: dict[str, Any], bar: _Progress,
@@ -972,7 +983,8 @@ def _powersgd_baselines(s: Settings, profile: Profile | None, options: list[Hard
     faster = [e for e in entries if e["sooner"] and e["within_limit"]]
     if faster:
         e = min(faster, key=lambda e: e["time_ratio"])
-        record["powersgd_faster"] = (f"torch PowerSGD rank {e['rank']} was faster: it reached the tuned plan's "
+        against = record.get("powersgd_against", "the tuned plan")
+        record["powersgd_faster"] = (f"torch PowerSGD rank {e['rank']} was faster: it reached {against}'s "
                                      f"losses in {e['time_ratio']:.3g}x its time, within the accuracy limit "
                                      f"(another hook: plan.json cannot hold it)")
 

@@ -1151,8 +1151,9 @@ def _powersgd_parts(c: Mapping[str, Any]) -> list[str]:
         return []
     parts = [f"torch's PowerSGD hook (powerSGD_hook, one DDP bucket, start_powerSGD_iter "
              f"{es[0]['start_powerSGD_iter']}: 10% of the run, torch's advice; its default 1000 would not "
-             f"compress in a run this short) trained the same way; time = measured steps x its mean "
-             f"predicted step time over the run."]
+             f"compress in a run this short) trained the same way against "
+             f"{c.get('powersgd_against') or 'the tuned plan'} (what plan.json holds); time = measured steps x "
+             f"its mean predicted step time over the run (plain DDP's before it compresses)."]
     for e in es:
         parts.append(f"{e['plan']} ({e['step_words']}): {e['words']}; accuracy loss {e['accuracy_loss']:+.3g} "
                      f"({'within' if e['within_limit'] else 'over'} the limit).")

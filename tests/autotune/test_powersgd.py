@@ -164,6 +164,7 @@ def test_the_check_trains_torch_powersgd_beside_the_tuned_plan(tmp_path):
         assert e["levels"] > 0 and e["sooner"] and e["within_limit"]
     assert rec["powersgd_faster"].startswith("torch PowerSGD rank ") and "was faster" in rec["powersgd_faster"]
     assert found.best["x"] == before and rec["replaced"] is None  # another hook: plan.json keeps the plan
+    assert rec["powersgd_against"] == "the tuned plan"
     text = report._check_text(SimpleNamespace(check=rec))
     assert "torch PowerSGD rank 4" in text and "was faster" in text
     # torch's own hook trained the runs: rank 4 differs from rank 1 (the curves are not the reference's)
