@@ -21,8 +21,12 @@ What it measures
 1. ``fastml-autotune`` on the workload, launched with torchrun on 2 ranks inside the emulated link:
    it measures the link (timed collectives), profiles, calibrates, searches and writes plan.json plus
    its predicted step times (``tune/step_times.csv``).
-2. Training to the target with each plan: the tuned plan.json, the uniform recipes, and plain fp32
-   DDP (no hook). Same seed, data and optimizer; the clock runs only during training steps
+2. Training to the target with each plan: the tuned plan.json, the uniform recipes, torch's own
+   PowerSGD hook (issue 36: ``--powersgd-ranks`` 1,2,4 x ``--powersgd-starts`` 2,10, one DDP bucket
+   each, since torch's hook aborts on gloo with two; its bytes are what it hands to
+   ``torch.distributed.all_reduce``, counted, and its ms/step is the median of its compressing steps,
+   while its time to the target includes its first ``start_powerSGD_iter`` uncompressed steps), and
+   plain fp32 DDP (no hook). Same seed, data and optimizer; the clock runs only during training steps
    (evaluation every few steps is paused). Full runs: the time to the target is the sum of the
    measured steps up to the evaluation that reached it, not a prediction.
 3. A table: measured ms/step, predicted ms/step and the prediction error, steps and seconds to the
@@ -36,7 +40,8 @@ What it measures
 4. ``--seed N`` (default 0) is the tuner's ``--seed`` and the training's: the model's initial
    weights and every rank's data stream change with it (the validation batches do not).
    ``--summary`` prints, from every such CSV under ``benchmarks/results/``, per workload, rate and
-   seed the tuned plan's measured time to the target against the best uniform recipe's.
+   seed the tuned plan's measured time to the target against the best uniform recipe's and the best
+   torch PowerSGD setting's (``tuned_over_best_powersgd``).
 
 The emulated link: a commodity cluster link on one machine
 ----------------------------------------------------------
@@ -66,6 +71,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
@@ -82,6 +88,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpt_workload, in spawned ranks too
+from _bench import CollectiveBytes  # noqa: E402
 HIDDEN = int(os.environ.get("FASTML_BENCH_HIDDEN", "1024"))  # digits: 1.1M parameters, 4.4 MB of grads
 BATCH = 32  # digits, per rank
 LR = 1e-3
@@ -209,24 +216,29 @@ def _train_worker(rank: int, world: int, port: int, task_name: str, plans, targe
         runs = {}
         for label, plan_arg, cap_mb in plans:
             model = DDP(new_model(), **({"bucket_cap_mb": cap_mb} if cap_mb else {}))
-            state = None
-            if plan_arg is not None:
+            state = psgd = None
+            if plan_arg is not None and plan_arg.startswith(POWERSGD):
+                psgd = _register_powersgd(model, plan_arg)
+            elif plan_arg is not None:
                 plan = Plan.load(plan_arg) if plan_arg.endswith(".json") else Plan.from_recipe(plan_arg)
                 state = register_hook(model, plan)
-            runs[label] = {"model": model, "state": state, "opt": optimizer(model.parameters()),
-                           "stream": stream(), "times": [], "value": None, "reached": None}
+            runs[label] = {"model": model, "state": state, "psgd": psgd, "opt": optimizer(model.parameters()),
+                           "stream": stream(), "times": [], "value": None, "reached": None, "allreduced": 0}
         compute = _compute_times(new_model, stream, loss_fn, optimizer, steps=20)
         active = list(runs)
         while active:
             for label in list(active):
                 r = runs[label]
-                for _ in range(eval_every):
-                    batch = next(r["stream"])
-                    t0 = time.perf_counter()
-                    r["opt"].zero_grad(set_to_none=True)
-                    loss_fn(r["model"], batch).backward()
-                    r["opt"].step()
-                    r["times"].append(time.perf_counter() - t0)
+                # torch's PowerSGD hook calls torch.distributed.all_reduce: count what it hands over
+                with (CollectiveBytes() if r["psgd"] is not None else contextlib.nullcontext()) as counted:
+                    for _ in range(eval_every):
+                        batch = next(r["stream"])
+                        t0 = time.perf_counter()
+                        r["opt"].zero_grad(set_to_none=True)
+                        loss_fn(r["model"], batch).backward()
+                        r["opt"].step()
+                        r["times"].append(time.perf_counter() - t0)
+                r["allreduced"] += counted.bytes if counted is not None else 0
                 r["value"] = evaluate(r["model"].module)  # replicas identical: ranks agree
                 if r["reached"] is None and reached(r["value"]):
                     r["reached"] = len(r["times"])
@@ -236,15 +248,21 @@ def _train_worker(rank: int, world: int, port: int, task_name: str, plans, targe
         dist.barrier()
         out = {}
         for label, r in runs.items():
-            steady = sorted(r["times"][5:] or r["times"])
+            psgd = r["psgd"]
+            # PowerSGD: the steps after start_powerSGD_iter (before it, it is plain DDP's all-reduce)
+            timed = r["times"][psgd.start_powerSGD_iter:] if psgd is not None else r["times"]
+            steady = sorted(timed[5:] or timed or r["times"])
             st = r["state"].stats() if r["state"] else None
+            ring = 2.0 * (world - 1) / world  # gloo's ring all-reduce: bytes a rank sends per byte reduced
             out[label] = {
                 "steps": r["reached"],
                 "seconds": sum(r["times"][: r["reached"]]) if r["reached"] else None,
                 "final_value": r["value"], "ms_per_step": 1e3 * steady[len(steady) // 2],
-                "compression_ratio": st["compression_ratio"] if st else 1.0,
+                "compression_ratio": st["compression_ratio"] if st else
+                (psgd.compression_stats()[0] if psgd is not None and psgd.total_numel_after_compression else 1.0),
                 "wire_bytes_per_step": (st["bytes_sent"] / max(st["steps"], 1)) if st else
-                2.0 * (world - 1) / world * 4 * sum(p.numel() for p in r["model"].parameters()),
+                ring * r["allreduced"] / len(r["times"]) if psgd is not None else
+                ring * 4 * sum(p.numel() for p in r["model"].parameters()),
                 "compute_ms": compute,
             }
         q.put((rank, "ok", out))
@@ -253,6 +271,38 @@ def _train_worker(rank: int, world: int, port: int, task_name: str, plans, targe
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# torch's PowerSGD hook as a trained method: "powersgd:RANK:START" (plan argument), "powersgd-rRANK-sSTART"
+# (label). torch's default start_powerSGD_iter is 1000: longer than any run here (--max-steps 400), so
+# with it the hook never compresses and its run is plain fp32 DDP's; the runs below start it at 2 (its
+# minimum with error feedback) and 10 (its docstring's advice, 10% of the training steps: fp32 DDP
+# reaches gpt's target in about 110 steps).
+POWERSGD = "powersgd:"
+POWERSGD_RANKS = "1,2,4"
+POWERSGD_STARTS = "2,10"
+
+
+def _register_powersgd(model, plan_arg: str):
+    """torch's PowerSGD hook on ``model`` (DDP, one bucket) at the rank and start of ``plan_arg``."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+
+    _, rank, start = plan_arg.split(":")
+    state = PowerSGDState(process_group=None, matrix_approximation_rank=int(rank),
+                          start_powerSGD_iter=int(start))
+    model.register_comm_hook(state, powerSGD_hook)
+    return state
+
+
+def _powersgd_plans(task_name: str, ranks: str, starts: str) -> list[tuple[str, str, float]]:
+    """(label, plan argument, bucket_cap_mb) of each PowerSGD method: one bucket (torch's hook aborts
+    on gloo with two, DESIGN.md)."""
+    from fastml_strategy.autotune.costmodel.powersgd import one_bucket_mb
+
+    numel = sum(p.numel() for p in _training_parts(task_name, 0, 2)[0]().parameters())
+    cap = one_bucket_mb(numel)
+    return [(f"powersgd-r{r}-s{s}", f"{POWERSGD}{r}:{s}", cap)
+            for r in ranks.split(",") if r for s in starts.split(",") if s]
 
 
 def _compute_times(new_model, stream, loss_fn, optimizer, steps: int) -> float:
@@ -367,6 +417,7 @@ def inner(args: argparse.Namespace) -> None:
     plans: list[tuple[str, str | None, float | None]] = [
         ("tuned", None if meta.get("hook") is False else str(tune / "plan.json"), cap)]
     plans += [(r, r, None) for r in (args.recipes.split(",") if args.recipes else task.recipes)]
+    plans += _powersgd_plans(task.name, args.powersgd_ranks, args.powersgd_starts)
     plans += [] if args.skip_ddp else [("ddp-fp32", None, None)]
     load_before = os.getloadavg()[0]
     print(f"training {len(plans)} plans side by side to {task.metric} {args.target}...", flush=True)
@@ -397,6 +448,7 @@ def inner(args: argparse.Namespace) -> None:
             # 1-minute load average of the (shared) machine before and after: above ~2 on 2 cores,
             # timings are noisy
             "load_avg": load, "link": "none" if args.no_netns else args.rate,
+            "method": _method(label),
         })
     rows[0]["plan_summary"] = _plan_summary(tune / "plan.json")
     rows[0]["check"] = (meta.get("checked_against_uniform") or {}).get("verdict", "")
@@ -413,9 +465,6 @@ def inner(args: argparse.Namespace) -> None:
     csv_path = Path(args.csv or _bench.default_csv(default_name, documented=not args.no_netns))
     csv_path.parent.mkdir(parents=True, exist_ok=True)
     _bench.write_csv(csv_path, rows)
-    best = min((r for r in rows if r["seconds_to_target"] != "" and r["plan"] != "tuned"),
-               key=lambda r: r["seconds_to_target"], default=None)
-    tuned = rows[0]
     print()
     print(f"{task.name}: 2 ranks x 1 thread, link: {'none (plain loopback)' if args.no_netns else args.rate + ' emulated (tbf)'}; "
           f"target {task.metric} {args.target}; {_bench.machine_line()}, load {load}; tuning "
@@ -428,10 +477,36 @@ def inner(args: argparse.Namespace) -> None:
                    headers=["plan", "ms/step", "predicted", "pred. error", "compute ms", "MB/step/rank",
                             "bound ms", "x bound", "steps to target", "s to target", task.metric,
                             "compression"], tablefmt="github"))
-    if best and tuned["seconds_to_target"] != "":
-        print(f"\ntuned plan: {tuned['seconds_to_target']} s to the target; best other plan {best['plan']}: "
-              f"{best['seconds_to_target']} s ({best['seconds_to_target'] / tuned['seconds_to_target']:.2f}x)")
+    _print_ratios(rows)
     print(f"\nwrote {csv_path} and {tune}/report.html")
+
+
+def _print_ratios(rows: list[dict]) -> None:
+    """The tuned plan's time to the target against the best uniform recipe's and the best torch
+    PowerSGD setting's (rows[0] is the tuned plan)."""
+    tuned = rows[0]
+    best = min((r for r in rows if r["seconds_to_target"] != "" and r["method"] == "fastml recipe"),
+               key=lambda r: r["seconds_to_target"], default=None)
+    best_psgd = min((r for r in rows if r["seconds_to_target"] != "" and r["method"] == "torch powersgd"),
+                    key=lambda r: r["seconds_to_target"], default=None)
+    if best and tuned["seconds_to_target"] != "":
+        print(f"\ntuned plan: {tuned['seconds_to_target']} s to the target; best uniform recipe {best['plan']}: "
+              f"{best['seconds_to_target']} s ({best['seconds_to_target'] / tuned['seconds_to_target']:.2f}x)")
+    if best_psgd and tuned["seconds_to_target"] != "":
+        print(f"tuned plan against the best torch PowerSGD setting {best_psgd['plan']}: "
+              f"{best_psgd['seconds_to_target']} s, tuned / PowerSGD = "
+              f"{tuned['seconds_to_target'] / best_psgd['seconds_to_target']:.3f} "
+              f"(PowerSGD takes {best_psgd['seconds_to_target'] / tuned['seconds_to_target']:.2f}x the tuned "
+              f"plan's time)")
+
+
+def _method(label: str) -> str:
+    """What a CSV row trained: the tuned plan, a FastML uniform recipe, torch's PowerSGD hook or DDP."""
+    if label == "tuned":
+        return "tuned plan"
+    if label.startswith("powersgd-"):
+        return "torch powersgd"
+    return "ddp" if label == "ddp-fp32" else "fastml recipe"
 
 
 def _fp16_stretch(calibration_csv: Path) -> dict:
@@ -467,9 +542,11 @@ def summary(results: Path = REPO / "benchmarks" / "results") -> list[dict]:
         if not got or "workload" not in got[0]:
             continue  # written before the workload and seed columns
         tuned = next((r for r in got if r["plan"] == "tuned"), None)
-        uni = [r for r in got if r["plan"] not in ("tuned", "ddp-fp32")]
+        uni = [r for r in got if _method(r["plan"]) == "fastml recipe"]
         reached = [r for r in uni if r["seconds_to_target"]]
         best = min(reached, key=lambda r: float(r["seconds_to_target"]), default=None)
+        psgd = [r for r in got if _method(r["plan"]) == "torch powersgd" and r["seconds_to_target"]]
+        best_p = min(psgd, key=lambda r: float(r["seconds_to_target"]), default=None)
         t_s = float(tuned["seconds_to_target"]) if tuned and tuned["seconds_to_target"] else None
         b_s = float(best["seconds_to_target"]) if best else None
         rows.append({
@@ -483,6 +560,9 @@ def summary(results: Path = REPO / "benchmarks" / "results") -> list[dict]:
             "tuned_over_best_uniform": round(t_s / b_s, 3) if t_s and b_s else "",
             "tuned_no_later": (t_s is not None and (b_s is None or t_s <= b_s)),
             "uniform_not_reached": ",".join(r["plan"] for r in uni if not r["seconds_to_target"]),
+            "best_powersgd": best_p["plan"] if best_p else "",
+            "best_powersgd_s": float(best_p["seconds_to_target"]) if best_p else "",
+            "tuned_over_best_powersgd": round(t_s / float(best_p["seconds_to_target"]), 3) if t_s and best_p else "",
             "fp16_stretch": _interval(tuned) if tuned else "",
             "csv": path.name,
         })
@@ -537,6 +617,11 @@ def main() -> None:
     p.add_argument("--no-netns", action="store_true", help="plain loopback, no rate limit")
     p.add_argument("--skip-ddp", action="store_true",
                    help="do not train plain fp32 DDP (the slowest plan on a slow link)")
+    p.add_argument("--powersgd-ranks", default=POWERSGD_RANKS,
+                   help="torch PowerSGD hook ranks trained beside the plans, comma-separated ('' for none)")
+    p.add_argument("--powersgd-starts", default=POWERSGD_STARTS,
+                   help="its start_powerSGD_iter values, comma-separated (torch's default 1000 never "
+                        "compresses within --max-steps: the run would be plain DDP's)")
     p.add_argument("--seed", type=int, default=0,
                    help="the tuner's --seed and the training's (initial weights, data streams)")
     p.add_argument("--netns-prefix", default="fastml-at",

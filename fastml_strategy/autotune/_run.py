@@ -209,7 +209,8 @@ def _option_plan(profile: Profile, groups: Mapping[str, list[str]], result: "Aut
         meta["checked_against_uniform"] = {
             "verdict": chk.get("verdict"), "replaced": chk.get("replaced"),
             "time_ratio": {e["plan"]: e["time_ratio"] if math.isfinite(e["time_ratio"]) else None
-                           for e in chk.get("alternatives", [])}}
+                           for e in chk.get("alternatives", []) + chk.get("powersgd", [])},
+            "torch_powersgd": chk.get("powersgd_faster") or ("not sooner" if chk.get("powersgd") else None)}
     rule = result.accuracy_rule
     if rule is not None:
         f = (lambda v: None if isinstance(v, float) and not math.isfinite(v) else v)
@@ -811,10 +812,12 @@ def _check(s: Settings, profile: Profile, groups: Mapping[str, list[str]], optio
                               "paired": cal.ref.get("paired"), "tuned": dict(tuned.choice),
                               "tuned_plain": plain, "tuned_step_s": tuned.step_s, "alternatives": [],
                               "replaced": None, "own_within": sorted(own)}
+    ref = cal.ref.get("references", {}).get(s.seed) or cal.ref
     if not alts:
         record["verdict"] = ("nothing to compare: the tuned plan is itself the fastest and the best "
                              "uniform plan within the accuracy limit, or no uniform plan is within it, "
                              "by the fit or in its own calibration runs")
+        _powersgd_check(s, profile, groups, options, chosen, found, cal, cal_name, ref, record, bar, deadline, notes)
         return record
     todo = [a for a in ([] if plain else [tuned]) + [r for r, _ in alts]
             if not any(p["choice"] == a.choice and int(p.get("seed", s.seed)) == s.seed and p.get("losses")
@@ -824,7 +827,6 @@ def _check(s: Settings, profile: Profile, groups: Mapping[str, list[str]], optio
                      f"{cal.run_s:.0f} s) ran past the budget (it always runs; its time was reserved, "
                      f"but the runs before it took longer than estimated)")
     bar.phase("checking the tuned plan against uniform plans", max(1, len(todo)), "run")
-    ref = cal.ref.get("references", {}).get(s.seed) or cal.ref
     # plain DDP's curve is the reference run itself (uncompressed training, the same weights and batches)
     t_losses = list(ref["losses"]) if plain else _check_curve(s, profile, groups, tuned.choice, cal, cal_name)[0]
     bar.update(1)
@@ -834,6 +836,7 @@ def _check(s: Settings, profile: Profile, groups: Mapping[str, list[str]], optio
         why_not = [f"{e['plan']}: " + ("over the accuracy limit in its run" if e["sooner"] and not e["within_limit"]
                                        else "not sooner") for e in record["alternatives"]]
         record["verdict"] = f"{tuned_words} (" + "; ".join(why_not) + ")"
+        _powersgd_check(s, profile, groups, options, chosen, found, cal, cal_name, ref, record, bar, deadline, notes)
         return record
     row = best_alt[1]
     # a recipe its own runs placed within the limit is admitted by them, whatever the fit said
@@ -846,6 +849,7 @@ def _check(s: Settings, profile: Profile, groups: Mapping[str, list[str]], optio
     record["verdict"] = (f"{record['replaced']} reached the {'reference' if plain else 'tuned plan'}'s losses "
                          f"in {best_alt[0]:.3g}x its time, within the accuracy limit: plan.json holds "
                          f"{record['replaced']} instead" + (" of plain DDP" if plain else ""))
+    _powersgd_check(s, profile, groups, options, chosen, found, cal, cal_name, ref, record, bar, deadline, notes)
     return record
 
 
@@ -893,6 +897,96 @@ def _compare_alternatives(s: Settings, profile: Profile, groups: Mapping[str, li
         if cmp["sooner"] and within and (best_alt is None or cmp["time_ratio"] < best_alt[0]):
             best_alt = (cmp["time_ratio"], row)
     return best_alt
+
+
+# torch's PowerSGD hook at these ranks is trained in every check of a DDP plan beside the tuned plan
+# (issue 36): the baseline a user who knows gradient compression asks about. It is another hook, so it
+# cannot be written as plan.json: a faster one is reported ("torch PowerSGD rank r was faster"), never
+# put in place of the plan.
+POWERSGD_RANKS = (1, 2, 4)
+
+
+def _powersgd_curve(s: Settings, rank: int, start: int, cal_name: str) -> tuple[list[float], float | None, float]:
+    """torch's PowerSGD hook's calibration-length run at ``rank`` (calibrate.powersgd_curve), kept in
+    the calibration study like the check's other runs (a resumed run reads it back)."""
+    import optuna
+
+    from fastml_strategy.autotune import calibrate
+
+    study = optuna.create_study(storage=s.storage, study_name=cal_name, direction="minimize",
+                                load_if_exists=True)
+    key = f"powersgd-{_hash([rank, start, s.seed, s.calibration_steps])}"
+    got = study.user_attrs.get(key)
+    if got is None:
+        losses, metric, hook_s = calibrate.powersgd_curve(s.workload, rank, s.calibration_steps, s.seed, start)
+        got = {"losses": [v if math.isfinite(v) else None for v in losses], "metric": metric, "hook_s": hook_s}
+        study.set_user_attr(key, got)
+    return [math.inf if v is None else float(v) for v in got["losses"]], got["metric"], float(got["hook_s"])
+
+
+def _powersgd_check(s: Settings, profile: Profile | None, groups: Mapping[str, list[str]],
+                    options: list[HardwareOption], chosen: str, found: _OptionSearch, cal: _Calibrated,
+                    cal_name: str, ref: Mapping[str, Any], record: dict[str, Any], bar: _Progress,
+                    deadline: float | None, notes: list[str]) -> None:
+    """The check's last step: torch's PowerSGD hook against the plan plan.json will hold (the tuned
+    plan, the uniform plan that replaced it, or plain DDP), :func:`_powersgd_baselines`."""
+    if getattr(s, "workload", None) is None or profile is None:
+        return
+    final = Trial.of(found.best[chosen])
+    plain = not final.use_hook
+    losses = list(ref["losses"]) if plain else _check_curve(s, profile, groups, final.choice, cal, cal_name)[0]
+    record["powersgd_against"] = record.get("replaced") or ("plain DDP" if plain else "the tuned plan")
+    _powersgd_baselines(s, profile, options, chosen, final, losses, cal, cal_name, ref, record, bar, deadline, notes)
+
+
+def _powersgd_baselines(s: Settings, profile: Profile | None, options: list[HardwareOption], chosen: str,
+                        tuned: Trial, t_losses: list[float], cal: _Calibrated, cal_name: str,
+                        ref: Mapping[str, Any], record: dict[str, Any], bar: _Progress,
+                        deadline: float | None, notes: list[str]) -> None:
+    """torch's PowerSGD hook (:data:`POWERSGD_RANKS`) beside the tuned plan, as the uniform
+    alternatives are: its loss curve from the same weights at the run's seed, its step time from the
+    cost model (:func:`~fastml_strategy.autotune.costmodel.powersgd.powersgd_step_time`, one bucket,
+    its compute as timed in its run), the time to the tuned plan's losses with its mean step time over
+    the run (plain DDP's before ``start_powerSGD_iter``, 10% of the run: torch's advice; its default,
+    1000, would never compress in a calibration-length run). Entries go to ``record["powersgd"]``;
+    ``record["powersgd_faster"]`` names the soonest one within the accuracy limit, if sooner."""
+    from fastml_strategy.autotune import calibrate
+    from fastml_strategy.autotune.costmodel import powersgd as psgd
+
+    opt = next((o for o in options if getattr(o, "name", None) == chosen), None)
+    if profile is None or opt is None or getattr(s, "workload", None) is None or s.sharding.sharded:
+        return
+    start = psgd.calibration_start_iter(s.calibration_steps)
+    cap = psgd.one_bucket_mb(sum(lp.numel for lp in profile.layers))
+    slope = calibrate.end_slope([v["losses"] for v in (cal.ref.get("references") or {0: ref}).values()
+                                 if v.get("losses")])
+    if not _fits(deadline, cal.run_s * len(POWERSGD_RANKS)):
+        notes.append(f"--budget: the check's torch PowerSGD runs ({len(POWERSGD_RANKS)} of about "
+                     f"{cal.run_s:.0f} s) ran past the budget (they always run, as the check does)")
+    bar.phase("checking the tuned plan against torch's PowerSGD hook", len(POWERSGD_RANKS), "run")
+    entries = record.setdefault("powersgd", [])
+    for r in POWERSGD_RANKS:
+        losses, metric, hook_s = _powersgd_curve(s, r, start, cal_name)
+        bar.update(1)
+        st = psgd.powersgd_step_time(profile, opt, r, hook_s, start=start, steps=s.calibration_steps,
+                                     bucket_mb=cap)
+        cmp = calibrate.time_to_same_loss(t_losses, losses, cal.ref.get("noise"), tuned.step_s, st.mean_step_s)
+        acc = calibrate.accuracy_within_noise(
+            ref, losses, metric, calibrate.stretch(ref["losses"], losses, cal.ref.get("noise")),
+            slope)["accuracy_loss"]
+        entries.append({"plan": f"torch PowerSGD rank {r}", "rank": r, "start_powerSGD_iter": start,
+                        "bucket_cap_mb": cap, "step_s": st.step_s, "plain_step_s": st.plain_step_s,
+                        "mean_step_s": st.mean_step_s, "bytes_per_rank": st.bytes_per_rank,
+                        "hook_s": hook_s, "accuracy_loss": acc,
+                        "within_limit": bool(acc <= s.max_accuracy_loss + 1e-12),
+                        "step_words": psgd.words(st), **cmp})
+    faster = [e for e in entries if e["sooner"] and e["within_limit"]]
+    if faster:
+        e = min(faster, key=lambda e: e["time_ratio"])
+        against = record.get("powersgd_against", "the tuned plan")
+        record["powersgd_faster"] = (f"torch PowerSGD rank {e['rank']} was faster: it reached {against}'s "
+                                     f"losses in {e['time_ratio']:.3g}x its time, within the accuracy limit "
+                                     f"(another hook: plan.json cannot hold it)")
 
 
 def _calibration_deadline(s: Settings, profile: Profile) -> float | None:

@@ -69,6 +69,7 @@ import contextlib
 import copy
 import math
 import random
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
@@ -83,7 +84,7 @@ from fastml_strategy.config import LocalSteps
 
 __all__ = ["train_curve", "smooth", "steps_ratio", "stretch", "Stretch", "Noise", "stretch_noise",
            "step_noise", "time_to_same_loss", "lag_ratio", "end_slope", "accuracy_within_noise", "calibration_candidates",
-           "run_calibration", "build_run", "runs_paired", "final_loss", "reference_sigma",
+           "run_calibration", "powersgd_curve", "build_run", "runs_paired", "final_loss", "reference_sigma",
            "repeat_candidates", "local_curve", "local_calibration_steps", "run_local_calibration"]
 
 _LOCAL = LocalSteps()  # LocalSGD's outer optimizer, the one calibrated by default
@@ -204,6 +205,95 @@ def train_curve(wl: Workload, choice: Mapping[str, str] | None, steps: int, seed
         if report is not None and (t + 1) % report_every == 0:
             report(t + 1, losses)
     return losses, _metric(wl, model)
+
+
+class _OneBucket:
+    """What torch's PowerSGD hook reads from DDP's ``GradBucket`` (``buffer``, ``gradients``,
+    ``index``, ``is_last``), over one flat fp32 buffer of every trainable gradient in DDP's order
+    (reverse registration): one bucket, as the hook runs on gloo (costmodel.powersgd)."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
+        self.params = list(reversed(list(params)))
+        self._buf = torch.zeros(sum(p.numel() for p in self.params))
+        self._views, i = [], 0
+        for p in self.params:
+            self._views.append(self._buf[i:i + p.numel()].view_as(p))
+            i += p.numel()
+
+    def fill(self) -> None:
+        for v, p in zip(self._views, self.params):
+            v.copy_(p.grad) if p.grad is not None else v.zero_()  # DDP all-reduces unused ones as zeros
+
+    def give_back(self, out: torch.Tensor) -> None:
+        i = 0
+        for p in self.params:
+            p.grad = out[i:i + p.numel()].view_as(p).clone()
+            i += p.numel()
+
+    def buffer(self) -> torch.Tensor:
+        return self._buf
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._views
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+
+def _one_rank_group() -> Any:
+    """A gloo group of this process alone, outside torch.distributed's default group (a tuning run
+    launched with torchrun has one of its own): the all-reduces torch's hook issues are then exact
+    copies, and what the hook does to the gradient is all that changes the run."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=300))
+
+
+@preserved_rng()
+def powersgd_curve(wl: Workload, rank: int, steps: int, seed: int,
+                   start: int | None = None) -> tuple[list[float], float | None, float]:
+    """:func:`train_curve` with torch's own PowerSGD hook (``PowerSGDState`` with its defaults but
+    ``matrix_approximation_rank=rank`` and ``start_powerSGD_iter=start``, default
+    :func:`~fastml_strategy.autotune.costmodel.powersgd.calibration_start_iter`) applied to each
+    step's gradient on a one-rank group: the single-rank simulation the plans' calibration runs
+    are (each rank's gradient compressed once), with torch's code doing the compressing, error
+    feedback and warm start. Returns the loss curve, the eval metric and the median seconds of one
+    compressing call of the hook (its compute: the cost model's ``codec_s``)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+
+    from fastml_strategy.autotune.costmodel.powersgd import calibration_start_iter
+
+    wl = build_run(wl, seed)
+    model = wl.fresh_model()
+    model.train()
+    opt = wl.make_optimizer(model)
+    bucket = _OneBucket([p for p in model.parameters() if p.requires_grad])
+    state = PowerSGDState(process_group=_one_rank_group(), matrix_approximation_rank=rank,
+                          start_powerSGD_iter=calibration_start_iter(steps) if start is None else start)
+    losses: list[float] = []
+    hook_s: list[float] = []
+    stream = seeded_stream(wl, seed)
+    for _ in range(steps):
+        batch = next(stream)
+        opt.zero_grad(set_to_none=True)
+        loss = wl.loss_fn(model, batch)
+        loss.backward()
+        bucket.fill()
+        compressing = state.iter >= state.start_powerSGD_iter
+        t0 = time.perf_counter()
+        out = powerSGD_hook(state, bucket).wait()
+        if compressing:
+            hook_s.append(time.perf_counter() - t0)
+        bucket.give_back(out[0] if isinstance(out, (list, tuple)) else out)
+        opt.step()
+        v = float(loss.detach())
+        losses.append(v if math.isfinite(v) else math.inf)
+    return losses, _metric(wl, model), float(np.median(hook_s)) if hook_s else 0.0
 
 
 def _metric(wl: Workload, model: torch.nn.Module) -> float | None:

@@ -218,6 +218,8 @@ def headline(result: "AutotuneResult") -> list[str]:
         lines.append(f"Checked against {alts}, trained side by side with {tuned}: "
                      + (f"**{c['replaced']} reached the same loss sooner, so plan.json holds it.**"
                         if c.get("replaced") else f"{tuned} stands (see the check below)."))
+    if c is not None and c.get("powersgd_faster"):
+        lines.append(f"**{c['powersgd_faster']}** (see the check below).")
     lines.append(f"Times and costs are for {_steps_words(result)}, plus the extra steps each plan's "
                  f"compression error costs.")
     if result.link_warning:
@@ -1111,7 +1113,8 @@ def _check_text(result: "AutotuneResult") -> str | None:
     if c is None:
         return None
     if not c.get("alternatives"):
-        return f"Check before writing plan.json ({_plan_words(c['tuned'])} on {c['option']}): {c.get('verdict', '')}."
+        return " ".join([f"Check before writing plan.json ({_plan_words(c['tuned'])} on {c['option']}): "
+                         f"{c.get('verdict', '')}.", *_powersgd_parts(c)])
     pair = ("from the same weights on the same batches" if c.get("paired") else
             "from the same weights (batches not replayed: the comparison includes the data order)")
     tuned = ("plain DDP (the search admitted no compressed plan or predicted none faster; its run is "
@@ -1132,11 +1135,31 @@ def _check_text(result: "AutotuneResult") -> str | None:
                         "; beyond the fit's e_max, within the limit in its own calibration runs")
                      + ").")
     parts.append(f"Verdict: {c.get('verdict', '')}.")
+    parts += _powersgd_parts(c)
     if c.get("replaced"):
         parts.append("The predicted figures above are the cost model's for that plan, and the step-time "
                      "table's tuned row is the plan it replaced where the replacement came after timing; "
                      "plans/*.json of the other options were not checked.")
     return " ".join(parts)
+
+
+def _powersgd_parts(c: Mapping[str, Any]) -> list[str]:
+    """torch's PowerSGD hook in the check (issue 36): each rank's run against the tuned plan, and
+    whether one was faster (it cannot replace plan.json: another hook)."""
+    es = c.get("powersgd") or []
+    if not es:
+        return []
+    parts = [f"torch's PowerSGD hook (powerSGD_hook, one DDP bucket, start_powerSGD_iter "
+             f"{es[0]['start_powerSGD_iter']}: 10% of the run, torch's advice; its default 1000 would not "
+             f"compress in a run this short) trained the same way against "
+             f"{c.get('powersgd_against') or 'the tuned plan'} (what plan.json holds); time = measured steps x "
+             f"its mean predicted step time over the run (plain DDP's before it compresses)."]
+    for e in es:
+        parts.append(f"{e['plan']} ({e['step_words']}): {e['words']}; accuracy loss {e['accuracy_loss']:+.3g} "
+                     f"({'within' if e['within_limit'] else 'over'} the limit).")
+    parts.append(f"**{c['powersgd_faster']}.**" if c.get("powersgd_faster") else
+                 "No torch PowerSGD rank reached the tuned plan's losses sooner within the accuracy limit.")
+    return parts
 
 
 def markdown(result: "AutotuneResult", s: "Settings", t: Mapping[str, pd.DataFrame]) -> str:

@@ -1,5 +1,6 @@
 """The Python API (a Workload object instead of a TARGET string) and calibration pruning."""
 
+import json
 import math
 import random
 
@@ -44,6 +45,10 @@ def test_autotune_api_with_a_workload_object(tmp_path):
     assert local["tta_s"] == pytest.approx(local["steps"] * local["step_s"])
     assert res.profile.link.bandwidth_Bps == pytest.approx(10e9 / 8)
     assert res.target_steps == 10_000 and res.target_steps_source == "assumed"  # nothing given
+    # issue 36: the check trained torch's PowerSGD hook beside the tuned plan, and the report says so
+    assert [e["rank"] for e in res.check["powersgd"]] == [1, 2, 4]
+    assert "torch PowerSGD rank 4" in (tmp_path / "o" / "report.md").read_text()
+    assert "torch_powersgd" in json.loads((tmp_path / "o" / "plan.json").read_text())["meta"]["checked_against_uniform"]
     _check_figures_do_not_overlap(res)
 
 
