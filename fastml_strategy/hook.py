@@ -323,6 +323,8 @@ class FastMLState:
                                                  *node_groups)
         else:
             self._engine = CompressedAllReduce(plan, process_group, rank, world_size)
+        # the shapes the low-rank codec views each layer by (the engine's buckets are flat)
+        self._engine.shapes = {names[id(p)]: tuple(p.shape) for p in params if id(p) in names}
         self._commit = StepCommit(self._engine)
         self._runner: Optional[_CommRunner] = _CommRunner(rank, self._process, self._explain)
         self._runner.hold_tails = bool(node_groups)
@@ -590,6 +592,9 @@ class FastMLState:
                           "bytes_uncompressed": self._engine.bytes_uncompressed}),
             "residuals": {k: v.detach().cpu().clone() for k, v in self._engine.residuals().items()},
         }
+        q = self._engine.lowrank_state()
+        if q:  # only with a low-rank layer: other plans' states are what they were
+            own["lowrank_q"] = {k: v.detach().cpu().clone() for k, v in q.items()}
         if not all_ranks:
             return own
         return gather_states(own, self.process_group, self.world_size)
@@ -629,6 +634,7 @@ class FastMLState:
         self.step = int(sd["step"])
         self._engine.load_counters(sd.get("counters", {}))
         self._engine.load_residuals(residuals)
+        self._engine.load_lowrank_state(sd.get("lowrank_q", {}))
 
     def close(self) -> None:
         """Stop the communication thread and destroy FastML's own process group (not one the caller
