@@ -5,9 +5,11 @@ Algorithm (per DDP bucket, on every rank; W ranks; the bucket's low-rank layers,
 m x n matrix as torch's PowerSGD hook views it: m = shape[0], n = the product of the rest)
 ----------------------------------------------------------------------------------------------------
 1. Error feedback: ``M = grad + residual`` (fp32).
-2. ``P = M Q`` (m x r), with ``Q`` (n x r) warm-started: last step's all-reduced ``Q`` of this layer,
-   or, at its first step, standard normal numbers from a generator seeded by the plan's seed and the
-   layer's name, identical on every rank and independent of the bucket the layer is in.
+2. ``P = M orth(Q)`` (m x r), with ``Q`` (n x r) warm-started: last step's all-reduced ``Q`` of this
+   layer, or, at its first step, standard normal numbers from a generator seeded by the plan's seed
+   and the layer's name, identical on every rank and independent of the bucket the layer is in.
+   Orthonormalising ``Q`` first (as torch's hook does) keeps ``P`` at the gradient's scale, so that
+   fp16 factors do not overflow.
 3. All-reduce every layer's ``P`` in one collective (the sum; its scale does not matter, step 4
    normalises it).
 4. Orthogonalise each ``P`` (Gram-Schmidt in fp32, :func:`orthogonalise_`). Every rank computes on
@@ -100,7 +102,7 @@ def low_rank_roundtrip(x: torch.Tensor, rank: int, seed: int = 0, iterations: in
     M = x.detach().reshape(m, n).to(torch.float32)
     q = initial_q("roundtrip", n, rank, seed, M.device).view(n, rank)
     for _ in range(iterations):
-        p = orthogonalise_(M @ q)
+        p = orthogonalise_(M @ orthogonalise_(q))
         q = M.t() @ p
     return (p @ q.t()).reshape(x.shape)
 
@@ -224,7 +226,8 @@ class LowRankSection:
                     elif q.device != buf.device:  # loaded from a checkpoint
                         q = q_store[p.name] = q.to(buf.device)
                     M = mats[p.name] = self._matrix(p, buf)
-                    torch.mm(M, q.view(p.n, p.rank), out=self.p_flat[p.poff: p.poff + p.m * p.rank].view(p.m, p.rank))
+                    q = orthogonalise_(q.view(p.n, p.rank).clone())
+                    torch.mm(M, q, out=self.p_flat[p.poff: p.poff + p.m * p.rank].view(p.m, p.rank))
             except Exception as e:  # noqa: BLE001 - carried by the headers that follow
                 checks.error = e
         self._all_reduce(eng, self.p_flat, "P", step, checks, 1, before)
