@@ -56,11 +56,26 @@ from fastml_strategy._exchange import mix
 from fastml_strategy._status import all_finite
 from fastml_strategy.config import CodecConfig, Plan
 
-__all__ = ["matrix_shape", "orthogonalise_", "initial_q", "LowRankSection", "low_rank_roundtrip"]
+__all__ = ["matrix_shape", "orthogonalise_", "initial_q", "LowRankSection", "low_rank_roundtrip", "refuse_lowrank"]
 
 # Gram-Schmidt's guard against a zero column (a layer whose gradient is zero): the smallest normal
 # fp32, so that 0 / (0 + eps) = 0 and any column with a normal norm is divided by its norm exactly.
 _EPS = torch.finfo(torch.float32).tiny
+
+
+def refuse_lowrank(plan: Plan, where: str, why: str) -> None:
+    """Raise ValueError, naming the plan's low-rank settings, where the low-rank codec does not run
+    (``where``: the caller, ``why``: the reason). Called after the ranks agreed on the plan, so every
+    rank raises it alike, before any step."""
+    from fastml_strategy.config import Codec
+
+    keys = [k for k, cfg in (("default", plan.default), *plan.layers) if cfg.codec is Codec.LOWRANK]
+    if keys:
+        raise ValueError(
+            f"{where}: plan {plan.name!r} names the low-rank codec (PowerSGD) for {keys}, which runs in the "
+            f"DDP hook only ({why}); give these layers another codec (e.g. 'int4'), or train with "
+            f"DDP and fastml_strategy.register_hook(model, plan) (one rank per machine, or "
+            f"ranks_per_node=1)")
 
 
 def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:

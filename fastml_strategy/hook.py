@@ -880,6 +880,11 @@ def register_hook(
 
     plan_obj = agreed_plan(plan, trainable, process_group, world_size, aliases=aliases, frozen=frozen)
     topo, groups = agreed_machines(process_group, rank, world_size, ranks_per_node)
+    if groups:  # agreed: every rank raises alike
+        from fastml_strategy._lowrank import refuse_lowrank
+
+        refuse_lowrank(plan_obj, "register_hook", "the hierarchical all-reduce of several machines of several "
+                       "ranks carries flat parts of each parameter across machines, not its matrix")
     _warn_sparse(module, plan_obj)
     state = FastMLState(plan_obj, process_group, rank, world_size, names, list(module.parameters()),
                         check_replicas_every=check_replicas_every, layer_stats_every=layer_stats_every,

@@ -132,3 +132,155 @@ def test_int8_factors_keep_replicas_identical():
         assert max(r["errs"]) < 0.05, r["errs"]  # int8 factors: a few 1/255 of the range, error-fed
 
 
+
+
+# -- in the DDP hook -----------------------------------------------------------------------------------------------
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 48), torch.nn.ReLU(),
+                               torch.nn.Linear(48, 16))
+
+
+def _batches(rank, steps):
+    g = torch.Generator().manual_seed(100 + rank)
+    return [torch.randn(8, 32, generator=g) for _ in range(steps)]
+
+
+def _train(model, state_fn, batches, nan_at=None, rank=0):
+    """SGD steps on ``batches`` (a step whose gradients are not finite is skipped, as GradScaler
+    does); returns the DDP model and the hook's state."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(model, bucket_cap_mb=0.01)  # several buckets
+    state = state_fn(ddp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i, x in enumerate(batches):
+        if nan_at == i and rank == 1:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        ddp(x).square().mean().backward()
+        if all(torch.isfinite(p.grad).all() for p in model.parameters()):
+            opt.step()
+        opt.zero_grad()
+    return ddp, state
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _ddp_checks(rank, world_size):
+    import fastml_strategy as fm
+
+    plan = Plan.from_recipe("lowrank2", min_numel=0)
+    hook = lambda ddp: fm.register_hook(ddp, plan=plan)  # noqa: E731
+    out = {}
+    # 5 steps in one go, against 3 steps, a checkpoint, a new model and hook, 2 steps
+    m = _mlp()
+    _, st = _train(m, hook, _batches(rank, 5))
+    out["whole"] = _flat(m)
+    st.close()
+    m = _mlp()
+    b = _batches(rank, 5)
+    _, st = _train(m, hook, b[:3])
+    sd, params = st.state_dict(), [p.detach().clone() for p in m.parameters()]
+    out["q_names"] = sorted(sd["lowrank_q"])
+    st.close()
+    m2 = _mlp()
+    with torch.no_grad():
+        for p, v in zip(m2.parameters(), params):
+            p.copy_(v)
+
+    def resumed(ddp):
+        s = fm.register_hook(ddp, plan=plan)
+        s.load_state_dict(sd)
+        return s
+
+    _, st = _train(m2, resumed, b[3:])
+    out["resumed"] = _flat(m2)
+    st.close()
+    # a NaN on one rank at step 2: every rank skips it, residuals and warm starts stay as they were
+    m = _mlp()
+    b = _batches(rank, 4)
+    ddp, st = _train(m, hook, b[:2])
+    before = st.state_dict()
+    ddp2_state = st
+    opt_free = [x for x in b[2:3]]
+    x = opt_free[0].clone()
+    if rank == 1:
+        x[0, 0] = float("nan")
+    ddp(x).square().mean().backward()
+    after = st.state_dict()
+    out["nan_grad_finite"] = all(bool(torch.isfinite(p.grad).all()) for p in m.parameters())
+    out["nan_kept"] = (all(torch.equal(before["residuals"][k], after["residuals"][k]) for k in before["residuals"])
+                       and all(torch.equal(before["lowrank_q"][k], after["lowrank_q"][k]) for k in before["lowrank_q"]))
+    out["nonfinite_steps"] = st.stats()["nonfinite_steps"]
+    stats = ddp2_state.stats()
+    out["codecs"] = {n: r["codec"] for n, r in stats["layers"].items()}
+    st.close()
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ddp_replicas_checkpoint_and_nan(world_size):
+    """In the DDP hook (several buckets, DDP's rebuild after step 1): replicas bit-identical; a run
+    resumed from state_dict() (Q and the residuals) is bit for bit the uninterrupted one; a NaN on one
+    rank reaches every rank's gradients and leaves every residual and warm start untouched."""
+    out = run_workers(_ddp_checks, world_size, timeout=200)
+    for r in out:
+        assert torch.equal(r["whole"], out[0]["whole"]) and torch.equal(r["resumed"], out[0]["resumed"])
+        if world_size == 2:  # (3 ranks: gloo's ring sums a P element in an order set by the bucket's size)
+            assert torch.equal(r["resumed"], r["whole"])
+        else:
+            torch.testing.assert_close(r["resumed"], r["whole"], rtol=1e-5, atol=1e-6)
+        assert r["q_names"] == ["0.weight", "2.weight", "4.weight"]
+        assert not r["nan_grad_finite"] and r["nan_kept"] and r["nonfinite_steps"] == 1
+        assert r["codecs"] == {"0.weight": "lowrank2", "2.weight": "lowrank2", "4.weight": "lowrank2",
+                               "0.bias": "fp32", "2.bias": "fp32", "4.bias": "fp32"}
+
+
+def _fault(rank, world_size):
+    import fastml_strategy as fm
+    from fastml_strategy import _lowrank
+
+    real = _lowrank.orthogonalise_
+    calls = [0]
+
+    def failing(p):
+        calls[0] += 1
+        if rank == 1 and calls[0] > 6:
+            raise RuntimeError("injected fault")
+        return real(p)
+
+    _lowrank.orthogonalise_ = failing
+    try:
+        m = _mlp()
+        try:
+            _, st = _train(m, lambda ddp: fm.register_hook(ddp, plan=Plan.from_recipe("lowrank2", min_numel=0)),
+                           _batches(rank, 4))
+            return "no error"
+        except Exception as e:  # noqa: BLE001
+            return f"{type(e).__name__}: {e}"
+    finally:
+        _lowrank.orthogonalise_ = real
+
+
+def test_a_fault_on_one_rank_raises_on_every_rank():
+    msgs = run_workers(_fault, 2, timeout=120)
+    for m in msgs:
+        assert m.startswith("CompressionError") and "rank 1" in m and "injected fault" in m, m
+
+
+def _localsgd_refused(rank, world_size):
+    import fastml_strategy as fm
+
+    try:
+        fm.LocalSGD(_mlp(), torch.optim.SGD(_mlp().parameters(), lr=0.1), plan="lowrank4", every=4)
+        return "no error"
+    except ValueError as e:
+        return str(e)
+
+
+def test_localsgd_refuses_lowrank_on_every_rank():
+    msgs = run_workers(_localsgd_refused, 2, timeout=60)
+    assert msgs[0] == msgs[1] and "low-rank codec" in msgs[0] and "register_hook" in msgs[0], msgs
