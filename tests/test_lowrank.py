@@ -108,7 +108,12 @@ def _exact(rank, world_size, cfg, steps):
         assert eng.run(lay, buf, step)
         errs.append(float((buf - mean).abs().max() / mean.abs().max()))
         results.append(buf)
+    from fastml_strategy._layouts import bucket_wire
+
+    wire = bucket_wire(tuple(numels), tuple(plan.for_parameter(n, k) for n, k in zip(names, numels)), world_size,
+                       shapes=tuple(_SHAPES.values()))
     sent = eng.bytes_sent
+    assert sent == steps * wire.bytes_sent(rank), (sent, steps, wire.bytes_sent(rank))  # the cost model's
     return {"errs": errs, "result": torch.cat(results), "sent": sent, "codec": lay.configs["a.weight"].describe(),
             "rounds": len(lay.lowrank)}
 
