@@ -270,15 +270,25 @@ class LowRankSection:
         for p in self.params:
             P = self.p_flat[p.poff: p.poff + p.m * p.rank].view(p.m, p.rank)
             Q = self.q_flat[p.qoff: p.qoff + p.n * p.rank].view(p.n, p.rank)
-            M = mats[p.name]
-            hat = P @ Q.t()
+            M = mats[p.name].reshape(-1)
+            out = buf[p.boff: p.boff + p.numel]
             if layer_stats:
                 nrm = M.norm()
-                eng.layer_error[p.name] = torch.where(nrm > 0, (M - hat).norm() / nrm, torch.zeros_like(nrm))
-            if p.ef:
-                torch.sub(M.reshape(-1), hat.reshape(-1), out=p.res_next) if p.res_next.dtype == torch.float32 \
-                    else p.res_next.copy_(M.reshape(-1) - hat.reshape(-1))
-            buf[p.boff: p.boff + p.numel].copy_(hat.reshape(-1))
+            # fp32 bucket and residual: M_hat straight into the bucket, the residual M - M_hat from a
+            # copy of M taken first (M is the bucket itself); else through a product of its own
+            direct = buf.dtype == torch.float32 and (not p.ef or p.res_next.dtype == torch.float32)
+            if direct and p.ef and not layer_stats:
+                p.res_next.copy_(M)
+                torch.mm(P, Q.t(), out=out.view(p.m, p.n))
+                p.res_next.sub_(out)
+            else:
+                hat = (P @ Q.t()).reshape(-1)  # the same bytes on every rank: what the bucket gets
+                rest = M - hat
+                if layer_stats:
+                    eng.layer_error[p.name] = torch.where(nrm > 0, rest.norm() / nrm, torch.zeros_like(nrm))
+                if p.ef:
+                    p.res_next.copy_(rest)
+                out.copy_(hat)
             self.pending_q[p.name] = Q.reshape(-1).clone()
 
     def commit(self, q_store: dict) -> None:
