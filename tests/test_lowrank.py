@@ -401,3 +401,20 @@ def test_same_bytes_and_close_updates_as_torch_powersgd(r):
         rel = float((o["fm_delta"] - o["torch_delta"]).norm() / o["torch_delta"].norm())
         assert rel < 1e-4, rel
     assert torch.equal(out[0]["fm_delta"], out[1]["fm_delta"])
+
+
+def _hier_refused(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import fastml_strategy as fm
+
+    try:
+        fm.register_hook(DDP(_mlp()), plan="lowrank4", ranks_per_node=2)
+        return "no error"
+    except ValueError as e:
+        return str(e)
+
+
+def test_hierarchical_hook_refuses_lowrank_on_every_rank():
+    msgs = run_workers(_hier_refused, 4, timeout=120)
+    assert len(set(msgs)) == 1 and "low-rank codec" in msgs[0] and "ranks_per_node=1" in msgs[0], msgs
