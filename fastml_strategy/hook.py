@@ -778,7 +778,7 @@ def plan_summary(plan: Plan, params: dict, world_size: int) -> str:
         if not p.requires_grad:
             continue
         planned = plan.for_parameter(name, p.numel())
-        cfg = effective_config(planned, p.numel(), world_size)
+        cfg = effective_config(planned, p.numel(), world_size, tuple(p.shape))
         if cfg is not planned and cfg != planned:
             fallbacks.append(f"{name} ({planned.describe()} -> {cfg.describe()})")
         k = cfg.describe()
@@ -788,7 +788,8 @@ def plan_summary(plan: Plan, params: dict, world_size: int) -> str:
                       for k, (n, e) in sorted(counts.items()))
     text = f"plan {plan.name!r} on {world_size} ranks: {parts}"
     if fallbacks:
-        text += f"; top-k falls back to dense at this world size for {', '.join(fallbacks)}"
+        text += f"; falls back (top-k to dense at this world size, low-rank to fp32 where it does not gain) for " \
+                f"{', '.join(fallbacks)}"
     return text
 
 
