@@ -86,7 +86,7 @@ def little_compressed(plan, params: Iterable, world_size: int, owner: str = "Fas
             continue
         nbytes = p.numel() * p.element_size()
         total += nbytes
-        if effective_config(plan.for_parameter(name, p.numel()), p.numel(), world_size).lossy:
+        if effective_config(plan.for_parameter(name, p.numel()), p.numel(), world_size, tuple(p.shape)).lossy:
             compressed += nbytes
         elif p.numel() < plan.min_numel and plan.for_parameter(name).lossy:
             held.append((p.numel(), nbytes))

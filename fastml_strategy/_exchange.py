@@ -52,6 +52,10 @@ class ChunkExchange:
         self.report_rank = rank
         # -- internal state ---------------------------------------------------------------------------
         self.store = ResidualStore()  # the layouts, by shape, and the residuals they own
+        # parameter name -> shape (the low-rank codec views a layer as a matrix; the hook fills it in)
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        # the low-rank codec's warm starts Q, by parameter name (they outlive bucket rebuilds)
+        self.lowrank_q: dict[str, torch.Tensor] = {}
         # -- statistics ---------------------------------------------------------------------------------
         self.bytes_sent = 0  # this rank's bytes on the wire, headers included
         self.bytes_uncompressed = 0.0  # what the uncompressed collective would have sent
@@ -84,6 +88,15 @@ class ChunkExchange:
 
     def load_residuals(self, residuals: dict[str, torch.Tensor]) -> None:
         self.store.load(residuals)
+
+    def lowrank_state(self) -> dict[str, torch.Tensor]:
+        """The low-rank codec's warm starts Q (flat, n x r), by parameter name (checkpointed)."""
+        return dict(self.lowrank_q)
+
+    def load_lowrank_state(self, qs: dict[str, torch.Tensor]) -> None:
+        """Take saved warm starts (a layer whose Q has another size, another rank, starts afresh)."""
+        for name, q in qs.items():
+            self.lowrank_q[name] = q.detach().reshape(-1).to(torch.float32).clone()
 
     def reserve_residual(self, name: str, numel: int, dtype: torch.dtype, device) -> None:
         """A zero residual for ``name`` before its first step (it then exists in ``state_dict()``)."""

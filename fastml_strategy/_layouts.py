@@ -309,31 +309,61 @@ def _segments(g: _DenseGroup, W: int, piece_numel: int) -> list[_DenseGroup]:
 
 
 def bucket_groups(numels: Sequence[int], planned: Sequence[CodecConfig], world_size: int,
-                  dtype: torch.dtype = torch.float32) -> tuple[list[CodecConfig], list[tuple[CodecConfig, list[int]]],
-                                                               list[int], bool]:
+                  dtype: torch.dtype = torch.float32, shapes: Sequence | None = None
+                  ) -> tuple[list[CodecConfig], list[tuple[CodecConfig, list[int]]], list[int], bool, list[int]]:
     """How a bucket's parameters (``numels``, in bucket order, each with the codec its plan names,
-    ``planned``) travel at ``world_size``: ``(wire codec per parameter, dense groups as (codec,
-    parameter indices), top-k parameter indices, uncompressed)``. Each compressed layer is a group
-    of its own; the uncompressed ones (fp32 in the plan, or a top-k layer's fp32 fall-back) share
-    one batched group per wire codec; ``uncompressed``: nothing is lossy, so one plain all-reduce
-    does the bucket. Tensor-free: the cost model prices a bucket with it (:func:`bucket_wire`)."""
+    ``planned``, and its shape where ``shapes`` gives them) travel at ``world_size``: ``(wire codec per
+    parameter, dense groups as (codec, parameter indices), top-k parameter indices, uncompressed,
+    low-rank parameter indices)``. Each compressed layer is a group of its own; the uncompressed ones
+    (fp32 in the plan, or a top-k or low-rank layer's fp32 fall-back) share one batched group per wire
+    codec; low-rank layers are the bucket's low-rank sections (:mod:`fastml_strategy._lowrank`);
+    ``uncompressed``: nothing is lossy, so one plain all-reduce does the bucket. Tensor-free: the cost
+    model prices a bucket with it (:func:`bucket_wire`)."""
     configs: list[CodecConfig] = []
     dense: dict[tuple, list[int]] = {}
     topk: list[int] = []
+    lowrank: list[int] = []
     uncompressed = True
     for i, (n, p) in enumerate(zip(numels, planned)):
-        eff = codecs.effective_config(p, n, world_size)
+        eff = codecs.effective_config(p, n, world_size, None if shapes is None else shapes[i])
         uncompressed = uncompressed and not eff.lossy
         cfg = codecs.wire_config(eff, dtype)
         configs.append(cfg)
-        if codecs.is_sparse(cfg):
+        if codecs.codec_for(cfg).lowrank:
+            lowrank.append(i)
+        elif codecs.is_sparse(cfg):
             topk.append(i)
         elif not eff.lossy:
             dense.setdefault(("batch", cfg), []).append(i)  # uncompressed: one batched segment
         else:
             dense.setdefault((i, cfg), []).append(i)  # one segment per compressed layer
-    return configs, [(cfg, idx) for (_, cfg), idx in dense.items()], topk, uncompressed
+    return configs, [(cfg, idx) for (_, cfg), idx in dense.items()], topk, uncompressed, lowrank
 
+
+def lowrank_sections(configs: Sequence[CodecConfig], lowrank: Sequence[int], shapes: Sequence
+                     ) -> list[tuple[CodecConfig | None, list[int], int, int]]:
+    """The low-rank sections of a bucket: ``(factor codec or None for fp32, parameter indices, P
+    elements, Q elements)`` per factor codec, in bucket order; each is one P round and one Q round."""
+    by: dict = {}
+    for i in lowrank:
+        codec = codecs.codec_for(configs[i])
+        sec = by.setdefault(codec.factor, [codec.factor, [], 0, 0])
+        pm, qm = codec.factor_numels(shapes[i])
+        sec[1].append(i)
+        sec[2] += pm
+        sec[3] += qm
+    return [tuple(v) for v in by.values()]
+
+
+def factor_round_bytes(factor: CodecConfig | None, numel: int, world_size: int, rank: int | None = None) -> int:
+    """Bytes ``rank`` sends in one factor round of ``numel`` elements, headers included, as
+    :class:`fastml_strategy._lowrank.LowRankSection` counts them: a plain fp32 all-reduce, or the
+    compressed all-reduce of one tensor in ``factor``."""
+    if world_size <= 1:
+        return 0
+    if factor is None:
+        return int(round(2.0 * (world_size - 1) / world_size * numel * 4))
+    return bucket_wire((numel,), (factor,), world_size).bytes_sent(rank)
 
 
 @dataclass(frozen=True)
@@ -378,6 +408,19 @@ class BucketWire:
     configs: tuple[CodecConfig, ...]
     groups: tuple[tuple[int, ...], ...]
     pieces: tuple[PieceWire, ...]
+    # the low-rank sections: (factor codec or None for fp32, P elements, Q elements), each two rounds
+    lowrank: tuple[tuple[CodecConfig | None, int, int], ...] = ()
+
+    def lowrank_bytes(self, rank: int | None = None) -> int:
+        """Bytes ``rank`` sends in the bucket's factor rounds (two per low-rank section)."""
+        return sum(factor_round_bytes(f, n, self.world_size, rank) for f, pn, qn in self.lowrank for n in (pn, qn))
+
+    def rounds(self) -> int:
+        """The bucket's collectives that wait for each other (latency rounds): two per piece (one
+        for a plain bucket), plus two per low-rank section (four with compressed factors)."""
+        if self.uncompressed:
+            return 1
+        return 2 * len(self.pieces) + sum(2 if f is None else 4 for f, _, _ in self.lowrank)
 
     def bytes_sent(self, rank: int | None = None) -> int:
         """Bytes ``rank`` sends for this bucket per step, headers included, as
@@ -388,20 +431,22 @@ class BucketWire:
             return 0
         if self.uncompressed:
             return int(round(2.0 * (W - 1) / W * self.numel * self.elem_size))
-        return int(round(sum(p.bytes_sent(rank) for p in self.pieces)))
+        return int(round(sum(p.bytes_sent(rank) for p in self.pieces))) + self.lowrank_bytes(rank)
 
 
 @functools.lru_cache(maxsize=65536)
 def bucket_wire(numels: tuple[int, ...], planned: tuple[CodecConfig, ...], world_size: int,
-                dtype: torch.dtype = torch.float32, piece_numel: int = PIECE_NUMEL) -> BucketWire:
+                dtype: torch.dtype = torch.float32, piece_numel: int = PIECE_NUMEL,
+                shapes: tuple | None = None) -> BucketWire:
     """The messages :class:`BucketLayout` builds for a bucket of parameters of ``numels`` elements
     (bucket order) whose plan names ``planned``, at ``world_size`` ranks, without allocating a
     tensor: the same grouping (:func:`bucket_groups`), chunking (:func:`chunk_bounds`), slicing
     (:func:`piece_slices`), packing (:func:`pack_pieces`), codec sizes
     (:func:`fastml_strategy.codecs.chunk_nbytes`) and :data:`HEADER` per message. The autotuner's
-    cost model prices a DDP bucket with it (cached: a search asks for the same buckets again)."""
+    cost model prices a DDP bucket with it (cached: a search asks for the same buckets again).
+    ``shapes``: the parameters' shapes (what a low-rank layer's factors are sized by; None: flat)."""
     W = world_size
-    cfgs, groups, topk, uncompressed = bucket_groups(numels, planned, W, dtype)
+    cfgs, groups, topk, uncompressed, lowrank = bucket_groups(numels, planned, W, dtype, shapes)
     elem = torch.empty(0, dtype=dtype).element_size()
     piece_numel = max(1, int(piece_numel))
     segs: list[tuple[int, int, list[int]]] = []  # (group index, elements, bytes of chunk j)
@@ -424,8 +469,9 @@ def bucket_wire(numels: tuple[int, ...], planned: tuple[CodecConfig, ...], world
         top = tuple(topk) if last else ()
         gather = max(sizes) + sum(codecs.chunk_nbytes(numels[i], cfgs[i]) for i in top)
         pieces.append(PieceWire(tuple(sizes), gather, tuple((segs[i][0], segs[i][1]) for i in run), top))
+    sections = tuple((f, pn, qn) for f, _, pn, qn in lowrank_sections(cfgs, lowrank, shapes)) if lowrank else ()
     return BucketWire(W, int(sum(numels)), elem, uncompressed, tuple(cfgs),
-                      tuple(tuple(idx) for _, idx in groups), tuple(pieces))
+                      tuple(tuple(idx) for _, idx in groups), tuple(pieces), sections)
 
 
 class BucketLayout(_Messages):
@@ -439,7 +485,8 @@ class BucketLayout(_Messages):
     def __init__(self, names, offsets, numels, plan: Plan, world_size: int, rank: int,
                  device: torch.device, dtype: torch.dtype = torch.float32,
                  double_buffer: bool = True, persistent: bool = True,
-                 plan_numels: Sequence[int] | None = None, piece_numel: int = PIECE_NUMEL) -> None:
+                 plan_numels: Sequence[int] | None = None, piece_numel: int = PIECE_NUMEL,
+                 shapes: Sequence | None = None, q_store: dict | None = None) -> None:
         self.device = device
         self.names = tuple(names)
         self.total_numel = int(sum(numels))
@@ -447,9 +494,13 @@ class BucketLayout(_Messages):
         # plan_numels: the parameters' own sizes, when the bucket holds only a shard of them (HSDP):
         # whether a tensor is small enough to travel uncompressed is a property of the parameter.
         planned = [plan.for_parameter(name, pn) for name, pn in zip(names, plan_numels or numels)]
-        cfgs, groups, topk, self.uncompressed = bucket_groups(numels, planned, world_size, dtype)
+        cfgs, groups, topk, self.uncompressed, lowrank = bucket_groups(numels, planned, world_size, dtype, shapes)
         self.configs = dict(zip(self.names, cfgs))
+        self.shapes = {} if shapes is None else dict(zip(self.names, (tuple(s) for s in shapes)))
         params = [_Param(name, int(off), int(n)) for name, off, n in zip(names, offsets, numels)]
+        # the low-rank sections (one P and one Q round each) and the warm starts Q they keep, by name
+        self.q_store = {} if q_store is None else q_store
+        self.lowrank = self._lowrank_sections(cfgs, lowrank, shapes, params) if lowrank else []
         self.topk = [_TopkParam(cfgs[i], params[i], codecs.chunk_nbytes(params[i].numel, cfgs[i])) for i in topk]
         self.dense = [self._group(cfg, [params[i] for i in idx], dtype == torch.float32) for cfg, idx in groups]
         self._alloc_residuals(double_buffer)
@@ -458,6 +509,16 @@ class BucketLayout(_Messages):
         self.topk_acc: dict[str, torch.Tensor] = {}
         if persistent and not self.uncompressed:
             self._alloc()
+
+    def _lowrank_sections(self, cfgs, lowrank, shapes, params) -> list:
+        from fastml_strategy._lowrank import LowRankSection, _LowRankParam, matrix_shape
+
+        out = []
+        for factor, idx, _, _ in lowrank_sections(cfgs, lowrank, shapes):
+            lps = [_LowRankParam(params[i].name, params[i].boff, params[i].numel, *matrix_shape(shapes[i]),
+                                 cfgs[i].rank, cfgs[i]) for i in idx]
+            out.append(LowRankSection(lps, factor, self.device, self.world_size, self.rank))
+        return out
 
     def _group(self, cfg: CodecConfig, params: list[_Param], fp32_buffer: bool) -> _DenseGroup:
         """The group of ``params`` (one compressed layer, or the batched uncompressed tensors), cut
@@ -558,14 +619,19 @@ class BucketLayout(_Messages):
         for t in self.topk:
             if t.cfg.uses_residual:
                 out[t.param.name] = t.residual
+        for sec in self.lowrank:
+            out.update(sec.residual_views())
         return out
 
     def residual_nbytes(self) -> int:
         return super().residual_nbytes() + sum(
-            t.residual.numel() * t.residual.element_size() for t in self.topk if t.cfg.uses_residual)
+            t.residual.numel() * t.residual.element_size() for t in self.topk if t.cfg.uses_residual) + sum(
+            sec.residual_nbytes() for sec in self.lowrank)
 
     def commit_residuals(self) -> None:
         super().commit_residuals()
+        for sec in self.lowrank:
+            sec.commit(self.q_store)
         if self.res_flat:
             self.res_flat.reverse()
         for t in self.topk:
@@ -580,7 +646,9 @@ class BucketLayout(_Messages):
         """name -> (codec, elements, bytes this rank sends per step)."""
         numel = {p.name: p.numel for g in self.dense for p in g.params}
         numel.update({t.param.name: t.param.numel for t in self.topk})
-        return {n: (cfg, numel[n], codecs.wire_bytes(numel[n], cfg, world_size))
+        for sec in self.lowrank:
+            numel.update({p.name: p.numel for p in sec.params})
+        return {n: (cfg, numel[n], codecs.wire_bytes(numel[n], cfg, world_size, self.shapes.get(n)))
                 for n, cfg in self.configs.items()}
 
 

@@ -62,6 +62,7 @@ __all__ = [
     "Bf16Codec",
     "QuantizeCodec",
     "TopkCodec",
+    "LowRankCodec",
     # the wire interface (any codec)
     "is_sparse",
     "wire_config",
@@ -158,6 +159,7 @@ class WireCodec:
     lossy: ClassVar[bool] = True  # False: the plan's "uncompressed" (batched with the other small tensors)
     error_feedback: ClassVar[bool] = False  # can keep a residual (then CodecConfig.error_feedback decides)
     sparse: ClassVar[bool] = False  # all-gathered and scatter-added rather than scatter-reduced
+    lowrank: ClassVar[bool] = False  # a matrix's factors, all-reduced per bucket (fastml_strategy._lowrank)
     segment_tables: ClassVar[bool] = False  # has encode_table/encode_segments/... (many chunks per launch)
 
     __slots__ = ("cfg",)
@@ -190,6 +192,12 @@ class WireCodec:
         if not cfg.error_feedback:
             return name + "-noef"
         return name + ("-rbf16" if cfg.residual_dtype == "bf16" else "")
+
+    def effective(self, numel: int, world_size: int, shape=None) -> CodecConfig:
+        """The codec this layer really uses (``numel`` elements, ``shape`` where known) at
+        ``world_size``: its own settings, unless the codec falls back to another one there (top-k past
+        the world size where all_gather stops paying, low-rank for a tensor too small to gain)."""
+        return self.cfg
 
     # -- the wire format ---------------------------------------------------------------------------------
     def chunk_unit(self) -> int:
@@ -525,6 +533,21 @@ class TopkCodec(WireCodec):
     def _value_nbytes(self, k: int) -> int:
         return 4 * k if self.values is None else self.values.nbytes(k)
 
+    def effective(self, numel: int, world_size: int, shape=None) -> CodecConfig:
+        cfg = self.cfg
+        if world_size <= 1:
+            return cfg
+        if cfg.fallback_bits is None:
+            dense = CodecConfig(codec=Codec.FP32)
+        else:
+            dense = CodecConfig(codec=Codec.QUANTIZE, bits=cfg.fallback_bits, block_size=cfg.block_size,
+                                stochastic=cfg.stochastic, error_feedback=cfg.error_feedback,
+                                residual_dtype=cfg.residual_dtype)
+        sparse_bytes = (world_size - 1) * self.nbytes(numel)
+        if sparse_bytes > _dense_rank_bytes(numel, dense, world_size):
+            return dense
+        return cfg
+
     def part_unit(self) -> int:
         # a part may take the dense fallback (effective_config): its quantization block
         return int(self.cfg.block_size)
@@ -621,6 +644,91 @@ class TopkCodec(WireCodec):
         if self.values is None:
             return _all_finite(buf[: 4 * k].view(torch.float32))
         return self.values.finite(buf, k)
+
+
+# -- low-rank (PowerSGD) -----------------------------------------------------------------------------------
+@register_codec(Codec.LOWRANK)
+class LowRankCodec(WireCodec):
+    """PowerSGD: an m x n gradient matrix travels as its rank-``rank`` factors P (m x r) and Q (n x r),
+    all-reduced per bucket in two rounds with warm-started Q and error feedback
+    (:mod:`fastml_strategy._lowrank` runs it; its layers are a section of the bucket layout of their
+    own, not chunks). A layer it cannot compress with gain (1-D, ``(m + n) r >= m n``, no known
+    shape) falls back to fp32 (:meth:`effective`), batched with the bucket's other uncompressed
+    tensors, as torch's PowerSGD hook all-reduces those uncompressed.
+
+    A flat chunk has no matrix shape, so where a collective hands this codec a chunk (a reduce-scatter,
+    the reduce step) it is that fallback's chunk: the chunk methods below are fp32's."""
+
+    family = "lowrank"
+    error_feedback = True
+    lowrank = True
+    __slots__ = ("flat", "factor")
+
+    def __init__(self, cfg: CodecConfig) -> None:
+        super().__init__(cfg)
+        self.flat = codec_for(CodecConfig(codec=Codec.FP32))  # the chunk form (no shape: no matrix)
+        # the codec of the factors through the compressed all-reduce (None: a plain fp32 all-reduce)
+        self.factor: CodecConfig | None = {
+            "fp32": None, "fp16": CodecConfig(codec=Codec.FP16), "bf16": CodecConfig(codec=Codec.BF16),
+            "int8": CodecConfig(codec=Codec.QUANTIZE, bits=8, block_size=cfg.block_size, error_feedback=False),
+        }.get(cfg.factors)
+
+    @classmethod
+    def check(cls, cfg, fail) -> None:
+        from fastml_strategy.config import LOWRANK_FACTORS
+
+        r = cfg.rank
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            fail("rank", type_problem(r) or f"is {r!r}", "give the rank of the approximation, a whole number >= 1 "
+                 "(4 is PowerSGD's usual choice)")
+        if cfg.factors not in LOWRANK_FACTORS:
+            fail("factors", f"is {cfg.factors!r}", f"use one of {list(LOWRANK_FACTORS)} (how P and Q travel)")
+
+    @classmethod
+    def name(cls, cfg) -> str:
+        return f"lowrank{cfg.rank}" + ("" if cfg.factors == "fp32" else f"-{cfg.factors}")
+
+    # -- what the layer becomes ---------------------------------------------------------------------------
+    def compressible(self, shape) -> bool:
+        """Whether a tensor of ``shape`` gains: a matrix (2-D or more) with ``(m + n) r < m n``."""
+        from fastml_strategy._lowrank import matrix_shape
+
+        if shape is None or len(shape) < 2:
+            return False
+        m, n = matrix_shape(shape)
+        return (m + n) * self.cfg.rank < m * n
+
+    def effective(self, numel: int, world_size: int, shape=None) -> CodecConfig:
+        return self.cfg if self.compressible(shape) else self.flat.cfg
+
+    def factor_numels(self, shape) -> tuple[int, int]:
+        """Elements of P and Q of a tensor of ``shape``: ``(m r, n r)``."""
+        from fastml_strategy._lowrank import matrix_shape
+
+        m, n = matrix_shape(shape)
+        return m * self.cfg.rank, n * self.cfg.rank
+
+    def factor_round_bytes(self, numel: int, world_size: int) -> float:
+        """Codec bytes this rank sends for ``numel`` factor elements in one round (a ring all-reduce's
+        2(W-1)/W of their encoding; headers not included)."""
+        enc = 4 * numel if self.factor is None else chunk_nbytes(numel, self.factor)
+        return 2.0 * (world_size - 1) / world_size * enc
+
+    # -- the chunk form: fp32's ----------------------------------------------------------------------
+    def nbytes(self, numel):
+        return self.flat.nbytes(numel)
+
+    def split(self, buf, numel):
+        return self.flat.split(buf, numel)
+
+    def encode(self, x, out, residual=None, residual_out=None, seed=0) -> None:
+        self.flat.encode(x, out)
+
+    def decode(self, buf, numel, out, accumulate=False) -> None:
+        self.flat.decode(buf, numel, out, accumulate)
+
+    def finite(self, buf, numel):
+        return self.flat.finite(buf, numel)
 
 
 # -- the wire interface: one chunk of any codec -------------------------------------------------------------
@@ -736,29 +844,24 @@ def _dense_rank_bytes(numel: int, cfg: CodecConfig, world_size: int) -> float:
     return 2.0 * (world_size - 1) / world_size * chunk_nbytes(numel, cfg)
 
 
-def effective_config(cfg: CodecConfig, numel: int, world_size: int) -> CodecConfig:
-    """The codec a layer really uses at ``world_size``: top-k falls back to its dense codec where its
-    all_gather traffic ((W-1) messages per rank) would exceed a scatter-reduce-allgather's."""
-    if not is_sparse(cfg) or world_size <= 1:
-        return cfg
-    if cfg.fallback_bits is None:
-        dense = CodecConfig(codec=Codec.FP32)
-    else:
-        dense = CodecConfig(codec=Codec.QUANTIZE, bits=cfg.fallback_bits, block_size=cfg.block_size,
-                            stochastic=cfg.stochastic, error_feedback=cfg.error_feedback,
-                            residual_dtype=cfg.residual_dtype)
-    sparse_bytes = (world_size - 1) * chunk_nbytes(numel, cfg)
-    if sparse_bytes > _dense_rank_bytes(numel, dense, world_size):
-        return dense
-    return cfg
+def effective_config(cfg: CodecConfig, numel: int, world_size: int, shape=None) -> CodecConfig:
+    """The codec a layer really uses at ``world_size`` (:meth:`WireCodec.effective`): top-k falls back
+    to its dense codec where its all_gather traffic ((W-1) messages per rank) would exceed a
+    scatter-reduce-allgather's; low-rank to fp32 for a tensor whose ``shape`` (None: unknown, a flat
+    vector) it cannot compress with gain."""
+    return codec_for(cfg).effective(numel, world_size, shape)
 
 
-def wire_bytes(numel: int, cfg: CodecConfig, world_size: int) -> int:
+def wire_bytes(numel: int, cfg: CodecConfig, world_size: int, shape=None) -> int:
     """Codec bytes this rank sends per step for one tensor (``state.stats()['bytes_sent']`` counts
-    these plus the 64-byte header of each message)."""
+    these plus the 64-byte header of each message). A low-rank layer's (``shape`` given): its factors'
+    share of the bucket's two factor rounds."""
     if world_size <= 1:
         return 0
-    cfg = effective_config(cfg, numel, world_size)
+    cfg = effective_config(cfg, numel, world_size, shape)
+    codec = codec_for(cfg)
+    if codec.lowrank:
+        return int(round(sum(codec.factor_round_bytes(n, world_size) for n in codec.factor_numels(shape))))
     if is_sparse(cfg):
         return (world_size - 1) * chunk_nbytes(numel, cfg)
     return int(round(_dense_rank_bytes(numel, cfg, world_size)))
@@ -780,8 +883,16 @@ def roundtrip(x: torch.Tensor, cfg: CodecConfig, seed: int = 0) -> tuple[torch.T
     """Encode and decode one tensor locally: ``(decoded fp32 tensor shaped like x, encoded bytes)``.
 
     No error feedback and no communication: this measures the codec's own error on a real gradient.
+    A low-rank codec approximates ``x`` viewed as a matrix (:func:`fastml_strategy._lowrank.
+    low_rank_roundtrip`); a tensor it does not compress takes its fallback, fp32.
     """
     codec = codec_for(cfg)
+    if codec.lowrank and codec.compressible(tuple(x.shape)):
+        from fastml_strategy._lowrank import low_rank_roundtrip
+
+        m, n = codec.factor_numels(tuple(x.shape))
+        nbytes = sum(4 * k if codec.factor is None else chunk_nbytes(k, codec.factor) for k in (m, n))
+        return low_rank_roundtrip(x, cfg.rank, seed=seed), nbytes
     flat = x.detach().reshape(-1).to(torch.float32)
     n = flat.numel()
     out = torch.zeros(n, dtype=torch.float32, device=flat.device)

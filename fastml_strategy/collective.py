@@ -133,9 +133,10 @@ class CompressedAllReduce(ChunkExchange):
         lay = self.store.get(key)
         if lay is not None:
             return lay
+        shapes = [self.shapes.get(n) for n in names] if self.shapes else None
         lay = BucketLayout(names, offsets, numels, self.plan, self.world_size, self.rank, device, dtype,
                            double_buffer=double_buffer, persistent=persistent, plan_numels=plan_numels,
-                           piece_numel=self.piece_numel)
+                           piece_numel=self.piece_numel, shapes=shapes, q_store=self.lowrank_q)
         return self.store.adopt(key, lay)
 
     def _all_gather(self, lay: _Piece, async_op: bool = False):
@@ -197,6 +198,8 @@ class CompressedAllReduce(ChunkExchange):
             return None
         transient = lay.acquire()
         try:
+            if lay.lowrank:  # the low-rank sections' factor rounds first (fastml_strategy._lowrank)
+                before = self._run_lowrank(lay, buf, step, layer_stats, checks, divisor, before)
             if schedule == "halving":
                 HalvingRun(self, lay, buf, step, layer_stats, checks, baseline_elem_size, divisor).run(before)
                 tail = None
@@ -220,6 +223,15 @@ class CompressedAllReduce(ChunkExchange):
                     lay.release()
 
         return complete
+
+    def _run_lowrank(self, lay: BucketLayout, buf: torch.Tensor, step: int, layer_stats: bool,
+                     checks: StepChecks, divisor: float | None, before):
+        """Run the bucket's low-rank sections (their P and Q rounds); returns ``before`` if it has not
+        run yet (no section sent anything), else None."""
+        for sec in lay.lowrank:
+            sec.run(self, buf, step, checks, lay.q_store, self.plan.seed, divisor, before, layer_stats)
+            before = None
+        return before
 
     def use_channel(self, channel) -> None:
         """Wait for every collective through ``channel`` (:class:`fastml_strategy._peers.FailureChannel`):

@@ -55,9 +55,16 @@ class Codec(str, enum.Enum):
     BF16 = "bf16"  # cast to bf16 for the wire, summed in fp32
     QUANTIZE = "quantize"  # max-min per block, 1-8 bits, bit-packed, scatter-reduce-allgather
     TOPK = "topk"  # largest-magnitude entries (values + int32 indices), all_gather, scatter-add
+    LOWRANK = "lowrank"  # PowerSGD: rank-r factors P (m x r) and Q (n x r) of each matrix, two all-reduces
 
 
 RESIDUAL_DTYPES = frozenset({"fp32", "bf16"})
+# How the low-rank codec's factors P and Q travel: a plain fp32 all-reduce (torch's PowerSGD hook), or
+# through FastML's compressed all-reduce in fp16/bf16 (half the bytes) or int8 (a quarter).
+LOWRANK_FACTORS = ("fp32", "fp16", "bf16", "int8")
+# The fields only the low-rank codec reads: written to JSON only for it, so every other codec's plan
+# files and digests stay what they were.
+LOWRANK_FIELDS = ("rank", "factors")
 # Codecs of the hop inside a machine (Plan.intra_node): exact or a 16-bit cast
 INTRA_NODE_CODECS = frozenset({Codec.FP32, Codec.FP16, Codec.BF16})
 
@@ -92,6 +99,14 @@ class CodecConfig:
     # At the world size where top-k would send more than a scatter-reduce-allgather quantized to
     # ``fallback_bits`` (None: fp32 ring all-reduce), the layer falls back to that dense codec.
     fallback_bits: int | None = 8
+    # lowrank: the rank r of the approximation P Q^T of each m x n gradient matrix; it sends (m + n) r
+    # numbers instead of m n (rank 4 of a 1024 x 1024 layer: 128x fewer). Matrices too small to gain
+    # ((m + n) r >= m n) and 1-D tensors travel uncompressed (fp32).
+    rank: int = 4
+    # lowrank: how the factors travel: "fp32" (a plain all-reduce, as torch's PowerSGD hook), "fp16" /
+    # "bf16" (half the bytes) or "int8" (a quarter) through the compressed all-reduce, which costs two
+    # collectives per round instead of one; error feedback absorbs their rounding.
+    factors: str = "fp32"
 
     def __post_init__(self) -> None:
         if not isinstance(self.codec, Codec):
@@ -169,6 +184,9 @@ class CodecConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["codec"] = self.codec.value
+        if self.codec is not Codec.LOWRANK:  # the files and digests of other codecs stay as they were
+            for k in LOWRANK_FIELDS:
+                d.pop(k)
         return d
 
     @classmethod
@@ -309,6 +327,11 @@ RECIPES: dict[str, CodecConfig] = {
     "int4-sr": _q(4, stochastic=True),
     "topk1": CodecConfig(codec=Codec.TOPK, topk=0.01),
     "topk1-int4": CodecConfig(codec=Codec.TOPK, topk=0.01, bits=4),
+    # PowerSGD (fastml_strategy._lowrank): rank-r factors in fp32, error feedback, warm-started Q
+    "lowrank1": CodecConfig(codec=Codec.LOWRANK, rank=1),
+    "lowrank2": CodecConfig(codec=Codec.LOWRANK, rank=2),
+    "lowrank4": CodecConfig(codec=Codec.LOWRANK, rank=4),
+    "lowrank8": CodecConfig(codec=Codec.LOWRANK, rank=8),
 }
 
 
@@ -407,7 +430,7 @@ class Plan:
     @classmethod
     def from_recipe(cls, name: str, **overrides: Any) -> "Plan":
         """A named recipe: ``none``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``int2``, ``int4-sr``,
-        ``topk1``, ``topk1-int4``."""
+        ``topk1``, ``topk1-int4``, ``lowrank1``, ``lowrank2``, ``lowrank4``, ``lowrank8``."""
         if not isinstance(name, str) or name not in RECIPES:
             raise ValueError(
                 f"unknown recipe {name!r}{_did_you_mean(name)}; use one of {sorted(RECIPES)}, a plan JSON "

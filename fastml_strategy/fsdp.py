@@ -66,6 +66,7 @@ from fastml_strategy._advice import advise, little_compressed
 from fastml_strategy._checkpoint import (STATE_FORMAT_VERSION, check_saved_state, check_state_kind,
                                          fitting_residuals, gather_states, own_rank_state)
 from fastml_strategy._distributed import agreed_plan, checked_plan, model_names
+from fastml_strategy._lowrank import refuse_lowrank
 
 __all__ = ["register", "FSDPState", "shard_chunks", "save_distributed", "load_distributed", "TESTED_TORCH"]
 
@@ -878,6 +879,10 @@ def register(
     shard_plan_obj = found.get("shard_plan")
     if shard_plan_obj is not None:  # the same on every rank too
         shard_plan_obj = agreed_plan(shard_plan_obj, names, world, world_size, aliases=aliases, frozen=frozen)
+    for p in (plan_obj, shard_plan_obj):  # agreed: every rank raises alike
+        if p is not None:
+            refuse_lowrank(p, _OWNER, "FSDP2's reduce-scatter and HSDP's cross-replica all-reduce carry flat "
+                           "shards of each parameter, not its matrix")
     units, native_hsdp, shard_size, rep = (found["units"], found["native_hsdp"], found["shard_size"],
                                            found["rep"])
     if dist.get_rank() == 0 and plan_obj is not None:  # the DDP hook's advice (min_numel holding back a lossy plan)

@@ -327,6 +327,8 @@ class FastMLState:
                                                  *node_groups)
         else:
             self._engine = CompressedAllReduce(plan, process_group, rank, world_size)
+        # the shapes the low-rank codec views each layer by (the engine's buckets are flat)
+        self._engine.shapes = {names[id(p)]: tuple(p.shape) for p in params if id(p) in names}
         self._commit = StepCommit(self._engine)
         self._runner: Optional[_CommRunner] = _CommRunner(rank, self._process, self._explain)
         self._runner.hold_tails = bool(node_groups)
@@ -601,6 +603,9 @@ class FastMLState:
                           "bytes_uncompressed": self._engine.bytes_uncompressed}),
             "residuals": {k: v.detach().cpu().clone() for k, v in self._engine.residuals().items()},
         }
+        q = self._engine.lowrank_state()
+        if q:  # only with a low-rank layer: other plans' states are what they were
+            own["lowrank_q"] = {k: v.detach().cpu().clone() for k, v in q.items()}
         if not all_ranks:
             return own
         return gather_states(own, self.process_group, self.world_size)
@@ -640,6 +645,7 @@ class FastMLState:
         self.step = int(sd["step"])
         self._engine.load_counters(sd.get("counters", {}))
         self._engine.load_residuals(residuals)
+        self._engine.load_lowrank_state(sd.get("lowrank_q", {}))
 
     def close(self) -> None:
         """Stop the communication thread and destroy FastML's own process group (not one the caller
@@ -783,7 +789,7 @@ def plan_summary(plan: Plan, params: dict, world_size: int) -> str:
         if not p.requires_grad:
             continue
         planned = plan.for_parameter(name, p.numel())
-        cfg = effective_config(planned, p.numel(), world_size)
+        cfg = effective_config(planned, p.numel(), world_size, tuple(p.shape))
         if cfg is not planned and cfg != planned:
             fallbacks.append(f"{name} ({planned.describe()} -> {cfg.describe()})")
         k = cfg.describe()
@@ -793,7 +799,8 @@ def plan_summary(plan: Plan, params: dict, world_size: int) -> str:
                       for k, (n, e) in sorted(counts.items()))
     text = f"plan {plan.name!r} on {world_size} ranks: {parts}"
     if fallbacks:
-        text += f"; top-k falls back to dense at this world size for {', '.join(fallbacks)}"
+        text += f"; falls back (top-k to dense at this world size, low-rank to fp32 where it does not gain) for " \
+                f"{', '.join(fallbacks)}"
     return text
 
 
@@ -885,6 +892,11 @@ def register_hook(
 
     plan_obj = agreed_plan(plan, trainable, process_group, world_size, aliases=aliases, frozen=frozen)
     topo, groups = agreed_machines(process_group, rank, world_size, ranks_per_node)
+    if groups:  # agreed: every rank raises alike
+        from fastml_strategy._lowrank import refuse_lowrank
+
+        refuse_lowrank(plan_obj, "register_hook", "the hierarchical all-reduce of several machines of several "
+                       "ranks carries flat parts of each parameter across machines, not its matrix")
     _warn_sparse(module, plan_obj)
     state = FastMLState(plan_obj, process_group, rank, world_size, names, list(module.parameters()),
                         check_replicas_every=check_replicas_every, layer_stats_every=layer_stats_every,

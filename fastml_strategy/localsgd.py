@@ -81,6 +81,7 @@ import torch.distributed as dist
 from fastml_strategy._advice import advise, little_compressed
 from fastml_strategy._checkpoint import (STATE_FORMAT_VERSION, check_saved_state, check_state_kind,
                                          fitting_residuals, gather_states, gather_to_rank_zero, own_rank_state)
+from fastml_strategy._lowrank import refuse_lowrank
 from fastml_strategy._distributed import agreed_machines, agreed_plan, default_group_timeout, model_names
 from fastml_strategy._halving import may_halve
 from fastml_strategy._integration import resolve_local_steps
@@ -359,6 +360,8 @@ class LocalSGD:
             self.plan: Plan = agreed_plan(plan, trainable, process_group, self.world_size, check=check,
                                           aliases=aliases, frozen=frozen, local_steps=True,
                                           settings=shared, owner="LocalSGD")
+            refuse_lowrank(self.plan, "LocalSGD", "the outer synchronisation all-reduces flat fragments of "
+                           "the pseudo-gradients, whose matrices it does not see")
         except BaseException:
             if self._own_group:  # refused on every rank alike: leave no group behind
                 dist.destroy_process_group(process_group)

@@ -34,7 +34,18 @@ EXAMPLES: dict[Codec, dict[str, CodecConfig]] = {
         "topk10-int8": CodecConfig(codec=Codec.TOPK, topk=0.1, bits=8, block_size=64),
         "topk17": CodecConfig(codec=Codec.TOPK, topk_count=17),
     },
+    # A flat chunk is no matrix: the chunk tests below exercise its chunk form (its fp32 fallback);
+    # the matrix path has its own tests in tests/test_lowrank.py, and the 2-rank run here gives the
+    # layers their shapes (SHAPES).
+    Codec.LOWRANK: {
+        "lowrank2": CodecConfig(codec=Codec.LOWRANK, rank=2),
+        "lowrank4-int8": CodecConfig(codec=Codec.LOWRANK, rank=4, factors="int8"),
+        "lowrank1-bf16-rbf16": CodecConfig(codec=Codec.LOWRANK, rank=1, factors="bf16", residual_dtype="bf16"),
+    },
 }
+# The shapes of the 2-rank run's layers (numels 5000, 40, 3000): the low-rank codec compresses the
+# matrices and sends the 1-D tensor as fp32.
+SHAPES = {"a": (100, 50), "b": (40,), "c": (60, 50)}
 CASES = {name: cfg for per_codec in EXAMPLES.values() for name, cfg in per_codec.items()}
 
 
@@ -152,6 +163,8 @@ class TestCodecContract:
         twice its size)."""
         for r in run_workers(_two_ranks, 2, CASES[name], timeout=120):
             assert r["replicas_equal"] and r["finite"], r
+            if codecs.codec_for(CASES[name]).lowrank:  # both matrices in one section: one P, one Q round
+                assert r["lowrank_sections"] == 1, r
             if not codecs.codec_for(CASES[name]).lossy:
                 assert r["allreduce_err"] == 0.0 and r["scatter_err"] == 0.0, r
             else:
@@ -173,6 +186,7 @@ def _two_ranks(rank, world_size, cfg):
     grads = [torch.randn(sum(numels), generator=torch.Generator().manual_seed(100 + r)) for r in range(world_size)]
     mean = sum(grads) / world_size
     eng = CompressedAllReduce(plan, dist.group.WORLD, rank, world_size)
+    eng.shapes = dict(SHAPES)
     lay = eng.layout_for(names, offsets, numels, torch.device("cpu"))
     buf = grads[rank].clone()
     finite = eng.run(lay, buf, step=1)
@@ -200,7 +214,9 @@ def _two_ranks(rank, world_size, cfg):
         lo = sum(t.chunk_numels[:rank])
         want[p: p + t.chunk_numels[rank]] = mean[off + lo: off + lo + t.chunk_numels[rank]]
         p += t.padded
+    lowrank = codecs.codec_for(cfg).lowrank
     return {"replicas_equal": all(torch.equal(o, others[0]) for o in others),
+            "lowrank_sections": len(lay.lowrank) if lowrank else None,
             "finite": bool(finite) and rs_finite and bool(torch.isfinite(mine).all()),
             "allreduce_err": float((mine - mean).norm() / mean.norm()),
             "scatter_err": float((out - want).norm() / want.norm())}

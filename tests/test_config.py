@@ -29,7 +29,9 @@ def test_lookup_order_exact_then_regex_then_default():
 # bytes per element on the wire against fp32, as config.py and the README state them: int4 costs
 # 4 + 64/512 bits per element (ratio 7.76), 1% top-k 8 bytes per kept element (ratio 50)
 RECIPE_RATIOS = {"none": 1.0, "fp16": 2.0, "bf16": 2.0, "int8": 32 / 8.125, "int4": 32 / 4.125,
-                 "int2": 32 / 2.125, "int4-sr": 32 / 4.125, "topk1": 50.0, "topk1-int4": 32 / (0.01 * 36.125)}
+                 "int2": 32 / 2.125, "int4-sr": 32 / 4.125, "topk1": 50.0, "topk1-int4": 32 / (0.01 * 36.125),
+                 # a 1024 x 1024 matrix at rank r: (1024 + 1024) r factor numbers instead of 1024^2
+                 **{f"lowrank{r}": 512 / r for r in (1, 2, 4, 8)}}
 
 
 def test_recipes_are_the_documented_ones_and_compress_as_stated():
@@ -44,7 +46,7 @@ def test_recipes_are_the_documented_ones_and_compress_as_stated():
         plan = Plan.from_recipe(name)
         assert plan.name == name and plan.default is RECIPES[name]
         assert plan.default.describe() in (name, "fp32", "topk1%", "topk1%-int4")
-        got = (2 * (2 - 1) / 2 * 4 * n) / codecs.wire_bytes(n, plan.default, 2)
+        got = (2 * (2 - 1) / 2 * 4 * n) / codecs.wire_bytes(n, plan.default, 2, shape=(1024, 1024))
         assert got == pytest.approx(ratio, rel=0.002), (name, got)
         assert plan.default.lossy == (name != "none")
     # the recipe's codec is exactly what reaches the wire: "none" bit-exact, the others lossy

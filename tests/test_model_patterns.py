@@ -1,8 +1,8 @@
 """FastML over the model patterns users train (a matrix of them), in one pair of real gloo processes.
 
 For every pattern, from the same start and the same data: plain DDP, DDP + FastML ``none`` (must equal
-DDP within 1e-6; it is DDP's own all-reduce there), and DDP + FastML ``int4`` with every tensor
-compressed (replicas must stay bit-identical).
+DDP within 1e-6; it is DDP's own all-reduce there), and DDP + FastML ``int4`` and ``lowrank2`` (PowerSGD)
+with every tensor compressed (replicas must stay bit-identical).
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def _all_patterns(rank, world_size):
     out = {}
     for name in PATTERNS:
         try:
-            out[name] = {recipe: _train(rank, name, recipe) for recipe in (None, "none", "int4")}
+            out[name] = {recipe: _train(rank, name, recipe) for recipe in (None, "none", "int4", "lowrank2")}
         except Exception as e:  # noqa: BLE001 - reported per pattern
             out[name] = f"{type(e).__name__}: {e}"
     return out
@@ -182,6 +182,8 @@ def test_pattern(results, name):
     assert diff <= 1e-6 * max(1.0, float(ddp.abs().max())), (name, diff)
     # a lossy plan: replicas bit-identical
     assert per_rank[0]["int4"][0] == per_rank[1]["int4"][0], name
+    assert per_rank[0]["lowrank2"][0] == per_rank[1]["lowrank2"][0], name
+    assert torch.isfinite(torch.tensor(per_rank[0]["lowrank2"][0])).all(), name
     assert per_rank[0]["none"][0] == per_rank[1]["none"][0], name
     warned = per_rank[0]["int4"][1]
     if name == "regex-matches-nothing":
@@ -189,6 +191,7 @@ def test_pattern(results, name):
     if name == "tied":
         assert any("'head.weight' is another name of 'tok.weight'" in w for w in warned), warned
         assert per_rank[0]["int4"][2]["layers"]["tok.weight"]["codec"] == "int8"
+        assert per_rank[0]["lowrank2"][2]["layers"]["mid.weight"]["codec"] == "lowrank2"
     if name == "sparse-embedding":
         assert any("sparse gradients" in w and "emb.weight" in w for w in warned), warned
     if name == "float64-model":

@@ -46,7 +46,7 @@ __all__ = ["autotune", "AutotuneResult", "Settings", "prepare", "UNIFORM_RECIPES
            "WHATIF_NODES", "WHATIF_RANKS_PER_NODE", "ASSUMED_TARGET_STEPS", "baseline_label"]
 
 # The uniform recipes every report compares against (the issue's list), plus plain DDP.
-UNIFORM_RECIPES = ("none", "fp16", "int8", "int4", "int2", "topk1")
+UNIFORM_RECIPES = ("none", "fp16", "int8", "int4", "int2", "topk1", "lowrank4")
 SCALING_NODES = (8, 16, 32, 64, 128, 256, 512, 1024)
 # Sharded runs: the what-if grid of cluster shapes (nodes x ranks per node) for every option.
 WHATIF_NODES = (2, 8, 32, 128)

@@ -134,7 +134,9 @@ def test_verification_probes_the_gap_the_accuracy_rule_has_no_run_in():
     from fastml_strategy.autotune.search import run_search
 
     base = {"fp16": 0.001, "int8": 0.02, "int6": 0.05, "int4": 0.15, "int3": 0.3, "int2": 1.0,
-            "int4-noef": 0.15, "topk10": 0.4, "topk1": 0.6, "topk1-int4": 0.62}
+            "int4-noef": 0.15, "topk10": 0.4, "topk1": 0.6, "topk1-int4": 0.62,
+            # (flat layers: the low-rank codec sends them as fp32, so no plan here takes it)
+            "lowrank1": 0.9, "lowrank2": 0.8, "lowrank4": 0.7, "lowrank8": 0.5}
     prof = make_profile(numels=(1 << 20, 1 << 18, 1 << 16), codec_s=1e-5,
                         errors={o: base[o.removesuffix("-rbf16")] for o in CANDIDATES if o != "none"})
     groups = group_layers(prof)

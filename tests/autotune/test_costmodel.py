@@ -318,7 +318,7 @@ def _mlp_profile(widths, min_numel=4096) -> Profile:
     layers = []
     for i, (n, p) in enumerate(_mlp(widths).named_parameters()):
         lp = LayerProfile(name=n, numel=p.numel(), index=i, ready_s=0.01, grad_sq=1.0,
-                          tunable=p.numel() >= min_numel)
+                          tunable=p.numel() >= min_numel, shape=list(p.shape))
         for o in CANDIDATES:
             lp.rel_error[o] = 0.0 if o == "none" else 0.1
             lp.codec_s[o] = 0.0
@@ -369,8 +369,13 @@ _REAL_CASES = {
     "pieces": ((64, 300, 200, 100, 10), ["fp32", "int4", "topk1", "mix"], 0.1, 8192),
     # a layer larger than the runtime's own piece (4196352 > PIECE_NUMEL elements)
     "default": ((2048, 2049, 10), ["int4"], 25, None),
+    # the low-rank codec: its factor rounds (fp32 and int8 factors) beside the pieces, a matrix too
+    # small to gain at rank 8 falling back to fp32, and mixed with quantized layers
+    "lowrank": ((64, 300, 200, 100, 10), ["lowrank2", "lowrank8", "mixlr"], 0.1, 8192),
 }
 _MIX = {"0.weight": "int2", "2.weight": "topk1", "4.weight": "fp16"}
+_MIXES = {"mix": _MIX, "mixlr": {"0.weight": "lowrank4", "2.weight": "int4", "4.weight": "lowrank1",
+                                 "6.weight": "lowrank8"}}
 
 
 @pytest.mark.slow
@@ -386,7 +391,7 @@ def test_ddp_bytes_match_what_the_hook_sends(case):
 
     widths, names, bucket_mb, piece = _REAL_CASES[case]
     prof = _mlp_profile(widths)
-    choices = [_MIX if n == "mix" else {lp.name: ("none" if n == "fp32" else n) for lp in prof.layers}
+    choices = [_MIXES[n] if n in _MIXES else {lp.name: ("none" if n == "fp32" else n) for lp in prof.layers}
                for n in names]
     plans = [_plan_from_choice(prof, c, n)[0] for c, n in zip(choices, names)]
     results = run_workers(_hook_bytes, 2, widths, plans, bucket_mb, piece, timeout=200)

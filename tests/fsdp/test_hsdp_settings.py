@@ -95,3 +95,21 @@ def test_hsdp_honours_fsdp_divide_factor_and_requires_all_reduce():
         assert acc["diff"] < 1e-6, acc
         assert acc["bytes"] == acc["bytes_plain"] > 0, acc
         assert acc["steps"] == 2, acc
+
+
+def _lowrank_refused(rank, world_size):
+    import fastml_strategy.fsdp as ff
+
+    model = shard(OddNet())
+    try:
+        ff.register(model, plan="lowrank2")
+        return "no error"
+    except ValueError as e:
+        return str(e)
+
+
+def test_fsdp_refuses_the_lowrank_codec_on_every_rank():
+    """A shard is no matrix: FSDP2 (and HSDP) refuse a plan naming the low-rank codec, the same error on
+    every rank before the first step, naming the fix."""
+    msgs = run_workers(_lowrank_refused, 2, timeout=120)
+    assert msgs[0] == msgs[1] and "low-rank codec" in msgs[0] and "register_hook" in msgs[0], msgs

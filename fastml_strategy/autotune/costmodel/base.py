@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 from fastml_strategy.autotune.catalog import Link
-from fastml_strategy.config import RECIPES, CodecConfig
+from fastml_strategy.config import RECIPES, Codec, CodecConfig
 
 # Local steps: the sync periods H calibrated and searched by default (per-step compression is H = 1,
 # always searched), and the fragment counts F searched (Streaming DiLoCo uses a few to a few tens).
@@ -40,16 +40,23 @@ _BASE_CANDIDATES: dict[str, CodecConfig] = {
     "topk10": dataclasses.replace(RECIPES["topk1"], topk=0.10),
     "topk1": RECIPES["topk1"],
     "topk1-int4": RECIPES["topk1-int4"],
+    # PowerSGD (rank r per layer): (m + n) r factor numbers per m x n matrix, two all-reduces per bucket
+    "lowrank1": RECIPES["lowrank1"],
+    "lowrank2": RECIPES["lowrank2"],
+    "lowrank4": RECIPES["lowrank4"],
+    "lowrank8": RECIPES["lowrank8"],
 }
 # The options DDP searches (its hook keeps two fp32 residual buffers; its memory is not modelled).
 BASE_OPTIONS: tuple[str, ...] = tuple(_BASE_CANDIDATES)
 # Under FSDP a residual is as large as the unsharded gradient, so sharded runs also search each
 # error-fed option with a bf16 residual (half the memory; "int4-rbf16", as CodecConfig.describe()
 # names it), derived here rather than listed.
+# The low-rank codec runs in the DDP hook only (FSDP/HSDP refuse it: a shard is no matrix), so it has
+# no -rbf16 variant and sharded runs do not search it.
 CANDIDATES: dict[str, CodecConfig] = {
     **_BASE_CANDIDATES,
     **{f"{k}-rbf16": dataclasses.replace(v, residual_dtype="bf16")
-       for k, v in _BASE_CANDIDATES.items() if v.uses_residual},
+       for k, v in _BASE_CANDIDATES.items() if v.uses_residual and v.codec is not Codec.LOWRANK},
 }
 
 
@@ -57,7 +64,7 @@ def default_options(sharding: "str | Sharding | None" = None) -> list[str]:
     """The codec options searched by default: :data:`BASE_OPTIONS` for DDP, every candidate (the
     ``-rbf16`` variants too) for FSDP/HSDP."""
     kind = sharding.kind if isinstance(sharding, Sharding) else (sharding or "ddp")
-    return list(BASE_OPTIONS) if kind == "ddp" else list(CANDIDATES)
+    return list(BASE_OPTIONS) if kind == "ddp" else [k for k, v in CANDIDATES.items() if v.codec is not Codec.LOWRANK]
 
 
 SHARDINGS = ("ddp", "fsdp", "hsdp")
@@ -334,7 +341,17 @@ def _codec_factor(cfg: CodecConfig, nodes: int) -> float:
         return 0.0
     if is_sparse(cfg):
         return 1.0
+    if cfg.codec is Codec.LOWRANK:
+        return LOWRANK_CODEC_FACTOR
     return (3.0 + 1.0 / nodes) / 2.0
+
+
+# The low-rank codec's work per step against its profiled round trip: a step orthogonalises Q and P
+# (Gram-Schmidt, (m + n) r^2) and multiplies three times (P = M Q, Q = M^T P, M_hat = P Q^T: 6 m n r
+# flops); the round trip (fastml_strategy._lowrank.low_rank_roundtrip) runs two power steps and the
+# reconstruction (10 m n r flops): 0.6 of it, whatever the world size (the factors' all-reduce sums
+# small vectors).
+LOWRANK_CODEC_FACTOR = 0.6
 
 
 def family(cfg: CodecConfig) -> str:

@@ -69,6 +69,7 @@ from fastml_strategy.autotune.costmodel.base import (CANDIDATES, DEFAULT_INTRA_L
 from fastml_strategy.autotune.costmodel.sharded import sharded_step_time
 from fastml_strategy._layouts import PIECE_NUMEL, BucketWire, bucket_wire, part_bounds_of
 from fastml_strategy import _halving
+from fastml_strategy.config import Codec
 
 # DDP's bucket sizes (torch.nn.parallel.DistributedDataParallel: bucket_cap_mb=25, and
 # dist._DEFAULT_FIRST_BUCKET_BYTES = 1 MiB for the first bucket, the last layers).
@@ -114,14 +115,21 @@ def _layer_cost(profile: Profile, lp: LayerProfile, choice: Mapping[str, str], n
     name, cfg = _cfg(choice, lp) if hook else ("none", CANDIDATES["none"])
     numel = lp.numel if numel is None else int(numel)
     share = numel / lp.numel if lp.numel else 0.0
-    nbytes = wire_bytes(numel, cfg, nodes)
+    shape = _shape(lp) if numel == lp.numel else None
+    nbytes = wire_bytes(numel, cfg, nodes, shape)
     if not (hook and lp.tunable):
         return nbytes, 0.0
-    eff = effective_config(cfg, numel, nodes)
+    eff = effective_config(cfg, numel, nodes, shape)
     # a top-k layer past its fallback world size runs its dense fallback codec
     t = lp.codec_s.get(name, 0.0) if eff == cfg else lp.codec_s.get(
         _candidate_name(eff), lp.codec_s.get("int8", 0.0))
     return nbytes, t * _codec_factor(eff, nodes) * profile.codec_scale.get(family(eff), 1.0) / speed * share
+
+
+def _shape(lp: LayerProfile) -> tuple[int, ...] | None:
+    """The layer's shape as the hook sees it (a profile without shapes: None, a flat vector, which the
+    low-rank codec does not compress)."""
+    return tuple(lp.shape) if lp.shape else None
 
 
 def ddp_topology(nodes: int, ranks_per_node: int, topology: str = "auto") -> str:
@@ -207,7 +215,9 @@ def bucket_wire_of(bucket: Sequence[LayerProfile], choice: Mapping[str, str], wo
     (:func:`fastml_strategy._layouts.bucket_wire`: the runtime's own grouping, pipeline pieces of
     about ``piece_numel`` elements and headers; the hierarchical path's rows: :func:`hier_bucket_wire`)."""
     numels = tuple(lp.numel for lp in bucket)
-    return bucket_wire(numels, tuple(_cfg(choice, lp)[1] for lp in bucket), world_size, piece_numel=piece_numel)
+    cfgs = tuple(_cfg(choice, lp)[1] for lp in bucket)
+    shapes = tuple(_shape(lp) for lp in bucket) if any(c.codec is Codec.LOWRANK for c in cfgs) else None
+    return bucket_wire(numels, cfgs, world_size, piece_numel=piece_numel, shapes=shapes)
 
 
 def bucket_schedule(wire: BucketWire, schedule: str, latency_s: float, bandwidth_Bps: float) -> str:
@@ -240,7 +250,7 @@ def bucket_bytes(wire: BucketWire, schedule: str, rank: int | None = None) -> fl
     :func:`fastml_strategy._halving.halving_bytes_sent` per piece for halving."""
     if schedule != "halving" or wire.world_size <= 1:
         return wire.bytes_sent(rank)
-    return sum(_halving.halving_bytes_sent(p.split_sizes, rank) for p in wire.pieces)
+    return sum(_halving.halving_bytes_sent(p.split_sizes, rank) for p in wire.pieces) + wire.lowrank_bytes(rank)
 
 
 def ddp_bytes_per_rank(profile: Profile, choice: Mapping[str, str], world_size: int, rank: int | None = None,
@@ -368,13 +378,31 @@ def _bucket_comm(profile: Profile, bucket: Sequence[LayerProfile], choice: Mappi
         node = nbytes if n > 1 else 0
         return nbytes, node, [(0.0, 2 * (W - 1) * lat + (nbytes if n <= 1 else node) / link.bandwidth_Bps)]
     if sched == "halving":
-        return _halving_bucket_comm(profile, bucket, choice, wire, n, A, lat, link, speed)
-    stages, node = [], 0.0
+        nb, node_b, st = _halving_bucket_comm(profile, bucket, choice, wire, n, A, lat, link, speed)
+        low, low_node = _lowrank_stages(profile, bucket, choice, wire, W, lat, link, speed, n)
+        return nb, node_b + int(round(low_node)), low + st
+    stages, node = _lowrank_stages(profile, bucket, choice, wire, W, lat, link, speed, n)
     for c, p in zip(_piece_codec(profile, bucket, choice, wire, speed), wire.pieces):
         b = p.bytes_sent() if n <= 1 else share * p.all_to_all_bytes() + p.all_gather_bytes()
         node += b
         stages.append((c, 2 * (W - 1) * lat + b / link.bandwidth_Bps))
     return nbytes, int(round(node)) if n > 1 else 0, stages
+
+
+def _lowrank_stages(profile: Profile, bucket: Sequence[LayerProfile], choice: Mapping[str, str], wire: BucketWire,
+                    W: int, lat: float, link: Link, speed: float, n: int) -> tuple[list[tuple[float, float]], float]:
+    """The bucket's low-rank factor rounds as one pipeline stage before its pieces (the hook runs them
+    first): the low-rank layers' codec seconds (orthogonalisation and matmuls), and on the wire two
+    all-reduces per section (each a ring's ``2(W-1)`` latency rounds; compressed factors: one piece of
+    the compressed all-reduce each, the same rounds) plus their bytes; ``([], 0)`` without any.
+    Returns ``(stages, bytes leaving each machine)``."""
+    if not wire.lowrank:
+        return [], 0.0
+    codec = sum(_layer_cost(profile, lp, choice, W, speed)[1] for lp, cfg in zip(bucket, wire.configs)
+                if cfg.codec is Codec.LOWRANK)
+    nbytes = wire.lowrank_bytes()
+    rounds = 2 * len(wire.lowrank) * 2 * (W - 1)
+    return [(codec, rounds * lat + nbytes / link.bandwidth_Bps)], float(nbytes) if n > 1 else 0.0
 
 
 def _halving_bucket_comm(profile: Profile, bucket: Sequence[LayerProfile], choice: Mapping[str, str],

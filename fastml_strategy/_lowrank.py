@@ -1,0 +1,307 @@
+"""The low-rank codec's all-reduce (PowerSGD, Vogels et al. 2019): each gradient matrix travels as two
+thin factors, all low-rank layers of a bucket in one round per factor.
+
+Algorithm (per DDP bucket, on every rank; W ranks; the bucket's low-rank layers, each viewed as an
+m x n matrix as torch's PowerSGD hook views it: m = shape[0], n = the product of the rest)
+----------------------------------------------------------------------------------------------------
+1. Error feedback: ``M = grad + residual`` (fp32).
+2. ``P = M orth(Q)`` (m x r), with ``Q`` (n x r) warm-started: last step's all-reduced ``Q`` of this
+   layer, or, at its first step, standard normal numbers from a generator seeded by the plan's seed
+   and the layer's name, identical on every rank and independent of the bucket the layer is in.
+   Orthonormalising ``Q`` first (as torch's hook does) keeps ``P`` at the gradient's scale, so that
+   fp16 factors do not overflow.
+3. All-reduce every layer's ``P`` in one collective (the sum; its scale does not matter, step 4
+   normalises it).
+4. Orthogonalise each ``P`` (Gram-Schmidt in fp32, two passes, :func:`orthogonalise_`). Every rank computes on
+   the same summed bytes with the same operations, so every rank gets the same bits.
+5. ``Q = M^T P`` (n x r); all-reduce every layer's ``Q`` in one collective and divide by W (or the
+   caller's divisor): the mean of ``M^T P`` over ranks.
+6. ``M_hat = P Q^T`` replaces the gradient on every rank (the same bytes everywhere), and the new
+   residual is ``M - M_hat``; it and the new warm start ``Q`` are committed only when the step is
+   finite (:meth:`LowRankSection.commit`), so a step that GradScaler skips leaves both untouched.
+
+So a layer sends ``(m + n) r`` numbers instead of ``m n`` (each all-reduce costs a ring's
+2(W-1)/W of it), in two latency rounds per bucket rather than two per layer, as torch's hook batches
+them. ``Plan`` layer settings: ``{"codec": "lowrank", "rank": 4}``; ``"factors"`` (``fp32`` default,
+``fp16``, ``bf16``, ``int8``) sends the factors through FastML's compressed all-reduce
+(:class:`~fastml_strategy.collective.CompressedAllReduce`, one all_to_all and one all_gather per
+round) instead of a plain fp32 all-reduce; their rounding lands in ``M_hat``, which error feedback
+corrects. A layer that would not gain (a 1-D tensor, ``(m + n) r >= m n``, or under ``min_numel``)
+travels uncompressed with the bucket's other small tensors
+(:meth:`fastml_strategy.codecs.LowRankCodec.effective`).
+
+How it differs from torch's hook: the factors of a bucket are all-reduced on FastML's communication
+thread in bucket order (torch's issues them from future callbacks and aborts on gloo with two
+buckets); every layer's state (``Q``, residual) is keyed by its name, not by the bucket index, so it
+survives DDP's bucket rebuild and checkpoints (``FastMLState.state_dict()``); a NaN/inf step commits
+nothing; Gram-Schmidt is used at every rank (torch switches to QR above rank 2: the same
+orthonormal basis up to signs, which cancel in ``P Q^T``).
+
+Faults: a rank whose compute raises still issues every collective (with whatever its buffers hold)
+and records the error in the step's checks (:class:`~fastml_strategy._status.StepChecks`); the
+bucket's message headers, which follow, carry it to every rank, and every rank raises the same
+:class:`~fastml_strategy.collective.CompressionError` at the end of the step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from fastml_strategy._exchange import mix
+from fastml_strategy._status import all_finite
+from fastml_strategy.config import CodecConfig, Plan
+
+__all__ = ["matrix_shape", "orthogonalise_", "initial_q", "LowRankSection", "low_rank_roundtrip", "refuse_lowrank"]
+
+# Gram-Schmidt's guard against a zero column (a layer whose gradient is zero): the smallest normal
+# fp32, so that 0 / (0 + eps) = 0 and any column with a normal norm is divided by its norm exactly.
+_EPS = torch.finfo(torch.float32).tiny
+
+
+def refuse_lowrank(plan: Plan, where: str, why: str) -> None:
+    """Raise ValueError, naming the plan's low-rank settings, where the low-rank codec does not run
+    (``where``: the caller, ``why``: the reason). Called after the ranks agreed on the plan, so every
+    rank raises it alike, before any step."""
+    from fastml_strategy.config import Codec
+
+    keys = [k for k, cfg in (("default", plan.default), *plan.layers) if cfg.codec is Codec.LOWRANK]
+    if keys:
+        raise ValueError(
+            f"{where}: plan {plan.name!r} names the low-rank codec (PowerSGD) for {keys}, which runs in the "
+            f"DDP hook only ({why}); give these layers another codec (e.g. 'int4'), or train with "
+            f"DDP and fastml_strategy.register_hook(model, plan) (one rank per machine, or "
+            f"ranks_per_node=1)")
+
+
+def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
+    """The m x n matrix a tensor of ``shape`` is viewed as (torch's PowerSGD: the first dimension
+    against the rest)."""
+    m = int(shape[0]) if len(shape) else 1
+    return m, int(math.prod(shape[1:])) if len(shape) > 1 else 1
+
+
+def orthogonalise_(p: torch.Tensor) -> torch.Tensor:
+    """Orthonormalise the columns of ``p`` (m x r, fp32) in place: Gram-Schmidt with a second
+    projection pass per column ("twice is enough"), so that the basis stays orthonormal when the
+    matrix has rank below r (one pass leaves the last columns' roundoff along the earlier ones, which
+    normalising then blows up; torch's hook switches to Householder QR above rank 2 for this).
+    Deterministic: the same bits on every rank for the same input. A zero column stays zero."""
+    r = p.shape[1]
+    for i in range(r):
+        col = p[:, i: i + 1]
+        if i:
+            prev = p[:, :i]
+            for _ in range(2):
+                col -= prev @ (prev.t() @ col)
+        col /= torch.linalg.vector_norm(col) + _EPS
+    return p
+
+
+def initial_q(name: str, n: int, rank: int, seed: int, device) -> torch.Tensor:
+    """The first warm start ``Q`` (n x r, flat) of layer ``name``: standard normal numbers from a
+    generator seeded by the plan's seed and the name, the same on every rank."""
+    from fastml_strategy._layouts import layer_key
+
+    gen = torch.Generator().manual_seed(mix(seed, 0x10E4, layer_key(name)))
+    return torch.randn(n * rank, generator=gen, dtype=torch.float32).to(device)
+
+
+@torch.no_grad()
+def low_rank_roundtrip(x: torch.Tensor, rank: int, seed: int = 0, iterations: int = 2) -> torch.Tensor:
+    """What one rank's low-rank codec makes of ``x`` (an m x n view) without communication: ``P Q^T``
+    after ``iterations`` power steps from the seeded start (the warm start converges over training
+    steps; two steps measure where it stands after a few). The autotuner's profile measures the error
+    of this, as :func:`fastml_strategy.codecs.roundtrip` does for the other codecs."""
+    m, n = matrix_shape(x.shape)
+    M = x.detach().reshape(m, n).to(torch.float32)
+    q = initial_q("roundtrip", n, rank, seed, M.device).view(n, rank)
+    for _ in range(iterations):
+        p = orthogonalise_(M @ orthogonalise_(q))
+        q = M.t() @ p
+    return (p @ q.t()).reshape(x.shape)
+
+
+@dataclass
+class _LowRankParam:
+    """One low-rank layer of a bucket: where it lies in the bucket buffer and in the factor vectors,
+    and its error-feedback residual (two buffers: the new one is committed with the step)."""
+
+    name: str
+    boff: int
+    numel: int
+    m: int
+    n: int
+    rank: int
+    cfg: CodecConfig
+    poff: int = 0
+    qoff: int = 0
+    res_cur: torch.Tensor | None = None
+    res_next: torch.Tensor | None = None
+
+    @property
+    def ef(self) -> bool:
+        return self.cfg.uses_residual
+
+
+@dataclass
+class LowRankSection:
+    """The low-rank layers of one bucket that share a factor codec: one P round and one Q round.
+
+    ``factor_cfg``: None for a plain fp32 all-reduce, else the codec the factors travel in through
+    the compressed all-reduce (a layout of one tensor, built here, with no error feedback)."""
+
+    params: list[_LowRankParam]
+    factor_cfg: CodecConfig | None
+    device: torch.device
+    world_size: int
+    rank: int
+    p_numel: int = 0
+    q_numel: int = 0
+    p_flat: torch.Tensor | None = None
+    q_flat: torch.Tensor | None = None
+    mats: dict = field(default_factory=dict)  # name -> fp32 M (staging, when the buffer is not fp32)
+    pending_q: dict = field(default_factory=dict)  # name -> the Q to commit with the step
+    _sub: dict = field(default_factory=dict)  # "P"/"Q" -> the factor layout (compressed factors)
+
+    def __post_init__(self) -> None:
+        for p in self.params:
+            p.poff, p.qoff = self.p_numel, self.q_numel
+            self.p_numel += p.m * p.rank
+            self.q_numel += p.n * p.rank
+            if p.ef:
+                dt = p.cfg.residual_torch_dtype
+                p.res_cur = torch.zeros(p.numel, dtype=dt, device=self.device)
+                p.res_next = torch.zeros(p.numel, dtype=dt, device=self.device)
+        self.p_flat = torch.zeros(self.p_numel, dtype=torch.float32, device=self.device)
+        self.q_flat = torch.zeros(self.q_numel, dtype=torch.float32, device=self.device)
+
+    # -- the wire ---------------------------------------------------------------------------------------
+    def factor_layout(self, which: str):
+        """The layout of the P or Q vector through the compressed all-reduce (compressed factors)."""
+        from fastml_strategy._layouts import BucketLayout
+
+        lay = self._sub.get(which)
+        if lay is None:
+            numel = self.p_numel if which == "P" else self.q_numel
+            plan = Plan(default=self.factor_cfg, min_numel=0, name=f"lowrank-{which}")
+            lay = self._sub[which] = BucketLayout((f"lowrank.{which}",), (0,), (numel,), plan, self.world_size,
+                                                  self.rank, self.device, double_buffer=False)
+        return lay
+
+    def _all_reduce(self, eng, flat: torch.Tensor, which: str, step: int, checks, divisor: float, before):
+        """One factor round: the sum over ranks divided by ``divisor``, the same bytes on every rank."""
+        if self.factor_cfg is None:
+            work = dist.all_reduce(flat, group=eng.group, async_op=True)
+            eng.bytes_sent += int(round(2.0 * (eng.world_size - 1) / eng.world_size * flat.numel() * 4))
+            if before is not None:
+                before()
+            eng.wait(work)
+            if divisor != 1:
+                flat.div_(divisor)
+            return
+        # through the compressed all-reduce: its headers carry this rank's error (checks.error)
+        lay = self.factor_layout(which)
+        baseline = eng.bytes_uncompressed
+        tail = eng.start(lay, flat, step, False, checks, before=before, divisor=divisor)
+        if tail is not None:
+            tail()
+        eng.bytes_uncompressed = baseline  # the bucket's baseline counts the gradient, not its factors
+
+    # -- the work ------------------------------------------------------------------------------------------
+    def _matrix(self, p: _LowRankParam, buf: torch.Tensor) -> torch.Tensor:
+        """M = grad + residual (fp32, m x n): in the bucket buffer itself when that is fp32."""
+        g = buf[p.boff: p.boff + p.numel]
+        if buf.dtype == torch.float32:
+            M = g
+        else:
+            M = self.mats.get(p.name)
+            if M is None:
+                M = self.mats[p.name] = torch.empty(p.numel, dtype=torch.float32, device=buf.device)
+            M.copy_(g)
+        if p.ef:
+            M.add_(p.res_cur)
+        return M.view(p.m, p.n)
+
+    def run(self, eng, buf: torch.Tensor, step: int, checks, q_store: dict, seed: int,
+            divisor: float | None = None, before=None, layer_stats: bool = False) -> None:
+        """The two rounds of this section on ``buf`` (the bucket): afterwards every low-rank layer of
+        ``buf`` holds ``P Q^T``, the same bytes on every rank. Nothing is read on the host; an error of
+        this rank goes to ``checks.error`` and every collective is still issued."""
+        W = self.world_size
+        div = W if divisor is None else divisor
+        mats: dict[str, torch.Tensor] = {}
+        self.pending_q = {}
+        if checks.error is None:
+            try:
+                for p in self.params:
+                    q = q_store.get(p.name)
+                    if q is None or q.numel() != p.n * p.rank:
+                        q = q_store[p.name] = initial_q(p.name, p.n, p.rank, seed, buf.device)
+                    elif q.device != buf.device:  # loaded from a checkpoint
+                        q = q_store[p.name] = q.to(buf.device)
+                    M = mats[p.name] = self._matrix(p, buf)
+                    q = orthogonalise_(q.view(p.n, p.rank).clone())
+                    torch.mm(M, q, out=self.p_flat[p.poff: p.poff + p.m * p.rank].view(p.m, p.rank))
+            except Exception as e:  # noqa: BLE001 - carried by the headers that follow
+                checks.error = e
+        self._all_reduce(eng, self.p_flat, "P", step, checks, 1, before)
+        if checks.error is None:
+            try:
+                for p in self.params:
+                    P = orthogonalise_(self.p_flat[p.poff: p.poff + p.m * p.rank].view(p.m, p.rank))
+                    torch.mm(mats[p.name].t(), P, out=self.q_flat[p.qoff: p.qoff + p.n * p.rank].view(p.n, p.rank))
+            except Exception as e:  # noqa: BLE001
+                checks.error = e
+        self._all_reduce(eng, self.q_flat, "Q", step, checks, div, None)
+        checks.add_finite(all_finite(self.p_flat) & all_finite(self.q_flat))
+        if checks.error is None:
+            try:
+                self._decode(eng, buf, mats, layer_stats)
+            except Exception as e:  # noqa: BLE001
+                checks.error = e
+
+    def _decode(self, eng, buf: torch.Tensor, mats: dict, layer_stats: bool) -> None:
+        """M_hat = P Q^T into the bucket, the new residual M - M_hat, the new warm start Q (pending)."""
+        for p in self.params:
+            P = self.p_flat[p.poff: p.poff + p.m * p.rank].view(p.m, p.rank)
+            Q = self.q_flat[p.qoff: p.qoff + p.n * p.rank].view(p.n, p.rank)
+            M = mats[p.name].reshape(-1)
+            out = buf[p.boff: p.boff + p.numel]
+            if layer_stats:
+                nrm = M.norm()
+            # fp32 bucket and residual: M_hat straight into the bucket, the residual M - M_hat from a
+            # copy of M taken first (M is the bucket itself); else through a product of its own
+            direct = buf.dtype == torch.float32 and (not p.ef or p.res_next.dtype == torch.float32)
+            if direct and p.ef and not layer_stats:
+                p.res_next.copy_(M)
+                torch.mm(P, Q.t(), out=out.view(p.m, p.n))
+                p.res_next.sub_(out)
+            else:
+                hat = (P @ Q.t()).reshape(-1)  # the same bytes on every rank: what the bucket gets
+                rest = M - hat
+                if layer_stats:
+                    eng.layer_error[p.name] = torch.where(nrm > 0, rest.norm() / nrm, torch.zeros_like(nrm))
+                if p.ef:
+                    p.res_next.copy_(rest)
+                out.copy_(hat)
+            self.pending_q[p.name] = Q.reshape(-1).clone()
+
+    def commit(self, q_store: dict) -> None:
+        """The step was finite: the new residuals and warm starts become the current ones."""
+        for p in self.params:
+            if p.ef:
+                p.res_cur, p.res_next = p.res_next, p.res_cur
+        for name, q in self.pending_q.items():
+            q_store[name] = q
+        self.pending_q = {}
+
+    def residual_views(self) -> dict[str, torch.Tensor]:
+        return {p.name: p.res_cur for p in self.params if p.ef}
+
+    def residual_nbytes(self) -> int:
+        return sum(2 * p.res_cur.numel() * p.res_cur.element_size() for p in self.params if p.ef)
