@@ -92,7 +92,7 @@ __all__ = [
 # messages and their 64-byte headers. Ranks compare it before the first step (with the plan:
 # fastml_strategy._distributed.agreed_plan) and refuse to run together when it differs. Raise it with
 # any change that a rank of the previous build would decode differently.
-WIRE_FORMAT_VERSION = 1
+WIRE_FORMAT_VERSION = 2  # 2: the lowrank codec (a new codec raises it: see the module docstring)
 
 # Chunk boundaries of the codecs without blocks fall on multiples of 16 elements: 64 bytes of fp32
 # (a cache line) and a multiple of 4 bytes for fp16/bf16, so every chunk's encoding stays aligned.
@@ -657,7 +657,10 @@ class LowRankCodec(WireCodec):
     tensors, as torch's PowerSGD hook all-reduces those uncompressed.
 
     A flat chunk has no matrix shape, so where a collective hands this codec a chunk (a reduce-scatter,
-    the reduce step) it is that fallback's chunk: the chunk methods below are fp32's."""
+    the reduce step) it is that fallback's chunk: the chunk methods below are fp32's, and so is
+    :meth:`wire_sample` (the factors travel as fp32 arrays or through the fp16/bf16/int8 codecs, whose
+    bytes have digests of their own; a matmul's float sums may differ across BLAS builds, so their values
+    are not a machine-independent digest)."""
 
     family = "lowrank"
     error_feedback = True
