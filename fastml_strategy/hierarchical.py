@@ -233,6 +233,13 @@ class HierarchicalAllReduce:
     def load_residuals(self, residuals: dict[str, torch.Tensor]) -> None:
         self.cross.load_residuals(residuals)
 
+    def lowrank_state(self) -> dict[str, torch.Tensor]:
+        """The low-rank warm starts (none: the hierarchy refuses the low-rank codec), as the flat engine's."""
+        return self.cross.lowrank_state()
+
+    def load_lowrank_state(self, qs: dict[str, torch.Tensor]) -> None:
+        self.cross.load_lowrank_state(qs)
+
     def load_counters(self, counters: dict) -> None:
         """Take the statistics a checkpoint saved (:meth:`counters`): ``bytes_sent_intra``,
         ``bytes_sent_inter`` (a state saved by the flat path: its ``bytes_sent``, all counted across

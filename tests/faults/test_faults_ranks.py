@@ -232,6 +232,13 @@ def _ddp_island_failure(rank, world_size, marks):
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     local = fm.LocalSGD(ddp, opt, every=2, plan="none")
     assert local._channel is not None and local.ranks_per_node == 2
+    return _second_sync_fails_on_rank_2(ddp, opt, local, rank, world_size, marks)
+
+
+def _second_sync_fails_on_rank_2(model, opt, local, rank, world_size, marks):
+    """Train 6 inner steps with LocalSGD every 2; rank 2 fails in its second synchronisation, on the
+    communication thread before its first collective, and stays alive; every rank returns what it
+    raised (step, outer steps, error, seconds since inner step 3)."""
     if rank == 2:
         real, calls = local._engine.start, []
 
@@ -247,7 +254,7 @@ def _ddp_island_failure(rank, world_size, marks):
         if step == 3:
             t0 = time.monotonic()
         try:
-            loss_of(ddp, rank, step).backward()
+            loss_of(model, rank, step).backward()
             opt.step()
             opt.zero_grad()
             local.step()
@@ -269,31 +276,7 @@ def _flat_halving_failure(rank, world_size, marks):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     local = fm.LocalSGD(model, opt, every=2, plan=fm.Plan.from_recipe("int4", schedule="halving"))
     assert local._channel is not None
-    if rank == 2:
-        real, calls = local._engine.start, []
-
-        def start(*a, **k):
-            calls.append(1)
-            if len(calls) == 2:
-                raise RuntimeError("injected failure before the synchronisation's collectives")
-            return real(*a, **k)
-
-        local._engine.start = start
-    t0 = time.monotonic()
-    for step in range(6):
-        if step == 3:
-            t0 = time.monotonic()
-        try:
-            loss_of(model, rank, step).backward()
-            opt.step()
-            opt.zero_grad()
-            local.step()
-        except Exception as e:  # noqa: BLE001
-            report = {"step": step, "outer_steps": local.outer_steps,
-                      "schedules": sorted(local.stats().get("schedules", {})), **_error_report(e, t0)}
-            _stay_alive(marks, rank, world_size)
-            return report
-    return {"step": None}
+    return _second_sync_fails_on_rank_2(model, opt, local, rank, world_size, marks)
 
 
 def _island_faults(rank, world_size, path):
