@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 
-def _digits_table():
+def digits_table():
     """(pixels float64 [1797, 64], labels int64 [1797]): scikit-learn's own ``digits.csv.gz``, read
     straight from its package folder. ``sklearn.datasets.load_digits`` gives the same arrays, but
     importing scikit-learn costs about 2.5 s of CPU per process, paid by every rank of every launch."""
@@ -32,7 +32,7 @@ def _digits_table():
 
 def load_digits_split(seed: int = 0, test_fraction: float = 0.2):
     """(x_train, y_train, x_test, y_test) as float32/int64 tensors, features scaled to [0, 1]."""
-    pixels, labels = _digits_table()
+    pixels, labels = digits_table()
     x = torch.tensor(pixels, dtype=torch.float32) / 16.0
     y = torch.tensor(labels, dtype=torch.int64)
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))

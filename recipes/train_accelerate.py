@@ -55,9 +55,9 @@ import fastml_strategy.accelerate
 
 
 def digits_split():
-    from sklearn.datasets import load_digits
+    from fastml_strategy._digits import digits_table  # scikit-learn's digits, without importing it
 
-    x, y = load_digits(return_X_y=True)
+    x, y = digits_table()
     x = torch.tensor(x, dtype=torch.float32) / 16.0
     y = torch.tensor(y, dtype=torch.long)
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))

@@ -7,10 +7,10 @@ import numpy as np
 
 
 def test_digits_table_is_load_digits_without_importing_sklearn():
-    from fastml_strategy._digits import _digits_table, load_digits_split
+    from fastml_strategy._digits import digits_table, load_digits_split
 
     had = "sklearn" in sys.modules
-    pixels, labels = _digits_table()
+    pixels, labels = digits_table()
     assert had or "sklearn" not in sys.modules
     from sklearn.datasets import load_digits
 

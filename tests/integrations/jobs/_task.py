@@ -16,9 +16,9 @@ from torch import nn
 
 
 def digits(n: int | None = None) -> torch.utils.data.TensorDataset:
-    from sklearn.datasets import load_digits
+    from fastml_strategy._digits import digits_table  # scikit-learn's digits, without importing it
 
-    x, y = load_digits(return_X_y=True)
+    x, y = digits_table()
     x = torch.tensor(x, dtype=torch.float32) / 16.0
     y = torch.tensor(y, dtype=torch.long)
     if n is not None:
