@@ -126,6 +126,14 @@ def resolve_local_steps(plan: Any = None, *, owner: str = "LocalSGD", **given: A
     return resolved, out
 
 
+def take_local_steps(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Remove LocalSGD's settings (:data:`LOCAL_STEPS`: ``every``, ``fragments``, ``delay``, ``outer``,
+    ``outer_lr``, ``outer_momentum``) from an adapter's ``**kwargs`` and return them. The settings are
+    declared once, in :class:`~fastml_strategy.config.LocalSteps`; an adapter takes them as keywords
+    and hands the rest (DDPStrategy's, ``accelerator.prepare``'s) on."""
+    return {name: kwargs.pop(name) for name in LOCAL_STEPS if name in kwargs}
+
+
 # -- the wrapped model ----------------------------------------------------------------------------------------
 def unwrap(model: Any) -> Iterator[Any]:
     """The model and what torch.compile wraps (``OptimizedModule._orig_mod``, private: torch has no

@@ -105,7 +105,7 @@ import torch.distributed as dist
 
 from fastml_strategy._checkpoint import STATE_FORMAT_VERSION, gather_to_rank_zero, own_rank_state
 from fastml_strategy._distributed import checked_plan
-from fastml_strategy._integration import find_ddp, find_fsdp2, is_fsdp1, setting
+from fastml_strategy._integration import find_ddp, find_fsdp2, is_fsdp1, setting, take_local_steps
 from fastml_strategy.config import Plan, resolve_plan
 from fastml_strategy.engine import attach
 from fastml_strategy.hook import FastMLState
@@ -266,15 +266,10 @@ def local_sgd(
     optimizer: Any = None,
     plan: Plan | str | os.PathLike | dict | None = None,
     *,
-    every: int | None = None,
-    outer: str | None = None,
-    outer_lr: float | None = None,
-    outer_momentum: float | None = None,
-    fragments: int | None = None,
-    delay: int | None = None,
     mix: float = 1.0,
     layer_stats_every: int | None = None,
     checkpoint: bool = True,
+    **settings: Any,
 ) -> LocalSGD | None:
     """Build :class:`~fastml_strategy.LocalSGD` on a model that Accelerate did NOT wrap in DDP
     (``accelerator.prepare_model(model, evaluation_mode=True)``); call it on every process.
@@ -285,8 +280,7 @@ def local_sgd(
     Settings: see the module docstring. Returns None in a single process (after checking the plan
     against the model). Raises TypeError, on every process, for a model wrapped in DDP or FSDP.
     """
-    resolved, settings = resolve_settings(plan, every=every, outer=outer, outer_lr=outer_lr,
-                                          outer_momentum=outer_momentum, fragments=fragments, delay=delay)
+    resolved, settings = resolve_settings(plan, **settings)  # unknown names: TypeError naming the known ones
     layer_every = setting("layer_stats_every", layer_stats_every, owner="fastml_strategy.accelerate.local_sgd",
                           localsgd=True)
     ddp = find_ddp(model)
@@ -316,12 +310,6 @@ def prepare_local_sgd(
     model: torch.nn.Module,
     *objects: Any,
     plan: Plan | str | os.PathLike | dict | None = None,
-    every: int | None = None,
-    outer: str | None = None,
-    outer_lr: float | None = None,
-    outer_momentum: float | None = None,
-    fragments: int | None = None,
-    delay: int | None = None,
     mix: float = 1.0,
     layer_stats_every: int | None = None,
     checkpoint: bool = True,
@@ -329,7 +317,9 @@ def prepare_local_sgd(
     **prepare_kwargs: Any,
 ) -> Any:
     """``accelerator.prepare_model(model, evaluation_mode=True)`` (no DDP), ``accelerator.prepare(*objects)``,
-    then :func:`local_sgd` with the prepared optimizers among ``objects``.
+    then :func:`local_sgd` with the prepared optimizers among ``objects``. LocalSGD's settings
+    (``every``, ``outer``, ``outer_lr``, ``outer_momentum``, ``fragments``, ``delay``: see the module
+    docstring) are keywords here too; every other keyword goes to ``accelerator.prepare``.
 
     ``islands`` (DiLoCo islands): on several machines of several processes each, the model is wrapped
     in DDP over the processes of its machine (every inner step all-reduces inside the machine) and
@@ -345,6 +335,8 @@ def prepare_local_sgd(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fastml_strategy.accelerate.prepare_local_sgd: the first object must be the model (an "
                         f"nn.Module), got {type(model).__name__}")
+    settings = take_local_steps(prepare_kwargs)  # every=, outer=, ...: LocalSGD's; the rest is prepare's
+    resolve_settings(plan, **settings)  # a bad setting fails here, on every process, before prepare
     model = accelerator.prepare_model(model, evaluation_mode=True)
     if islands is not False and getattr(accelerator, "num_processes", 1) > 1:
         model = island_model(model, required=bool(islands),
@@ -352,8 +344,7 @@ def prepare_local_sgd(
     prepared = accelerator.prepare(*objects, **prepare_kwargs) if objects else ()
     items = prepared if isinstance(prepared, tuple) else (prepared,)
     optimizers = [o for o in items if isinstance(o, torch.optim.Optimizer)]
-    accelerator.fastml_localsgd = local_sgd(accelerator, model, optimizers, plan, every=every, outer=outer,
-                                            outer_lr=outer_lr, outer_momentum=outer_momentum, fragments=fragments,
-                                            delay=delay, mix=mix, layer_stats_every=layer_stats_every,
-                                            checkpoint=checkpoint)
+    accelerator.fastml_localsgd = local_sgd(accelerator, model, optimizers, plan, mix=mix,
+                                            layer_stats_every=layer_stats_every, checkpoint=checkpoint,
+                                            **settings)
     return (model, *items)

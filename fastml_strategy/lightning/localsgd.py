@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import torch
 
-from fastml_strategy._integration import LIGHTNING_KEYS, layer_errors, setting
+from fastml_strategy._integration import LIGHTNING_KEYS, layer_errors, setting, take_local_steps
 from fastml_strategy._validate import LAYER_STATS_EVERY_LOCALSGD
 from fastml_strategy.config import Plan
 from fastml_strategy.hook import own_rank_state
@@ -68,7 +68,10 @@ class _LocalSGDMixin:
 
     _fastml_when = "LocalSGD is built when fit() (or fabric.setup) prepares the model"
 
-    def _fastml_localsgd_init(self, plan: Any, settings: dict[str, Any], kwargs: dict[str, Any]) -> None:
+    def _fastml_localsgd_init(self, plan: Any, kwargs: dict[str, Any]) -> None:
+        # LocalSGD's settings (every=, outer=, ...: LocalSteps' fields) arrive among **kwargs and leave
+        # them here; what remains is DDPStrategy's.
+        settings = take_local_steps(kwargs)
         _reject_kwargs(type(self).__name__, kwargs, _HOOK_KWARGS,
                        "synchronises the model with LocalSGD every few steps, not through DDP", _HOOK_KWARGS_FIX)
         resolved, self._fastml_settings = resolve_settings(plan, **settings)  # fails here, on every process
@@ -191,20 +194,12 @@ class _TrainerLocalSGDStrategy(_TrainerLogging, _LocalSGDMixin, _FastMLStateHold
         self,
         plan: Plan | str | os.PathLike | dict | None = None,
         *,
-        every: int | None = None,
-        outer: str | None = None,
-        outer_lr: float | None = None,
-        outer_momentum: float | None = None,
-        fragments: int | None = None,
-        delay: int | None = None,
         log_every_n_steps: int | None = None,
         layer_stats_every: int | None = None,
         layer_errors_every_n_steps: int | None = None,
         **kwargs: Any,
     ) -> None:
-        self._fastml_localsgd_init(plan, dict(every=every, outer=outer, outer_lr=outer_lr,
-                                              outer_momentum=outer_momentum, fragments=fragments, delay=delay),
-                                   kwargs)
+        self._fastml_localsgd_init(plan, kwargs)
         self._fastml_log_init(log_every_n_steps, layer_stats_every, layer_errors_every_n_steps)
         self._fastml_reject_ddp_kwargs(kwargs)
         super().__init__(**kwargs)
@@ -263,18 +258,10 @@ class _FabricLocalSGDStrategy(_LocalSGDMixin, _FastMLStateHolder):
         self,
         plan: Plan | str | os.PathLike | dict | None = None,
         *,
-        every: int | None = None,
-        outer: str | None = None,
-        outer_lr: float | None = None,
-        outer_momentum: float | None = None,
-        fragments: int | None = None,
-        delay: int | None = None,
         layer_stats_every: int | None = None,
         **kwargs: Any,
     ) -> None:
-        self._fastml_localsgd_init(plan, dict(every=every, outer=outer, outer_lr=outer_lr,
-                                              outer_momentum=outer_momentum, fragments=fragments, delay=delay),
-                                   kwargs)
+        self._fastml_localsgd_init(plan, kwargs)
         # Measured every N outer steps; Fabric logs nothing itself.
         self._fastml_layer_stats_every = setting("layer_stats_every", layer_stats_every,
                                                  owner=type(self).__name__, localsgd=True)

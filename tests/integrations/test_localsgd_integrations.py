@@ -192,6 +192,33 @@ def test_accelerate_local_sgd_in_one_process_checks_the_plan_and_does_nothing():
         fa.local_sgd(acc, model, plan=bad)
     with pytest.raises(ValueError, match="every=-1"):
         fa.local_sgd(acc, model, every=-1)
+    with pytest.raises(TypeError, match=r"LocalSGD settings \['evry'\] are not known"):
+        fa.local_sgd(acc, model, evry=4)
+    with pytest.raises(ValueError, match="delay=4 must be shorter"):  # checked before accelerator.prepare
+        fa.prepare_local_sgd(acc, torch.nn.Linear(4, 4), every=8, fragments=2, delay=4)
+
+
+def test_the_local_sgd_settings_are_declared_once():
+    # Every adapter takes LocalSteps' fields as keywords and none restates them in its signature: a new
+    # setting added to LocalSteps reaches Lightning, Fabric, Accelerate and the HF Trainer unchanged.
+    import dataclasses
+    import inspect
+
+    import fastml_strategy.accelerate as fa
+    import fastml_strategy.transformers as ft
+    from fastml_strategy import LocalSteps
+    from fastml_strategy._integration import LOCAL_STEPS
+    from fastml_strategy.lightning import FastMLLocalSGDFabricStrategy, FastMLLocalSGDStrategy
+
+    assert set(LOCAL_STEPS) == {f.name for f in dataclasses.fields(LocalSteps)}
+    for fn in (fa.local_sgd, fa.prepare_local_sgd, FastMLLocalSGDStrategy.__init__,
+               FastMLLocalSGDFabricStrategy.__init__, ft.setup, ft.FastMLCallback.__init__):
+        named = set(inspect.signature(fn).parameters) & set(LOCAL_STEPS)
+        assert named <= {"every"} if fn in (ft.setup, ft.FastMLCallback.__init__) else not named, (fn, named)
+    s = FastMLLocalSGDFabricStrategy(plan="int4", every=7, outer="sgd", outer_lr=1.0, outer_momentum=0.0,
+                                     fragments=1, delay=2)
+    assert s.settings == {"every": 7, "outer": "sgd", "outer_lr": 1.0, "outer_momentum": 0.0,
+                          "fragments": 1, "delay": 2}
 
 
 if __name__ == "__main__":
