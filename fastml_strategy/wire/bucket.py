@@ -23,7 +23,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from fastml_strategy.wire.messages import HEADER, PIECE_NUMEL, chunk_bounds, itemsize, message_offsets
+from fastml_strategy.wire.messages import PIECE_NUMEL, chunk_bounds, itemsize, message_offsets
 
 __all__ = ["bucket_groups", "lowrank_sections", "piece_slices", "pack_pieces", "part_bounds_of",
            "GroupWire", "SegmentWire", "PieceWire", "BucketWire", "bucket_wire", "HierParts", "hier_parts"]
