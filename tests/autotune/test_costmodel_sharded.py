@@ -278,6 +278,16 @@ def test_overhead_fit_recovers_a_known_value():
 
 
 # -- against real runs -----------------------------------------------------------------------------------
+def _train_two_steps(model, rank):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        x, y = torch.randn(8, 32, generator=g), torch.randint(0, 37, (8,), generator=g)
+        torch.nn.functional.cross_entropy(model(x).float(), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def _fsdp_worker(rank, world, configs, replicas):
     """Train 2 steps per config with FSDP2 (HSDP on a (replicas, world/replicas) mesh when
     replicas > 1) and fastml_strategy.fsdp.register; return what FastML counted."""
@@ -302,13 +312,7 @@ def _fsdp_worker(rank, world, configs, replicas):
             fully_shard(model.get_submodule(path), **kw)
         fully_shard(model, **kw)
         state = ffsdp.register(model, plan=plan)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        g = torch.Generator().manual_seed(rank)
-        for _ in range(2):
-            x, y = torch.randn(8, 32, generator=g), torch.randint(0, 37, (8,), generator=g)
-            torch.nn.functional.cross_entropy(model(x).float(), y).backward()
-            opt.step()
-            opt.zero_grad()
+        _train_two_steps(model, rank)
         st = state.stats()
         out.append({"steps": st["steps"], "residual": st["residual_bytes"],
                     "rs": st.get("reduce_scatter", {}).get("bytes_sent", 0),
@@ -354,13 +358,7 @@ def _all_gather_worker(rank, world, configs):
             fully_shard(model.get_submodule(path), **kw)
         fully_shard(model, **kw)
         state = ffsdp.register(model, plan=plan, all_gather_bits=bits)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        g = torch.Generator().manual_seed(rank)
-        for _ in range(2):
-            x, y = torch.randn(8, 32, generator=g), torch.randint(0, 37, (8,), generator=g)
-            torch.nn.functional.cross_entropy(model(x).float(), y).backward()
-            opt.step()
-            opt.zero_grad()
+        _train_two_steps(model, rank)
         ag = state.stats()["all_gather"]
         out.append({"sent": ag["bytes_sent"], "unc": ag["bytes_uncompressed"],
                     "rs": state.stats()["reduce_scatter"]["bytes_sent"]})
