@@ -8,33 +8,29 @@ are :class:`_TopkParam`), cuts each group into W chunks on codec-unit boundaries
 never spans two chunks, so it never mixes two ranks' scales) and places every chunk in the messages:
 for destination j, ``[header | group 0 chunk j | group 1 chunk j | ...]`` (:class:`_Messages`). A
 bucket is also cut into pipeline pieces (:class:`_Piece`, :data:`PIECE_NUMEL`), each with its own
-all_to_all and all_gather messages. Sizes and offsets come from the codecs
-(:func:`fastml_strategy.codecs.chunk_nbytes`), the header from :mod:`fastml_strategy._status`.
+all_to_all and all_gather messages.
+
+Every boundary, size and offset comes from :mod:`fastml_strategy.wire` (:func:`~fastml_strategy.wire.bucket_wire`,
+:func:`~fastml_strategy.wire.shard_wire`), the tensor-free layouts the autotuner's cost model prices
+too; this module only turns them into tensor views, buffers and residuals.
 """
 
 from __future__ import annotations
 
-import functools
-import math
-import operator
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 
 from fastml_strategy import codecs
-from fastml_strategy._status import HEADER
-from fastml_strategy.config import RECIPES, CodecConfig, Plan
+from fastml_strategy.config import CodecConfig, Plan
+import fastml_strategy.wire.bucket as _wire
+from fastml_strategy.wire.bucket import BucketWire, PieceWire, pack_pieces, piece_slices  # noqa: F401
+from fastml_strategy.wire.messages import PIECE_NUMEL, chunk_bounds, layer_key, message_offsets  # noqa: F401
+from fastml_strategy.wire.shard import shard_wire
 
 __all__ = ["BucketLayout", "ShardLayout", "ShardedTensor", "PIECE_NUMEL", "chunk_bounds", "part_bounds_of",
-           "bucket_groups",
-           "piece_slices", "pack_pieces", "BucketWire", "PieceWire", "bucket_wire"]
-
-def layer_key(name: str) -> int:
-    """A seed component that depends on the layer, not on its position in a bucket (buckets are
-    rebuilt after the first iteration; stochastic rounding must not change with them)."""
-    return zlib.crc32(name.encode())
+           "bucket_groups", "piece_slices", "pack_pieces", "BucketWire", "PieceWire", "bucket_wire", "layer_key"]
 
 
 @dataclass
@@ -140,18 +136,22 @@ class _TopkParam:
 
 
 
-def chunk_bounds(length: int, unit: int, W: int) -> list[int]:
-    """W + 1 boundaries cutting ``length`` elements into W near-equal chunks on ``unit`` boundaries."""
-    units = math.ceil(length / unit)
-    return [min(length, (j * units // W) * unit) for j in range(W)] + [length]
-
-
 def part_bounds_of(cfg: CodecConfig, numel: int, parts: int) -> list[int]:
-    """The ``parts + 1`` boundaries of a parameter of ``numel`` elements whose plan names ``cfg``, cut
-    into the hierarchical all-reduce's parts (part j: local rank j's) on the codec's
-    :meth:`~fastml_strategy.codecs.WireCodec.part_unit`. Tensor-free: the runtime
-    (:func:`fastml_strategy.hierarchical.part_bounds`) and the autotuner's cost model cut with it."""
-    return chunk_bounds(numel, codecs.codec_for(cfg).part_unit(), parts)
+    """:func:`fastml_strategy.wire.part_bounds_of` with this registry's codecs."""
+    return _wire.part_bounds_of(codecs, cfg, numel, parts)
+
+
+def bucket_groups(numels, planned, world_size: int, dtype: torch.dtype = torch.float32, shapes=None):
+    """:func:`fastml_strategy.wire.bucket_groups` with this registry's codecs."""
+    return _wire.bucket_groups(codecs, numels, planned, world_size, dtype, shapes)
+
+
+def bucket_wire(numels, planned, world_size: int, dtype: torch.dtype = torch.float32,
+                piece_numel: int = PIECE_NUMEL, shapes=None) -> BucketWire:
+    """:func:`fastml_strategy.wire.bucket_wire` with this registry's codecs: the layout
+    :class:`BucketLayout` is built from."""
+    return _wire.bucket_wire(codecs, tuple(int(n) for n in numels), tuple(planned), world_size, dtype,
+                             piece_numel, None if shapes is None else tuple(tuple(x) for x in shapes))
 
 
 class _Messages:
@@ -160,23 +160,19 @@ class _Messages:
 
     dense: list[_DenseGroup]
 
-    def _plan_all_to_all(self, W: int, rank: int) -> None:
+    def _plan_all_to_all(self, W: int, rank: int, sizes: Sequence[int], offsets: Sequence[Sequence[int]]) -> None:
+        """Place the groups in the messages of :func:`fastml_strategy.wire.message_offsets`: message j
+        (``sizes[j]`` bytes) to rank j, group g's chunk j at ``offsets[g][j]`` in it."""
         self.world_size, self.rank = W, rank
-        self.split_sizes: list[int] = []
-        pos = 0
-        for j in range(W):
-            size = HEADER
-            for g in self.dense:
-                g.send_off.append(pos + size)
-                size += g.nbytes[j]
-            self.split_sizes.append(size)
-            pos += size
-        self.send_size = pos
+        self.split_sizes = list(sizes)
+        self.send_starts = [0]
+        for n in self.split_sizes[:-1]:
+            self.send_starts.append(self.send_starts[-1] + n)
+        for g, off in zip(self.dense, offsets):
+            g.send_off = [start + o for start, o in zip(self.send_starts, off)]
+            g.recv_off = off[rank]
+        self.send_size = sum(self.split_sizes)
         self.my_chunk = self.split_sizes[rank]
-        size = HEADER
-        for g in self.dense:
-            g.recv_off = size
-            size += g.nbytes[rank]
         self.send = self.recv = None
 
     # Message and staging buffers: kept for the layout's life (DDP: allocated once, reused every step)
@@ -213,41 +209,24 @@ class _Messages:
                 g.res_cur, g.res_next = g.res_next, g.res_cur
 
 
-# Pipelining: a bucket is cut into pieces of about this many gradient elements, each with its own
-# all_to_all and all_gather, so that piece k+1 is encoded while piece k is on the wire and piece k-1
-# is decoded. 4M elements is 16 MB of fp32 gradient and 2 MB of int4 message (17 ms at 1 Gbit/s); the
-# README MLP's 16.8M-element layer becomes 4 pieces. Measured on that MLP (2 ranks on a shared 2-core
-# EPYC, load 3; steps alternating between pieces and one piece per bucket in one process): 4M elements
-# 1.07-1.11x faster at 1 Gbit/s and 1.00-1.04x with no link limit; 2M elements 1.05-1.08x and
-# 0.91-0.96x (with a fast link, the extra collectives' thread hand-offs cost more than they hide).
-PIECE_NUMEL = 1 << 22
-
-
 class _Piece(_Messages):
     """One step of a bucket's pipeline: some of its segments (whole groups, or slices of one large
     group), exchanged by one all_to_all (``send``/``recv``) and one all_gather (``gsend``/``grecv``),
     each message starting with its 64-byte header. The buffers are views of the layout's."""
 
-    def __init__(self, segments: list[_DenseGroup], topk: list[_TopkParam], W: int, rank: int,
+    def __init__(self, wire: PieceWire, segments: list[_DenseGroup], topk: list[_TopkParam], W: int, rank: int,
                  device: torch.device) -> None:
         self.device = device
         self.dense = segments
         self.topk = topk  # the bucket's top-k messages travel in its last piece's all_gather
-        self._plan_all_to_all(W, rank)
-        # all_gather message of rank j: [header | reduced segment chunks j | top-k section]
-        dense_sizes = []
-        for j in range(W):
-            size = HEADER
-            for g in segments:
-                g.gather_off.append(size)
-                size += g.nbytes[j]
-            dense_sizes.append(size)
-        pos = max(dense_sizes)
-        for t in topk:
-            t.gather_off = pos
-            pos += t.nbytes
-        self.gather_size = pos
-        self.send_starts = [sum(self.split_sizes[:j]) for j in range(W)]
+        self._plan_all_to_all(W, rank, wire.split_sizes, wire.offsets)
+        # all_gather message of rank j: [header | reduced segment chunks j | top-k section], the
+        # chunks at the all_to_all's offsets
+        for g, off in zip(segments, wire.offsets):
+            g.gather_off = list(off)
+        for t, off in zip(topk, wire.topk_offsets):
+            t.gather_off = off
+        self.gather_size = wire.gather_size
         self.gsend = self.grecv = None
         self.acc_flat: torch.Tensor | None = None
         self.acc_table = 0
@@ -260,218 +239,6 @@ def _table_group(g: _DenseGroup) -> bool:
     fp32 bucket buffer (direct), with fp32 residuals in the layout's flat buffers or none."""
     return (g.codec.segment_tables and g.direct
             and (not g.ef or (g.base.res_off >= 0 and g.base.res_next is not None)))
-
-
-def piece_slices(length: int, unit: int, piece_numel: int) -> list[tuple[int, int]]:
-    """``(start, end)`` of the slices a group of ``length`` elements is cut into for the pipeline:
-    the whole group if it is at most ``piece_numel`` long, else near-equal parts on ``unit``
-    boundaries (the codec's chunk unit), about ``piece_numel`` each. Tensor-free: the cost model
-    prices a bucket with it (:func:`bucket_wire`)."""
-    if length <= piece_numel:
-        return [(0, length)]
-    cuts = chunk_bounds(length, unit, math.ceil(length / piece_numel))
-    return [(lo, hi) for lo, hi in zip(cuts[:-1], cuts[1:]) if hi > lo]
-
-
-def pack_pieces(lengths: Sequence[int], piece_numel: int) -> list[list[int]]:
-    """Which segments (by index, in bucket order; ``lengths``: their elements) travel in each piece:
-    a piece closes before a segment that would take it past ``piece_numel`` once it holds a quarter
-    of that, so a small segment joins its neighbours rather than costing a collective of its own.
-    Always at least one piece (a bucket of top-k layers only has an empty one)."""
-    runs: list[list[int]] = [[]]
-    filled = 0
-    for i, n in enumerate(lengths):
-        if runs[-1] and filled + n > piece_numel and 4 * filled >= piece_numel:
-            runs.append([])
-            filled = 0
-        runs[-1].append(i)
-        filled += n
-    return runs
-
-
-def _segments(g: _DenseGroup, W: int, piece_numel: int) -> list[_DenseGroup]:
-    """``g`` itself, or, if it is longer than ``piece_numel``, its slices (:func:`piece_slices`),
-    each cut into W chunks. A slice starts on a multiple of the unit (the quantization block) from
-    the group's start, so every block holds the same elements as when the group is cut into W chunks
-    only: deterministic codecs give the same values either way."""
-    if g.length <= piece_numel:
-        return [g]
-    unit = codecs.chunk_unit(g.cfg)
-    out = []
-    for lo, hi in piece_slices(g.length, unit, piece_numel):
-        bounds = [lo + b for b in chunk_bounds(hi - lo, unit, W)]
-        seg = _DenseGroup(g.cfg, g.params, hi - lo, bounds,
-                          [codecs.chunk_nbytes(bounds[j + 1] - bounds[j], g.cfg) for j in range(W)],
-                          pieces=[], direct=g.direct, parent=g,
-                          chunk_base=[g.params[0].boff + bounds[j] for j in range(W)] if g.direct else [])
-        out.append(seg)
-    return out
-
-
-def bucket_groups(numels: Sequence[int], planned: Sequence[CodecConfig], world_size: int,
-                  dtype: torch.dtype = torch.float32, shapes: Sequence | None = None
-                  ) -> tuple[list[CodecConfig], list[tuple[CodecConfig, list[int]]], list[int], bool, list[int]]:
-    """How a bucket's parameters (``numels``, in bucket order, each with the codec its plan names,
-    ``planned``, and its shape where ``shapes`` gives them) travel at ``world_size``: ``(wire codec per
-    parameter, dense groups as (codec, parameter indices), top-k parameter indices, uncompressed,
-    low-rank parameter indices)``. Each compressed layer is a group of its own; the uncompressed ones
-    (fp32 in the plan, or a top-k or low-rank layer's fp32 fall-back) share one batched group per wire
-    codec; low-rank layers are the bucket's low-rank sections (:mod:`fastml_strategy._lowrank`);
-    ``uncompressed``: nothing is lossy, so one plain all-reduce does the bucket. Tensor-free: the cost
-    model prices a bucket with it (:func:`bucket_wire`)."""
-    configs: list[CodecConfig] = []
-    dense: dict[tuple, list[int]] = {}
-    topk: list[int] = []
-    lowrank: list[int] = []
-    uncompressed = True
-    for i, (n, p) in enumerate(zip(numels, planned)):
-        eff = codecs.effective_config(p, n, world_size, None if shapes is None else shapes[i])
-        uncompressed = uncompressed and not eff.lossy
-        cfg = codecs.wire_config(eff, dtype)
-        configs.append(cfg)
-        if codecs.codec_for(cfg).lowrank:
-            lowrank.append(i)
-        elif codecs.is_sparse(cfg):
-            topk.append(i)
-        elif not eff.lossy:
-            dense.setdefault(("batch", cfg), []).append(i)  # uncompressed: one batched segment
-        else:
-            dense.setdefault((i, cfg), []).append(i)  # one segment per compressed layer
-    return configs, [(cfg, idx) for (_, cfg), idx in dense.items()], topk, uncompressed, lowrank
-
-
-def lowrank_sections(configs: Sequence[CodecConfig], lowrank: Sequence[int], shapes: Sequence
-                     ) -> list[tuple[CodecConfig | None, list[int], int, int]]:
-    """The low-rank sections of a bucket: ``(factor codec or None for fp32, parameter indices, P
-    elements, Q elements)`` per factor codec, in bucket order; each is one P round and one Q round."""
-    by: dict = {}
-    for i in lowrank:
-        codec = codecs.codec_for(configs[i])
-        sec = by.setdefault(codec.factor, [codec.factor, [], 0, 0])
-        pm, qm = codec.factor_numels(shapes[i])
-        sec[1].append(i)
-        sec[2] += pm
-        sec[3] += qm
-    return [tuple(v) for v in by.values()]
-
-
-def factor_round_bytes(factor: CodecConfig | None, numel: int, world_size: int, rank: int | None = None) -> int:
-    """Bytes ``rank`` sends in one factor round of ``numel`` elements, headers included, as
-    :class:`fastml_strategy._lowrank.LowRankSection` counts them: a plain fp32 all-reduce, or the
-    compressed all-reduce of one tensor in ``factor``."""
-    if world_size <= 1:
-        return 0
-    if factor is None:
-        return int(round(2.0 * (world_size - 1) / world_size * numel * 4))
-    return bucket_wire((numel,), (factor,), world_size).bytes_sent(rank)
-
-
-@dataclass(frozen=True)
-class PieceWire:
-    """What one pipeline piece puts on the wire, without tensors: its all_to_all message to each
-    destination (``split_sizes``, headers included) and its all_gather message (``gather_size``:
-    the header, the largest reduced chunk, then the bucket's top-k messages in the last piece), and
-    which gradient elements it carries (``parts``: (dense group index, elements); ``topk``:
-    parameter indices)."""
-
-    split_sizes: tuple[int, ...]
-    gather_size: int
-    parts: tuple[tuple[int, int], ...]
-    topk: tuple[int, ...] = ()
-
-    def all_to_all_bytes(self, rank: int | None = None) -> float:
-        """Bytes ``rank`` sends in the piece's all_to_all (None: the mean over ranks)."""
-        total = sum(self.split_sizes)
-        if rank is None:
-            return total * (len(self.split_sizes) - 1) / len(self.split_sizes)
-        return total - self.split_sizes[rank]
-
-    def all_gather_bytes(self) -> int:
-        """Bytes every rank sends in the piece's all_gather."""
-        return (len(self.split_sizes) - 1) * self.gather_size
-
-    def bytes_sent(self, rank: int | None = None) -> float:
-        return self.all_to_all_bytes(rank) + self.all_gather_bytes()
-
-
-@dataclass(frozen=True)
-class BucketWire:
-    """What one bucket puts on the wire at ``world_size`` (:func:`bucket_wire`): a plain all-reduce
-    of ``numel`` elements of ``elem_size`` bytes when ``uncompressed``, else its ``pieces``, issued in
-    this order. ``groups``: the parameter indices of each dense group; ``configs``: each parameter's
-    wire codec."""
-
-    world_size: int
-    numel: int
-    elem_size: int
-    uncompressed: bool
-    configs: tuple[CodecConfig, ...]
-    groups: tuple[tuple[int, ...], ...]
-    pieces: tuple[PieceWire, ...]
-    # the low-rank sections: (factor codec or None for fp32, P elements, Q elements), each two rounds
-    lowrank: tuple[tuple[CodecConfig | None, int, int], ...] = ()
-
-    def lowrank_bytes(self, rank: int | None = None) -> int:
-        """Bytes ``rank`` sends in the bucket's factor rounds (two per low-rank section)."""
-        return sum(factor_round_bytes(f, n, self.world_size, rank) for f, pn, qn in self.lowrank for n in (pn, qn))
-
-    def rounds(self) -> int:
-        """The bucket's collectives that wait for each other (latency rounds): two per piece (one
-        for a plain bucket), plus two per low-rank section (four with compressed factors)."""
-        if self.uncompressed:
-            return 1
-        return 2 * len(self.pieces) + sum(2 if f is None else 4 for f, _, _ in self.lowrank)
-
-    def bytes_sent(self, rank: int | None = None) -> int:
-        """Bytes ``rank`` sends for this bucket per step, headers included, as
-        :attr:`fastml_strategy.collective.CompressedAllReduce.bytes_sent` counts them (None: the
-        mean over ranks, rounded)."""
-        W = self.world_size
-        if W <= 1:
-            return 0
-        if self.uncompressed:
-            return int(round(2.0 * (W - 1) / W * self.numel * self.elem_size))
-        return int(round(sum(p.bytes_sent(rank) for p in self.pieces))) + self.lowrank_bytes(rank)
-
-
-@functools.lru_cache(maxsize=65536)
-def bucket_wire(numels: tuple[int, ...], planned: tuple[CodecConfig, ...], world_size: int,
-                dtype: torch.dtype = torch.float32, piece_numel: int = PIECE_NUMEL,
-                shapes: tuple | None = None) -> BucketWire:
-    """The messages :class:`BucketLayout` builds for a bucket of parameters of ``numels`` elements
-    (bucket order) whose plan names ``planned``, at ``world_size`` ranks, without allocating a
-    tensor: the same grouping (:func:`bucket_groups`), chunking (:func:`chunk_bounds`), slicing
-    (:func:`piece_slices`), packing (:func:`pack_pieces`), codec sizes
-    (:func:`fastml_strategy.codecs.chunk_nbytes`) and :data:`HEADER` per message. The autotuner's
-    cost model prices a DDP bucket with it (cached: a search asks for the same buckets again).
-    ``shapes``: the parameters' shapes (what a low-rank layer's factors are sized by; None: flat)."""
-    W = world_size
-    cfgs, groups, topk, uncompressed, lowrank = bucket_groups(numels, planned, W, dtype, shapes)
-    elem = torch.empty(0, dtype=dtype).element_size()
-    piece_numel = max(1, int(piece_numel))
-    segs: list[tuple[int, int, list[int]]] = []  # (group index, elements, bytes of chunk j)
-    for gi, (cfg, idx) in enumerate(groups):
-        unit = codecs.chunk_unit(cfg)
-        length = sum(numels[i] for i in idx)
-        nbytes: dict[int, int] = {}  # chunks of a slice take one or two sizes: encode each once
-        for lo, hi in piece_slices(length, unit, piece_numel):
-            b = chunk_bounds(hi - lo, unit, W)
-            sizes = [nbytes.get(n) or nbytes.setdefault(n, codecs.chunk_nbytes(n, cfg))
-                     for n in map(operator.sub, b[1:], b[:-1])]
-            segs.append((gi, hi - lo, sizes))
-    runs = pack_pieces([n for _, n, _ in segs], piece_numel)
-    pieces = []
-    for k, run in enumerate(runs):
-        sizes = [HEADER] * W
-        for i in run:
-            sizes = list(map(operator.add, sizes, segs[i][2]))
-        last = k == len(runs) - 1
-        top = tuple(topk) if last else ()
-        gather = max(sizes) + sum(codecs.chunk_nbytes(numels[i], cfgs[i]) for i in top)
-        pieces.append(PieceWire(tuple(sizes), gather, tuple((segs[i][0], segs[i][1]) for i in run), top))
-    sections = tuple((f, pn, qn) for f, _, pn, qn in lowrank_sections(cfgs, lowrank, shapes)) if lowrank else ()
-    return BucketWire(W, int(sum(numels)), elem, uncompressed, tuple(cfgs),
-                      tuple(tuple(idx) for _, idx in groups), tuple(pieces), sections)
 
 
 class BucketLayout(_Messages):
@@ -494,46 +261,43 @@ class BucketLayout(_Messages):
         # plan_numels: the parameters' own sizes, when the bucket holds only a shard of them (HSDP):
         # whether a tensor is small enough to travel uncompressed is a property of the parameter.
         planned = [plan.for_parameter(name, pn) for name, pn in zip(names, plan_numels or numels)]
-        cfgs, groups, topk, self.uncompressed, lowrank = bucket_groups(numels, planned, world_size, dtype, shapes)
+        self.wire = wire = bucket_wire(numels, planned, world_size, dtype, piece_numel, shapes)
+        self.uncompressed = wire.uncompressed
+        cfgs = wire.configs
         self.configs = dict(zip(self.names, cfgs))
         self.shapes = {} if shapes is None else dict(zip(self.names, (tuple(s) for s in shapes)))
         params = [_Param(name, int(off), int(n)) for name, off, n in zip(names, offsets, numels)]
         # the low-rank sections (one P and one Q round each) and the warm starts Q they keep, by name
         self.q_store = {} if q_store is None else q_store
-        self.lowrank = self._lowrank_sections(cfgs, lowrank, shapes, params) if lowrank else []
-        self.topk = [_TopkParam(cfgs[i], params[i], codecs.chunk_nbytes(params[i].numel, cfgs[i])) for i in topk]
-        self.dense = [self._group(cfg, [params[i] for i in idx], dtype == torch.float32) for cfg, idx in groups]
+        self.lowrank = self._lowrank_sections(cfgs, wire, shapes, params) if wire.lowrank else []
+        self.topk = [_TopkParam(cfgs[i], params[i], nb) for i, nb in zip(wire.topk, wire.topk_nbytes)]
+        self.dense = [self._group(gw, [params[i] for i in gw.params], dtype == torch.float32) for gw in wire.dense]
         self._alloc_residuals(double_buffer)
-        self.pieces = self._pipeline(piece_numel)
+        self.pieces = self._pipeline()
         self.send = self.recv = self.gsend = self.grecv = None
         self.topk_acc: dict[str, torch.Tensor] = {}
         if persistent and not self.uncompressed:
             self._alloc()
 
-    def _lowrank_sections(self, cfgs, lowrank, shapes, params) -> list:
+    def _lowrank_sections(self, cfgs, wire: BucketWire, shapes, params) -> list:
         from fastml_strategy._lowrank import LowRankSection, _LowRankParam, matrix_shape
 
         out = []
-        for factor, idx, _, _ in lowrank_sections(cfgs, lowrank, shapes):
+        for (factor, _, _), idx in zip(wire.lowrank, wire.lowrank_params):
             lps = [_LowRankParam(params[i].name, params[i].boff, params[i].numel, *matrix_shape(shapes[i]),
                                  cfgs[i].rank, cfgs[i]) for i in idx]
             out.append(LowRankSection(lps, factor, self.device, self.world_size, self.rank))
         return out
 
-    def _group(self, cfg: CodecConfig, params: list[_Param], fp32_buffer: bool) -> _DenseGroup:
-        """The group of ``params`` (one compressed layer, or the batched uncompressed tensors), cut
-        into W chunks on its codec's unit; read straight from the buffer when it is one fp32 layer."""
-        W = self.world_size
-        pos = 0
-        for p in params:
-            p.goff = pos
-            pos += p.numel
-        bounds = chunk_bounds(pos, codecs.chunk_unit(cfg), W)
-        nbytes = [codecs.chunk_nbytes(bounds[j + 1] - bounds[j], cfg) for j in range(W)]
+    def _group(self, gw: _wire.GroupWire, params: list[_Param], fp32_buffer: bool) -> _DenseGroup:
+        """The group of ``params`` (one compressed layer, or the batched uncompressed tensors) as the
+        wire lays it out; read straight from the buffer when it is one fp32 layer."""
+        for p, goff in zip(params, gw.offsets):
+            p.goff = goff
         direct = fp32_buffer and len(params) == 1
-        return _DenseGroup(cfg, params, pos, bounds, nbytes,
+        return _DenseGroup(gw.config, params, gw.length, list(gw.bounds), list(gw.nbytes),
                            pieces=[(p.boff, p.goff, p.numel) for p in params], direct=direct,
-                           chunk_base=[params[0].boff + bounds[j] for j in range(W)] if direct else [])
+                           chunk_base=[params[0].boff + b for b in gw.bounds[:-1]] if direct else [])
 
     def _alloc_residuals(self, double_buffer: bool) -> None:
         """The residuals: fp32 ones of a double-buffered layout are views of two flat buffers, swapped
@@ -555,15 +319,24 @@ class BucketLayout(_Messages):
         for t in self.topk:
             t.residual = torch.zeros(t.param.numel, dtype=t.cfg.residual_torch_dtype, device=device)
 
-    def _pipeline(self, piece_numel: int) -> list[_Piece]:
-        """The pieces: segments in bucket order (:func:`piece_slices`), packed into pieces of about
-        ``piece_numel`` elements (:func:`pack_pieces`); the bucket's top-k messages travel in the
-        last piece's all_gather."""
-        piece_numel = max(1, int(piece_numel))
-        segs = [seg for g in self.dense for seg in _segments(g, self.world_size, piece_numel)]
-        runs = [[segs[i] for i in run] for run in pack_pieces([seg.length for seg in segs], piece_numel)]
-        return [_Piece(segs, self.topk if i == len(runs) - 1 else [], self.world_size, self.rank, self.device)
-                for i, segs in enumerate(runs)]
+    def _pipeline(self) -> list[_Piece]:
+        """The pieces of the wire (:class:`fastml_strategy.wire.PieceWire`): its segments, each a
+        group or a slice of one (:meth:`_segment`); the bucket's top-k messages travel in the last
+        piece's all_gather."""
+        segs = [self._segment(sw) for sw in self.wire.segments]
+        n = len(self.wire.pieces)
+        return [_Piece(pw, [segs[i] for i in pw.segments], self.topk if k == n - 1 else [], self.world_size,
+                       self.rank, self.device) for k, pw in enumerate(self.wire.pieces)]
+
+    def _segment(self, sw: _wire.SegmentWire) -> _DenseGroup:
+        """A pipeline segment: the group itself, or a slice of it whose chunks lie at the wire's
+        bounds in the group's flat vector (the group keeps the staging vector and the residuals)."""
+        g = self.dense[sw.group]
+        if sw.whole:
+            return g
+        return _DenseGroup(g.cfg, g.params, sw.length, list(sw.bounds), list(sw.nbytes), pieces=[],
+                           direct=g.direct, parent=g,
+                           chunk_base=[g.params[0].boff + b for b in sw.bounds[:-1]] if g.direct else [])
 
     @property
     def segments(self) -> list[_DenseGroup]:
@@ -681,59 +454,30 @@ class ShardLayout(_Messages):
         self.device = device
         self.tensors = tuple(tensors)
         self.names = tuple(t.name for t in self.tensors)
-        self.row_numel = sum(t.padded for t in self.tensors)
-        self.input_numel = W * self.row_numel
         self.dtype = dtype
-        self.configs: dict[str, CodecConfig] = {}
-        offsets, pos = {}, 0
-        for t in self.tensors:
-            if len(t.chunk_numels) != W or any(n < 0 or n > t.padded for n in t.chunk_numels):
-                raise ValueError(f"ShardLayout: {t.name}: chunk sizes {t.chunk_numels} do not fit "
-                                 f"{W} rows of {t.padded} elements")
-            offsets[t.name] = pos
-            pos += t.padded
-        batched: list[ShardedTensor] = []
+        self.wire = wire = shard_wire(codecs, [t.chunk_numels for t in self.tensors], [t.padded for t in self.tensors],
+                                      [plan.for_parameter(t.name, t.numel) for t in self.tensors], W, dtype,
+                                      names=self.names)
+        self.row_numel = wire.row_numel
+        self.input_numel = W * self.row_numel
+        self.configs: dict[str, CodecConfig] = dict(zip(self.names, wire.configs))
         self.dense: list[_DenseGroup] = []
-        for t in self.tensors:
-            planned = plan.for_parameter(t.name, t.numel)
-            cfg = codecs.wire_config(planned, dtype)
-            self.configs[t.name] = cfg
-            if not planned.lossy:
-                batched.append(t)
-                continue
-            bounds = [0]
-            for n in t.chunk_numels:
-                bounds.append(bounds[-1] + n)
-            g = _DenseGroup(cfg, [_Param(t.name, -1, t.numel)], t.numel, bounds,
-                            [codecs.chunk_nbytes(n, cfg) for n in t.chunk_numels],
-                            pieces=[], direct=True,
-                            chunk_base=[j * self.row_numel + offsets[t.name] for j in range(W)])
-            g.alloc_residual(device, double_buffer=False)
-            g.out_pieces = [(offsets[t.name], 0, t.chunk_numels[rank])]
-            self.dense.append(g)
-        if batched:
-            cfg = codecs.wire_config(RECIPES["none"], dtype)
-            params = [_Param(t.name, -1, t.numel) for t in batched]
-            pieces, bounds, out_pieces, goff = [], [0], [], 0
-            for j in range(W):  # chunk-major: chunk j of the group is every tensor's chunk j
-                for t in batched:
-                    n = t.chunk_numels[j]
-                    pieces.append((j * self.row_numel + offsets[t.name], goff, n))
-                    if j == rank:
-                        out_pieces.append((offsets[t.name], goff - bounds[-1], n))
-                    goff += n
-                bounds.append(goff)
-            g = _DenseGroup(cfg, params, goff, bounds,
-                            [codecs.chunk_nbytes(bounds[j + 1] - bounds[j], cfg) for j in range(W)],
-                            pieces=pieces)
-            g.out_pieces = out_pieces
+        for gi, gw in enumerate(wire.groups):
+            params = [_Param(self.tensors[t].name, -1, self.tensors[t].numel) for t in gw.tensors]
+            if gw.batched:  # gathered from the rows into a flat vector, chunk-major
+                g = _DenseGroup(gw.config, params, gw.length, list(gw.bounds), list(gw.nbytes),
+                                pieces=[(off, goff, n) for _, off, goff, n in gw.pieces])
+            else:  # chunk j read straight from row j
+                g = _DenseGroup(gw.config, params, gw.length, list(gw.bounds), list(gw.nbytes), pieces=[],
+                                direct=True, chunk_base=[off for _, off, _, _ in gw.pieces])
+                g.alloc_residual(device, double_buffer=False)
+            g.out_pieces = wire.out_pieces(gi, rank)
             self.dense.append(g)
         # the output's padding: zero, as in FSDP's own reduce-scatter of zero-padded rows
-        self.padding = [(offsets[t.name] + t.chunk_numels[rank], t.padded - t.chunk_numels[rank])
-                        for t in self.tensors if t.padded > t.chunk_numels[rank]]
-        self._plan_all_to_all(W, rank)  # buffers: allocated per call (acquire/release)
+        self.padding = wire.padding(rank)
+        self._plan_all_to_all(W, rank, wire.split_sizes, wire.offsets_in)  # buffers: per call (acquire/release)
         # bytes the uncompressed reduce-scatter would send from this rank (in the input's dtype)
-        self.baseline_bytes = (W - 1) * self.row_numel * torch.empty(0, dtype=dtype).element_size()
+        self.baseline_bytes = wire.baseline_bytes()
 
     def residual_views(self) -> dict[str, torch.Tensor]:
         return {g.params[0].name: g.res_cur for g in self.dense if g.ef}

@@ -105,7 +105,7 @@ def orthogonalise_(p: torch.Tensor) -> torch.Tensor:
 def initial_q(name: str, n: int, rank: int, seed: int, device) -> torch.Tensor:
     """The first warm start ``Q`` (n x r, flat) of layer ``name``: standard normal numbers from a
     generator seeded by the plan's seed and the name, the same on every rank."""
-    from fastml_strategy._layouts import layer_key
+    from fastml_strategy.wire.messages import layer_key
 
     gen = torch.Generator().manual_seed(mix(seed, 0x10E4, layer_key(name)))
     return torch.randn(n * rank, generator=gen, dtype=torch.float32).to(device)

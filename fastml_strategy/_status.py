@@ -28,10 +28,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from fastml_strategy.wire.messages import HEADER  # 64 bytes: int32 status, int32 rank, 56 of UTF-8 error text
+
 __all__ = ["HEADER", "CompressionError", "DecodeError", "StepChecks", "write_header", "header_error",
            "check_headers", "resolve", "host", "host_reads", "all_finite"]
 
-HEADER = 64  # bytes: int32 status, int32 rank, 56 bytes of UTF-8 error text
 STATUS_OK, STATUS_ERROR = 0, 1
 
 

@@ -122,7 +122,7 @@ class CompressedAllReduce(ChunkExchange):
         # True: also for CPU tensors (the tests, through Triton's interpreter); False: never.
         self.segment_tables: bool | None = None
         # -- statistics: the buckets and pieces each schedule ran ("plain", "ring", "halving";
-        # fastml_strategy._halving.choose_schedule), cumulative
+        # fastml_strategy.wire.schedule.choose_schedule), cumulative
         self.schedules: dict[str, dict[str, int]] = {}
 
     def layout_for(self, names, offsets, numels, device, dtype=torch.float32,
@@ -244,7 +244,7 @@ class CompressedAllReduce(ChunkExchange):
         return {k: dict(v) for k, v in sorted(self.schedules.items())}
 
     def schedule_of(self, lay: BucketLayout) -> str:
-        """The schedule of this bucket's all-reduce (:func:`fastml_strategy._halving.choose_schedule`:
+        """The schedule of this bucket's all-reduce (:func:`fastml_strategy.wire.schedule.choose_schedule`:
         ``"plain"``, ``"ring"`` or ``"halving"``), from the plan's ``schedule`` and link hint and the
         layout's message sizes, which every rank shares; kept on the layout."""
         sched = getattr(lay, "schedule", None)

@@ -82,12 +82,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fastml_strategy._layouts import part_bounds_of
+from fastml_strategy import codecs
 from fastml_strategy._status import HEADER, CompressionError, StepChecks
 from fastml_strategy._status import host as _host
 from fastml_strategy.collective import CompressedAllReduce
 from fastml_strategy.config import Plan
 from fastml_strategy.topology import Topology
+from fastml_strategy.wire.bucket import hier_parts, part_bounds_of
 
 __all__ = ["HierLayout", "HierarchicalAllReduce", "part_bounds"]
 
@@ -95,7 +96,7 @@ __all__ = ["HierLayout", "HierarchicalAllReduce", "part_bounds"]
 def part_bounds(plan: Plan, name: str, numel: int, ranks_per_node: int) -> list[int]:
     """The R + 1 boundaries of parameter ``name``'s parts (part j: local rank j's), on the codec's
     :meth:`~fastml_strategy.codecs.WireCodec.part_unit`."""
-    return part_bounds_of(plan.for_parameter(name, numel), numel, ranks_per_node)
+    return part_bounds_of(codecs, plan.for_parameter(name, numel), numel, ranks_per_node)
 
 
 class HierLayout:
@@ -111,22 +112,18 @@ class HierLayout:
         self.total_numel = int(sum(numels))
         self.dtype = dtype  # the bucket's: the row and (by default) both hops inside the machine
         self.sum_dtype = torch.promote_types(dtype, torch.float32)  # fp16/bf16 copies are summed in fp32
-        row_len = [0] * R
-        self.copies: list[tuple[int, int, int, int]] = []  # (row, row offset, bucket offset, elements)
+        # the parts and rows (fastml_strategy.wire.hier_parts; the cost model prices the same)
+        parts = hier_parts(codecs, [plan.for_parameter(name, int(n)) for name, n in zip(names, numels)],
+                           [int(n) for n in numels], R)
+        # (row, row offset, bucket offset, elements)
+        offsets = [int(off) for off in offsets]
+        self.copies = [(j, roff, offsets[i] + poff, m) for j, roff, i, poff, m in parts.copies]
         mine: tuple[list, list, list, list] = ([], [], [], [])  # names, row offsets, parts, full sizes
-        for name, off, n in zip(names, offsets, numels):
-            b = part_bounds(plan, name, int(n), R)
-            for j in range(R):
-                m = b[j + 1] - b[j]
-                if m <= 0:
-                    continue
-                if j == l:
-                    for lst, v in zip(mine, (name, row_len[j], m, int(n))):
-                        lst.append(v)
-                self.copies.append((j, row_len[j], int(off) + b[j], m))
-                row_len[j] += m
-        self.row_len = row_len
-        self.P = max(1, max(row_len))  # rows padded to one length (all_to_all, all_gather of equal rows)
+        for i, roff, m in parts.row(l):
+            for lst, v in zip(mine, (self.names[i], roff, m, self.full_numels[i])):
+                lst.append(v)
+        self.row_len = list(parts.row_len)
+        self.P = parts.row_numel  # rows padded to one length (all_to_all, all_gather of equal rows)
         # step 3 takes the row as a bucket of the model's dtype, so its uncompressed layers travel in
         # that dtype (a 16-bit model's are not widened) and a `none` row is DDP's all-reduce of it
         self.shard = (cross.layout_for(mine[0], mine[1], mine[2], device, dtype, plan_numels=mine[3])

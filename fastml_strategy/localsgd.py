@@ -89,6 +89,7 @@ from fastml_strategy._peers import FailureChannel
 from fastml_strategy._validate import LAYER_STATS_EVERY_LOCALSGD, whole_number
 from fastml_strategy.collective import CompressedAllReduce, CompressionError, DecodeError, StepChecks
 from fastml_strategy.config import OUTER_OPTIMIZERS, LocalSteps, Plan, check_local_steps
+from fastml_strategy.wire.fragments import split_fragments  # the fragments (the cost model prices the same)
 
 __all__ = ["LocalSGD", "machine_group", "island_model", "check_arguments", "resolve_settings", "gather_to_rank_zero",
            "SETTINGS"]
@@ -241,26 +242,6 @@ def _check_island(island: Optional[list], sharded: bool) -> None:
                "wrap it as DDP(model, process_group=fastml_strategy.localsgd.machine_group())")
         raise ValueError(f"LocalSGD: the {what} holds ranks {island}, which are not the ranks of one machine "
                          f"(machines hold contiguous ranks; {world} ranks): {fix}")
-
-
-def split_fragments(numels: list, fragments: int) -> list:
-    """The parameters (by index; ``numels``: their sizes, in model order) of each of ``fragments``
-    fragments: consecutive runs of about equal size, every fragment at least one parameter while
-    there are enough. Tensor-free: the autotuner's cost model prices each fragment's all-reduce
-    with it."""
-    total = sum(numels)
-    out: list = []
-    cur: list = []
-    acc = 0
-    for i, n in enumerate(numels):
-        cur.append(i)
-        acc += n
-        left_params, left_frags = len(numels) - i - 1, fragments - len(out) - 1
-        if left_frags > 0 and (acc >= total * (len(out) + 1) / fragments or left_params == left_frags):
-            out.append(cur)
-            cur = []
-    out.append(cur)
-    return out
 
 
 class _Fragment:
@@ -463,7 +444,7 @@ class LocalSGD:
     # -- fragments -------------------------------------------------------------------------------------------
     @staticmethod
     def _split(named: list, fragments: int, every: int) -> list:
-        """Consecutive parameters in fragments of about equal size (:func:`split_fragments`);
+        """Consecutive parameters in fragments of about equal size (:func:`fastml_strategy.wire.split_fragments`);
         fragment f first syncs at step ``f * every // fragments`` past a multiple of ``every``
         (staggered)."""
         runs = split_fragments([p.numel() for _, p in named], fragments)

@@ -446,7 +446,7 @@ def test_bucket_wire_is_the_layout_the_hook_builds():
 def test_ddp_bytes_match_the_halving_schedule():
     """At 4 ranks on a far link (5 ms, 100 Mbit/s, the plan's hint) the runtime's "auto" schedule runs
     int4 buckets through recursive halving: the cost model's bytes per rank (the same choice,
-    fastml_strategy._halving.choose_schedule, on the same message sizes) are exactly what the hook
+    fastml_strategy.wire.schedule.choose_schedule, on the same message sizes) are exactly what the hook
     counts, as for the forced ring and for `none` forced through halving."""
     import dataclasses
 

@@ -278,6 +278,16 @@ def test_overhead_fit_recovers_a_known_value():
 
 
 # -- against real runs -----------------------------------------------------------------------------------
+def _train_two_steps(model, rank):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        x, y = torch.randn(8, 32, generator=g), torch.randint(0, 37, (8,), generator=g)
+        torch.nn.functional.cross_entropy(model(x).float(), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def _fsdp_worker(rank, world, configs, replicas):
     """Train 2 steps per config with FSDP2 (HSDP on a (replicas, world/replicas) mesh when
     replicas > 1) and fastml_strategy.fsdp.register; return what FastML counted."""
@@ -302,13 +312,7 @@ def _fsdp_worker(rank, world, configs, replicas):
             fully_shard(model.get_submodule(path), **kw)
         fully_shard(model, **kw)
         state = ffsdp.register(model, plan=plan)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        g = torch.Generator().manual_seed(rank)
-        for _ in range(2):
-            x, y = torch.randn(8, 32, generator=g), torch.randint(0, 37, (8,), generator=g)
-            torch.nn.functional.cross_entropy(model(x).float(), y).backward()
-            opt.step()
-            opt.zero_grad()
+        _train_two_steps(model, rank)
         st = state.stats()
         out.append({"steps": st["steps"], "residual": st["residual_bytes"],
                     "rs": st.get("reduce_scatter", {}).get("bytes_sent", 0),
@@ -335,6 +339,74 @@ def test_fsdp_bytes_and_residuals_match_a_real_two_rank_run():
                        for _, ls in units)
             assert got["rs"] == 2 * want, (choice, bf16, rank)  # exact, every step
             assert got["residual"] == residual_bytes(prof, choice, FSDP, 2, 1)
+
+
+def _all_gather_worker(rank, world, configs):
+    """Train 2 steps per (plan, all_gather_bits, bf16) with FSDP2 and register(all_gather_bits=...);
+    return the quantized all-gather's counters."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import fastml_strategy.fsdp as ffsdp
+    from fastml_strategy.autotune.profile import fsdp_unit_modules
+
+    out = []
+    for plan, bits, bf16 in configs:
+        torch.manual_seed(0)
+        model = Net()
+        kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)} if bf16 else {}
+        for path in fsdp_unit_modules(model):
+            fully_shard(model.get_submodule(path), **kw)
+        fully_shard(model, **kw)
+        state = ffsdp.register(model, plan=plan, all_gather_bits=bits)
+        _train_two_steps(model, rank)
+        ag = state.stats()["all_gather"]
+        out.append({"sent": ag["bytes_sent"], "unc": ag["bytes_uncompressed"],
+                    "rs": state.stats()["reduce_scatter"]["bytes_sent"]})
+        state.close()
+    return out
+
+
+def test_all_gather_bytes_follow_the_wire_layout():
+    """The quantized all-gather's prediction is its wire layout: one segment per parameter's padded
+    shard, each encoded on its own, sent to the W - 1 others; FSDP's own without bits."""
+    from fastml_strategy import codecs
+    from fastml_strategy.autotune.costmodel import all_gather_unit_bytes
+    from fastml_strategy.wire import all_gather_config
+
+    prof = net_profile(Net())
+    for _, ls in fsdp_units(prof):
+        padded = [shard_chunks(lp.shape, 4)[1] for lp in ls]
+        assert all_gather_unit_bytes(ls, 4, "bf16") == 3 * sum(padded) * 2
+        for bits in (8, 3):
+            cfg = all_gather_config(bits)
+            assert all_gather_unit_bytes(ls, 4, "fp32", bits) == 3 * sum(codecs.chunk_nbytes(p, cfg) for p in padded)
+            assert all_gather_unit_bytes(ls, 4, "fp32", bits) < 3 * sum(padded) * 4 * bits / 16
+    assert all_gather_unit_bytes(ls, 1, "fp32", 8) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_quantized_all_gather_bytes_match_a_real_two_rank_run():
+    """Predicted against sent, exactly, for the quantized parameter all-gather: sharded_step_time's
+    all-gather bytes (every unit once in forward, the resharded ones again in backward) with
+    Sharding(all_gather_bits=...) are what FSDPState counts per step, and without bits they are what
+    FSDP's own all-gather of the same shards would send."""
+    prof = net_profile(Net())
+    cases = [(CHOICES[0][0], 8, False), (MIXED, 4, True)]
+    configs = [(_plan_from_choice(prof, c, "t")[1], bits, bf16) for c, bits, bf16 in cases]
+    results = run_workers(_all_gather_worker, 2, configs, timeout=100)
+    o = option(nodes=2)
+    for i, (choice, bits, bf16) in enumerate(cases):
+        dt = "bf16" if bf16 else "fp32"
+        quant = sharded_step_time(prof, choice, o, Sharding(kind="fsdp", param_dtype=dt, all_gather_bits=bits))
+        own = sharded_step_time(prof, choice, o, Sharding(kind="fsdp", param_dtype=dt))
+        for rank in range(2):
+            got = results[rank][i]
+            assert got["sent"] == 2 * quant.allgather_bytes, (bits, bf16, rank, got, quant.allgather_bytes)
+            assert got["unc"] == 2 * own.allgather_bytes, (bits, bf16, rank)
+            rs = sum(reduce_scatter_unit_bytes(ls, choice, 2, dt, rank=rank) for _, ls in fsdp_units(prof))
+            assert got["rs"] == 2 * rs  # the all-gather changes nothing else
+        assert quant.allgather_bytes < own.allgather_bytes
 
 
 @pytest.mark.slow

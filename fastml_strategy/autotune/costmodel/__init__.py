@@ -36,7 +36,7 @@ from fastml_strategy.autotune.costmodel.base import (  # noqa: F401
     INTRA_NODE_BYTES, INTRA_NODE_ERROR, LOCAL_CALIBRATION_OPTION, intra_node_error, SHARDINGS, _BASE_CANDIDATES, Convergence, LayerProfile, LocalCalibration, Profile,
     Sharding, StepBreakdown, _candidate_name, _cfg, _codec_factor, default_options, family, plan_error)
 from fastml_strategy.autotune.costmodel.sharded import (  # noqa: F401
-    allreduce_unit_bytes, fit_collective_overhead, fsdp_state_bytes, fsdp_units, reduce_scatter_unit_bytes,
+    all_gather_unit_bytes, allreduce_unit_bytes, fit_collective_overhead, fsdp_state_bytes, fsdp_units, reduce_scatter_unit_bytes,
     residual_bytes, sharded_step_time)
 from fastml_strategy.autotune.costmodel.ddp import (  # noqa: F401
     BUCKET_BYTES, BUCKET_MB_CHOICES, FIRST_BUCKET_BYTES, HierBucketWire, _layer_cost, bucket_wire_of, ddp_buckets,
@@ -56,6 +56,7 @@ __all__ = [
     "SHARDINGS",
     "fsdp_units",
     "reduce_scatter_unit_bytes",
+    "all_gather_unit_bytes",
     "allreduce_unit_bytes",
     "residual_bytes",
     "fsdp_state_bytes",

@@ -82,13 +82,16 @@ class Sharding:
     ``param_dtype``: what FSDP all-gathers (``MixedPrecisionPolicy(param_dtype=...)``);
     ``reduce_dtype``: what its own reduce-scatter / all-reduce send (None: the param dtype, as FSDP2
     does); ``reshard_after_forward``: FSDP2's default True all-gathers every non-root unit again in
-    backward; ``intra_link``: the link between ranks of one node."""
+    backward; ``intra_link``: the link between ranks of one node; ``all_gather_bits``: FastML's
+    quantized parameter all-gather (``fastml_strategy.fsdp.register(all_gather_bits=...)``; None:
+    FSDP's own, in the param dtype)."""
 
     kind: str = "ddp"
     param_dtype: str = "fp32"
     reduce_dtype: str | None = None
     reshard_after_forward: bool = True
     intra_link: Link = DEFAULT_INTRA_LINK
+    all_gather_bits: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in SHARDINGS:
@@ -114,6 +117,8 @@ class Sharding:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["intra_link"] = asdict(self.intra_link)
+        if self.all_gather_bits is None:  # (results written before the field read the same)
+            del d["all_gather_bits"]
         return d
 
     @classmethod
@@ -269,7 +274,7 @@ class StepBreakdown:
     node_net_bytes: int = 0
     topology: str = "flat"
     # DDP: the all-reduce schedule of the step's buckets, as the runtime picks it ("ring", "halving",
-    # "ring 2 + halving 3", "plain"; fastml_strategy._halving.choose_schedule)
+    # "ring 2 + halving 3", "plain"; fastml_strategy.wire.schedule.choose_schedule)
     schedules: str = ""
 
 
@@ -329,6 +334,14 @@ def intra_node_error(profile: Profile, intra_node: str | None) -> float:
         measured = measured_fp16_error(profile)
         e = max(e, measured) if measured is not None else e
     return e
+
+
+def codec_registry() -> Any:
+    """The codec registry the wire layouts (:mod:`fastml_strategy.wire`) take their sizes from:
+    :mod:`fastml_strategy.codecs`, imported on first use (it imports torch)."""
+    from fastml_strategy import codecs
+
+    return codecs
 
 
 def _codec_factor(cfg: CodecConfig, nodes: int) -> float:

@@ -8,11 +8,11 @@
 2. Buckets. Gradients are grouped the way DDP does (reverse parameter order, a 1 MiB first bucket, then
    25 MiB); a bucket is ready when its last gradient is (measured with post-accumulate-grad hooks).
 3. Wire. Each bucket is priced as the hook sends it, by the function the hook's layouts are built
-   from (:func:`fastml_strategy._layouts.bucket_wire`; no sizes are restated here): the same groups
+   from (:func:`fastml_strategy.wire.bucket_wire`; no sizes are restated here): the same groups
    (one per compressed layer, the uncompressed tensors batched), cut into the same pipeline pieces of
-   about :data:`~fastml_strategy._layouts.PIECE_NUMEL` elements, each piece one all_to_all and one
+   about :data:`~fastml_strategy.wire.PIECE_NUMEL` elements, each piece one all_to_all and one
    all_gather whose message to every destination starts with a
-   :data:`~fastml_strategy._status.HEADER`-byte header, the all_gather padded to its largest chunk,
+   :data:`~fastml_strategy.wire.HEADER`-byte header, the all_gather padded to its largest chunk,
    the bucket's top-k messages in its last piece's all_gather (per-rank traffic about ``2(N-1)/N``
    of the compressed size for scatter-reduce-allgather, ``(N-1)`` messages for top-k, with the
    codec's own dense fallback at large ``N``); a bucket with nothing to compress is one plain
@@ -33,7 +33,7 @@
    (:mod:`fastml_strategy.topology`): with ``N > 1`` machines of ``A > 1`` ranks the hook is
    *hierarchical* (:mod:`fastml_strategy.hierarchical`; :func:`hier_bucket_wire`): every layer is cut
    into ``A`` parts on its codec's part unit, by the runtime's own function
-   (:func:`fastml_strategy._layouts.part_bounds_of`), and local rank ``l``'s row is its part of every
+   (:func:`fastml_strategy.wire.hier_parts`), and local rank ``l``'s row is its part of every
    layer. Per bucket a reduce-scatter and an all-gather inside the machine on the intra-node link
    (``2(A-1)`` rounds; each sends ``A-1`` rows padded to the longest, no header, 4 bytes per element,
    or 2 with a 16-bit ``Plan.intra_node``: ``intra_node`` here), between them each row's compressed
@@ -65,11 +65,11 @@ from typing import Mapping, Sequence
 from fastml_strategy.autotune.catalog import HardwareOption, Link
 from fastml_strategy.autotune.costmodel.base import (CANDIDATES, DEFAULT_INTRA_LINK, INTRA_NODE_BYTES,
                                                      LayerProfile, Profile, Sharding, StepBreakdown,
-                                                     _candidate_name, _cfg, _codec_factor, family)
+                                                     _candidate_name, _cfg, _codec_factor, codec_registry, family)
 from fastml_strategy.autotune.costmodel.sharded import sharded_step_time
-from fastml_strategy._layouts import PIECE_NUMEL, BucketWire, bucket_wire, part_bounds_of
-from fastml_strategy import _halving
 from fastml_strategy.config import Codec
+from fastml_strategy.wire import PIECE_NUMEL, BucketWire, bucket_wire, hier_parts
+from fastml_strategy.wire import schedule as _schedule
 
 # DDP's bucket sizes (torch.nn.parallel.DistributedDataParallel: bucket_cap_mb=25, and
 # dist._DEFAULT_FIRST_BUCKET_BYTES = 1 MiB for the first bucket, the last layers).
@@ -163,7 +163,7 @@ def intra_node_choices(profile: Profile, option: HardwareOption, sharding: Shard
 class HierBucketWire:
     """What one DDP bucket puts on the links with the hierarchical hook
     (:mod:`fastml_strategy.hierarchical`), without tensors: ``parts[l][i]``, the elements of layer
-    ``i`` in local rank ``l``'s row (cut by :func:`fastml_strategy._layouts.part_bounds_of`, as the
+    ``i`` in local rank ``l``'s row (cut by :func:`fastml_strategy.wire.hier_parts`, as the
     runtime cuts them); ``rows[l]``, that row's compressed all-reduce across the machines (None: the
     row is empty and the rank skips it); ``row_numel``, the rows' common padded length (the
     reduce-scatter's all_to_all and the all-gather inside the machine send equal rows)."""
@@ -195,37 +195,37 @@ def hier_bucket_wire(bucket: Sequence[LayerProfile], choice: Mapping[str, str], 
     """The messages of one DDP bucket of these layers on ``nodes`` machines of ``ranks_per_node``
     ranks with the hierarchical hook: every layer cut into parts on its codec's part unit (each
     layer's codec is the plan's for the whole parameter), local rank ``l``'s row (its part of every
-    layer, bucket order, empty parts left out) priced by :func:`fastml_strategy._layouts.bucket_wire`
+    layer, bucket order, empty parts left out) priced by :func:`fastml_strategy.wire.bucket_wire`
     over the ``nodes`` machines, as :class:`fastml_strategy.hierarchical.HierLayout` builds it."""
     A = ranks_per_node
+    reg = codec_registry()
     cfgs = [_cfg(choice, lp)[1] for lp in bucket]
-    bounds = [part_bounds_of(cfg, lp.numel, A) for cfg, lp in zip(cfgs, bucket)]
-    parts = tuple(tuple(b[l + 1] - b[l] for b in bounds) for l in range(A))
+    cut = hier_parts(reg, cfgs, [lp.numel for lp in bucket], A)
     rows = []
-    for row in parts:
-        idx = [i for i, m in enumerate(row) if m > 0]
-        rows.append(bucket_wire(tuple(row[i] for i in idx), tuple(cfgs[i] for i in idx), nodes,
-                                piece_numel=piece_numel) if idx else None)
-    return HierBucketWire(A, max(1, max(sum(row) for row in parts)), parts, tuple(rows))
+    for l in range(A):
+        row = cut.row(l)
+        rows.append(bucket_wire(reg, tuple(n for _, _, n in row), tuple(cfgs[i] for i, _, _ in row), nodes,
+                                piece_numel=piece_numel) if row else None)
+    return HierBucketWire(A, cut.row_numel, cut.parts, tuple(rows))
 
 
 def bucket_wire_of(bucket: Sequence[LayerProfile], choice: Mapping[str, str], world_size: int,
                    piece_numel: int = PIECE_NUMEL) -> BucketWire:
     """The messages the hook sends for one DDP bucket of these layers at ``world_size`` ranks
-    (:func:`fastml_strategy._layouts.bucket_wire`: the runtime's own grouping, pipeline pieces of
+    (:func:`fastml_strategy.wire.bucket_wire`: the runtime's own grouping, pipeline pieces of
     about ``piece_numel`` elements and headers; the hierarchical path's rows: :func:`hier_bucket_wire`)."""
     numels = tuple(lp.numel for lp in bucket)
     cfgs = tuple(_cfg(choice, lp)[1] for lp in bucket)
     shapes = tuple(_shape(lp) for lp in bucket) if any(c.codec is Codec.LOWRANK for c in cfgs) else None
-    return bucket_wire(numels, cfgs, world_size, piece_numel=piece_numel, shapes=shapes)
+    return bucket_wire(codec_registry(), numels, cfgs, world_size, piece_numel=piece_numel, shapes=shapes)
 
 
 def bucket_schedule(wire: BucketWire, schedule: str, latency_s: float, bandwidth_Bps: float) -> str:
     """The schedule the runtime runs for this bucket (``"plain"``, ``"ring"``, ``"halving"``): the
-    runtime's own choice (:func:`fastml_strategy._halving.choose_schedule`) on the same message sizes,
+    runtime's own choice (:func:`fastml_strategy.wire.schedule.choose_schedule`) on the same message sizes,
     ``schedule`` being ``Plan.schedule`` and the link its hint (the autotuner writes the option's link
     into the plans it makes: :func:`plan_link_hint`)."""
-    return _halving.choose_schedule(schedule, wire.world_size, [(p.split_sizes, p.gather_size) for p in wire.pieces],
+    return _schedule.choose_schedule(schedule, wire.world_size, [(p.split_sizes, p.gather_size) for p in wire.pieces],
                                     any(p.topk for p in wire.pieces), wire.uncompressed, latency_s, bandwidth_Bps)
 
 
@@ -237,7 +237,7 @@ def plan_link_hint(link: Link) -> dict:
 
 def halving_codec_factor(world_size: int) -> float:
     """Codec round trips per layer and step of the halving schedule on its busiest rank, against the
-    profiled one (:mod:`fastml_strategy._halving`): encodes ``1.5`` of the tensor (its own, the
+    profiled one (:mod:`fastml_strategy.wire.schedule`): encodes ``1.5`` of the tensor (its own, the
     intermediate partial sums, the owner's mean) and decodes ``2.5 - 1/P``; a rank that takes a folded
     partner's piece also decodes that piece and re-encodes its first half: ``3 - 1/(2P)``."""
     P = 1 << (world_size.bit_length() - 1)
@@ -247,10 +247,10 @@ def halving_codec_factor(world_size: int) -> float:
 def bucket_bytes(wire: BucketWire, schedule: str, rank: int | None = None) -> float:
     """Bytes ``rank`` sends for one bucket under ``schedule`` (None: the mean over ranks), as the hook's
     ``bytes_sent`` counts them: :meth:`BucketWire.bytes_sent` for the ring and plain all-reduce,
-    :func:`fastml_strategy._halving.halving_bytes_sent` per piece for halving."""
+    :func:`fastml_strategy.wire.schedule.halving_bytes_sent` per piece for halving."""
     if schedule != "halving" or wire.world_size <= 1:
         return wire.bytes_sent(rank)
-    return sum(_halving.halving_bytes_sent(p.split_sizes, rank) for p in wire.pieces) + wire.lowrank_bytes(rank)
+    return sum(_schedule.halving_bytes_sent(p.split_sizes, rank) for p in wire.pieces) + wire.lowrank_bytes(rank)
 
 
 def ddp_bytes_per_rank(profile: Profile, choice: Mapping[str, str], world_size: int, rank: int | None = None,
@@ -259,7 +259,7 @@ def ddp_bytes_per_rank(profile: Profile, choice: Mapping[str, str], world_size: 
     """Bytes ``rank`` sends per step with the hook on ``world_size`` ranks (flat schedule), headers
     included, as ``state.stats()["bytes_sent"]`` counts them per step (None: the mean over ranks).
     ``schedule``/``link``: ``Plan.schedule`` and the link hint (None: the runtime's default)."""
-    lat, bw = (link.latency_s, link.bandwidth_Bps) if link is not None else _halving.link_hint(None)
+    lat, bw = (link.latency_s, link.bandwidth_Bps) if link is not None else _schedule.link_hint(None)
     total = 0.0
     for b in ddp_buckets(profile, bucket_mb):
         wire = bucket_wire_of(b, choice, world_size, piece_numel=piece_numel)
@@ -326,7 +326,7 @@ def _hier_bucket_comm(profile: Profile, bucket: Sequence[LayerProfile], choice: 
         codec = [0.0] * len(wire.pieces) if wire.uncompressed else \
             _piece_codec(profile, [lp for lp, _ in sub], choice, wire, speed, [m for _, m in sub])
         if sched == "halving":
-            rounds = [_halving.halving_rounds(p.split_sizes) for p in wire.pieces]
+            rounds = [_schedule.halving_rounds(p.split_sizes) for p in wire.pieces]
             per_row.append([(sum(codec) * halving_codec_factor(n) / ((3.0 + 1.0 / n) / 2.0),
                              float(sum(map(sum, rounds))), sum(map(len, rounds)))])
             continue
@@ -409,23 +409,23 @@ def _halving_bucket_comm(profile: Profile, bucket: Sequence[LayerProfile], choic
                          wire: BucketWire, n: int, A: int, lat: float, link: Link,
                          speed: float) -> tuple[int, int, list[tuple[float, float]]]:
     """:func:`_bucket_comm` of a bucket the runtime runs through recursive halving/doubling
-    (:mod:`fastml_strategy._halving`): per piece, one latency per round plus the round's largest
-    message (:func:`fastml_strategy._halving.halving_piece_seconds`), and the codec work of the
+    (:mod:`fastml_strategy.wire.schedule`): per piece, one latency per round plus the round's largest
+    message (:func:`fastml_strategy.wire.schedule.halving_piece_seconds`), and the codec work of the
     halving schedule (:func:`halving_codec_factor`), which runs between the rounds (serial with them:
     one stage per bucket). A machine of ``A`` consecutive ranks (flat on request) carries its ranks'
-    messages to the other machines (:func:`fastml_strategy._halving.halving_node_bytes`), the
+    messages to the other machines (:func:`fastml_strategy.wire.schedule.halving_node_bytes`), the
     rounds' latency once."""
     W = wire.world_size
     ring_f = (3.0 + 1.0 / W) / 2.0
     scale = halving_codec_factor(W) / ring_f
     codec = sum(_piece_codec(profile, bucket, choice, wire, speed)) * scale if not wire.uncompressed else 0.0
-    rounds = [_halving.halving_rounds(p.split_sizes) for p in wire.pieces]
+    rounds = [_schedule.halving_rounds(p.split_sizes) for p in wire.pieces]
     nbytes = bucket_bytes(wire, "halving")
     if n <= 1 or A <= 1:
         wire_s = sum(len(r) * lat + sum(r) / link.bandwidth_Bps for r in rounds)
         return int(round(nbytes)), int(round(nbytes)) if n > 1 else 0, [(codec, wire_s)]
     # flat on request: what each machine's link carries (the rounds whose partner is elsewhere)
-    node = sum(_halving.halving_node_bytes(p.split_sizes, A) for p in wire.pieces)
+    node = sum(_schedule.halving_node_bytes(p.split_sizes, A) for p in wire.pieces)
     wire_s = sum(len(r) for r in rounds) * lat + node / link.bandwidth_Bps
     return int(round(nbytes)), int(round(node)), [(codec, wire_s)]
 
@@ -449,7 +449,7 @@ def step_time(profile: Profile, choice: Mapping[str, str], option: HardwareOptio
     ``sharding``: :func:`sharded_step_time` (``hook=False``: FSDP's own collectives). ``topology``:
     the hook's schedule on several ranks per machine (:func:`ddp_topology`: ``"auto"`` as the hook
     runs it, ``"flat"`` as with ``register_hook(ranks_per_node=1)``); ``piece_numel``: the hook's
-    pipeline piece (:data:`fastml_strategy._layouts.PIECE_NUMEL`, what it runs with); ``intra_node``:
+    pipeline piece (:data:`fastml_strategy.wire.PIECE_NUMEL`, what it runs with); ``intra_node``:
     ``Plan.intra_node`` (None or "none": exact; "bf16"/"fp16": the hierarchical hop inside the machine
     at 2 bytes per element; no effect on a flat schedule, as in the hook); ``schedule``:
     ``Plan.schedule`` (``"auto"``: per bucket, the runtime's own choice on the option's link, which the

@@ -4,11 +4,11 @@ the same compressed scatter-reduce-allgather, in F fragments synchronised at sta
 fragment's outer update applied ``d`` inner steps after its all-reduce started (``delay``).
 
 - Per inner step, compute ``c`` is the profile's forward + backward + optimizer time, scaled as in 1.
-- Fragments are LocalSGD's own (:func:`fastml_strategy.localsgd.split_fragments`: consecutive
+- Fragments are LocalSGD's own (:func:`fastml_strategy.wire.split_fragments`: consecutive
   parameters of about equal size). One synchronisation of fragment f:
   ``wire_f = (2 P_f + 1)(N-1) a + bytes_f / B``, where ``bytes_f`` and the pieces ``P_f`` are those
   of the fragment's compressed all-reduce, priced as one DDP bucket
-  (:func:`fastml_strategy._layouts.bucket_wire`: the runtime's pieces and headers); rounds: each
+  (:func:`fastml_strategy.wire.bucket_wire`: the runtime's pieces and headers); rounds: each
   piece's all_to_all and all_gather, then the status exchange. Codec time ``T_codec / F``.
 - It runs on LocalSGD's communication thread while the next ``d`` inner steps compute; the step that
   applies it waits for what is left: ``max(0, wire_f - d c)``. Fragments are ``H / F`` steps apart and
@@ -35,8 +35,8 @@ from fastml_strategy.autotune.catalog import HardwareOption
 from fastml_strategy.autotune.costmodel.base import (Convergence, LocalCalibration, Profile, StepBreakdown,
                                                      plan_error)
 from fastml_strategy.autotune.costmodel.ddp import _layer_cost, bucket_wire_of
-from fastml_strategy.localsgd import split_fragments
 from fastml_strategy.autotune.costmodel.evaluate import Trial
+from fastml_strategy.wire import split_fragments
 
 
 def local_step_time(profile: Profile, choice: Mapping[str, str], option: HardwareOption, every: int,

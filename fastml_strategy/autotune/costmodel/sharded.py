@@ -4,18 +4,19 @@ with FSDP2's schedule over *units* (one ``fully_shard`` module each: see :func:`
 - W = N x A ranks (A accelerators per node). FSDP shards every unit over all W ranks; HSDP shards it
   over the S = A ranks of a node and keeps R = N replicas.
 - Forward: each unit's parameters are all-gathered (``(Ws-1)`` shards of the param dtype per rank,
-  Ws the shard group) before its compute; the next unit's all-gather overlaps the current unit's
+  Ws the shard group; with ``Sharding.all_gather_bits``, FastML's quantized all-gather:
+  :func:`all_gather_unit_bytes`) before its compute; the next unit's all-gather overlaps the current unit's
   compute (FSDP2's one-unit prefetch). Compute is split between units by parameter count.
 - Backward, units in the order their gradients become ready: the all-gather again
   (``reshard_after_forward``; never for the root unit, which FSDP2 keeps unsharded), prefetched one
   unit ahead; the unit's backward; then its reduction, overlapping the next units' backward:
   FSDP: FastML's compressed reduce-scatter (one all_to_all; bytes from
-  ``codecs.reduce_scatter_bytes`` per tensor on FSDP2's dim-0 chunks, ``fsdp.shard_chunks``, plus a
-  :data:`~fastml_strategy._status.HEADER`-byte header per destination: a unit's reduce-scatter is one
+  :func:`fastml_strategy.wire.shard_wire` on FSDP2's dim-0 chunks, :func:`fastml_strategy.wire.shard_chunks`,
+  a :data:`~fastml_strategy.wire.HEADER`-byte header per destination: a unit's reduce-scatter is one
   message per destination, never cut into pieces) or FSDP's own ring reduce-scatter (``(W-1)/W`` of the padded unit
   in the reduce dtype). HSDP: FSDP's own reduce-scatter inside the node (fast link), then the
   cross-node all-reduce of the rank's shard: FastML's scatter-reduce-allgather over the R replicas
-  (the unit's shard as one bucket, priced as DDP's: :func:`fastml_strategy._layouts.bucket_wire`)
+  (the unit's shard as one bucket, priced as DDP's: :func:`fastml_strategy.wire.bucket_wire`)
   or FSDP's ring all-reduce (``2(R-1)/R`` of the padded shard).
 - Links: a ring collective crosses each node's link once (``bytes / B``); FastML's all_to_all sends
   each remote chunk directly, so the A ranks of a node put ``A x (W-A)/(W-1)`` of their bytes on
@@ -39,10 +40,9 @@ from typing import Any, Mapping, Sequence
 from fastml_strategy.autotune.catalog import HardwareOption, Link
 from fastml_strategy.autotune.costmodel.base import (CANDIDATES, DTYPE_BYTES, LayerProfile, Profile, Sharding,
                                                      StepBreakdown, _candidate_name, _cfg, _codec_factor,
-                                                     family)
-from fastml_strategy._layouts import PIECE_NUMEL, bucket_wire
-from fastml_strategy._status import HEADER
-from fastml_strategy.config import Codec, CodecConfig
+                                                     codec_registry, family)
+from fastml_strategy.config import CodecConfig
+from fastml_strategy.wire import PIECE_NUMEL, all_gather_wire, bucket_wire, shard_chunks, shard_wire
 
 
 # -- sharded training (FSDP2 / HSDP) ---------------------------------------------------------------------
@@ -68,8 +68,6 @@ def fsdp_units(profile: Profile) -> list[tuple[str, list[LayerProfile]]]:
 
 @functools.lru_cache(maxsize=65536)
 def _chunks(shape: tuple[int, ...], world_size: int) -> tuple[tuple[int, ...], int]:
-    from fastml_strategy.fsdp import shard_chunks
-
     return shard_chunks(shape, world_size)
 
 
@@ -90,29 +88,34 @@ def reduce_scatter_unit_bytes(layers: Sequence[LayerProfile], choice: Mapping[st
     """Bytes one rank sends in one FSDP unit's reduce-scatter over ``world_size`` ranks (``rank``
     None: the mean over ranks), as ``FSDPState.stats()["bytes_sent"]`` counts them.
 
-    FastML (``hook``): each compressed tensor's chunks on their own
-    (``codecs.reduce_scatter_bytes``), the uncompressed ones batched per destination in the reduce
-    dtype, and a header per destination. FSDP's own: ``(W-1)`` padded rows in the reduce dtype."""
-    from fastml_strategy import codecs
-
+    FastML (``hook``): the unit's :func:`fastml_strategy.wire.shard_wire`, the layout the runtime's
+    reduce-scatter is built from (each compressed tensor's chunks on their own, the uncompressed ones
+    batched per destination in the reduce dtype, a header per destination). FSDP's own: ``(W-1)``
+    padded rows in the reduce dtype."""
     W = world_size
     if W <= 1:
         return 0
     if not hook:
         return (W - 1) * sum(_layout(lp, W)[1] for lp in layers) * DTYPE_BYTES[reduce_dtype]
-    dt = _torch_dtype(reduce_dtype)
-    total = 0
-    batched = [0] * W
-    for lp in layers:
-        chunks, _ = _layout(lp, W)
-        _, cfg = _cfg(choice, lp)
-        if cfg.codec is Codec.FP32:
-            batched = [a + b for a, b in zip(batched, chunks)]
-        else:
-            total += codecs.reduce_scatter_bytes(list(chunks), codecs.wire_config(cfg, dt), rank)
-    if any(batched):
-        total += codecs.reduce_scatter_bytes(batched, codecs.wire_config(CANDIDATES["none"], dt), rank)
-    return total + (W - 1) * HEADER
+    lay = [_layout(lp, W) for lp in layers]
+    wire = shard_wire(codec_registry(), [c for c, _ in lay], [p for _, p in lay],
+                      [_cfg(choice, lp)[1] for lp in layers], W, _torch_dtype(reduce_dtype))
+    return wire.bytes_sent(rank)
+
+
+def all_gather_unit_bytes(layers: Sequence[LayerProfile], world_size: int, param_dtype: str = "fp32",
+                          bits: int | None = None) -> int:
+    """Bytes one rank sends in one all-gather of an FSDP unit's parameters over ``world_size`` ranks:
+    FSDP's own (``bits`` None: ``(W-1)`` padded shards in the param dtype), or FastML's quantized
+    all-gather (``register(all_gather_bits=bits)``: :func:`fastml_strategy.wire.all_gather_wire`,
+    the layout the runtime encodes, as ``FSDPState.stats()["all_gather"]["bytes_sent"]`` counts it)."""
+    W = world_size
+    if W <= 1:
+        return 0
+    padded = [_layout(lp, W)[1] for lp in layers]
+    if bits is None:
+        return (W - 1) * sum(padded) * DTYPE_BYTES[param_dtype]
+    return all_gather_wire(codec_registry(), padded, sum(padded), bits, W, param_dtype).bytes_sent()
 
 
 def _shard_cfg(choice: Mapping[str, str], lp: LayerProfile, shard_numel: int,
@@ -132,7 +135,7 @@ def allreduce_unit_bytes(layers: Sequence[LayerProfile], choice: Mapping[str, st
     """HSDP: bytes one rank sends in one unit's cross-replica all-reduce of its shard (``shard_rank``
     None: the mean over the S shard ranks; the mean over the R replicas). FastML: the unit's shard
     tensors as one bucket of the compressed all-reduce at R replicas
-    (:func:`fastml_strategy._layouts.bucket_wire`: the runtime's groups, pipeline pieces and a
+    (:func:`fastml_strategy.wire.bucket_wire`: the runtime's groups, pipeline pieces and a
     header per message), or, with nothing to compress, DDP's own all-reduce of the padded shard;
     FSDP's own ring all-reduce: ``2(R-1)/R`` of the padded shard in the reduce dtype."""
     R, S = replicas, shard_size
@@ -146,7 +149,8 @@ def allreduce_unit_bytes(layers: Sequence[LayerProfile], choice: Mapping[str, st
     ranks = range(S) if shard_rank is None else (shard_rank,)
     total = 0
     for s in ranks:
-        wire = bucket_wire(tuple(_layout(lp, S)[0][s] for lp in layers), planned, R, dt, piece_numel)
+        wire = bucket_wire(codec_registry(), tuple(_layout(lp, S)[0][s] for lp in layers), planned, R, dt,
+                           piece_numel)
         if wire.uncompressed:
             padded = sum(_layout(lp, S)[1] for lp in layers)
             total += int(round(2.0 * (R - 1) / R * padded * DTYPE_BYTES[reduce_dtype]))
@@ -285,7 +289,7 @@ def _unit_bytes(layers: list[LayerProfile], choice: Mapping[str, str], sharding:
     """Bytes one rank sends per step for one FSDP unit: the parameter all-gather (once), the
     reduce-scatter and (HSDP) the cross-node all-reduce."""
     Ws = c.Ws
-    ag = (Ws - 1) * sum(_layout(lp, Ws)[1] for lp in layers) * DTYPE_BYTES[sharding.param_dtype] if Ws > 1 else 0
+    ag = all_gather_unit_bytes(layers, Ws, sharding.param_dtype, sharding.all_gather_bits if hook else None)
     if sharding.kind == "hsdp":
         rs = (Ws - 1) * sum(_layout(lp, Ws)[1] for lp in layers) * DTYPE_BYTES[sharding.reduce] if Ws > 1 else 0
         return ag, rs, allreduce_unit_bytes(layers, choice, Ws, c.R, sharding.reduce, hook)
