@@ -17,24 +17,19 @@ from __future__ import annotations
 import functools
 import math
 import operator
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 
 from fastml_strategy import codecs
+from fastml_strategy._seeds import layer_key  # noqa: F401  (re-exported: the collectives import it from here)
 from fastml_strategy._status import HEADER
 from fastml_strategy.config import RECIPES, CodecConfig, Plan
 
 __all__ = ["BucketLayout", "ShardLayout", "ShardedTensor", "PIECE_NUMEL", "chunk_bounds", "part_bounds_of",
            "bucket_groups",
            "piece_slices", "pack_pieces", "BucketWire", "PieceWire", "bucket_wire"]
-
-def layer_key(name: str) -> int:
-    """A seed component that depends on the layer, not on its position in a bucket (buckets are
-    rebuilt after the first iteration; stochastic rounding must not change with them)."""
-    return zlib.crc32(name.encode())
 
 
 @dataclass

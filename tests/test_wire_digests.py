@@ -43,14 +43,12 @@ DIGEST_FILE = Path(__file__).with_name("wire_digests.json")
 REGENERATE = "python tests/test_wire_digests.py --regenerate"
 NUMELS = (1, 13, 1000, 4099)  # one element, a partial block, one partial block of 512, 8 blocks and a bit
 OTHER_DTYPES = ((torch.bfloat16, 1000), (torch.float16, 4099))  # the encoder's 16-bit inputs
-_DEFAULT = CodecConfig()
-
-
 def config_key(cfg: CodecConfig) -> str:
-    """A stable name of ``cfg``: the codec and the fields that differ from the defaults."""
+    """A stable name of ``cfg``: the codec and its fields that differ from their defaults, in the order
+    of its plan record."""
     d = cfg.to_dict()
-    rest = [f"{f.name}={d[f.name]!r}" for f in dataclasses.fields(cfg)
-            if f.name != "codec" and getattr(cfg, f.name) != getattr(_DEFAULT, f.name)]
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    rest = [f"{k}={v!r}" for k, v in d.items() if k in defaults and v != defaults[k]]
     return " ".join([d["codec"], *rest])
 
 

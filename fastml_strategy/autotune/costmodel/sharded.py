@@ -42,7 +42,7 @@ from fastml_strategy.autotune.costmodel.base import (CANDIDATES, DTYPE_BYTES, La
                                                      family)
 from fastml_strategy._layouts import PIECE_NUMEL, bucket_wire
 from fastml_strategy._status import HEADER
-from fastml_strategy.config import Codec, CodecConfig
+from fastml_strategy.config import CodecConfig
 
 
 # -- sharded training (FSDP2 / HSDP) ---------------------------------------------------------------------
@@ -106,7 +106,7 @@ def reduce_scatter_unit_bytes(layers: Sequence[LayerProfile], choice: Mapping[st
     for lp in layers:
         chunks, _ = _layout(lp, W)
         _, cfg = _cfg(choice, lp)
-        if cfg.codec is Codec.FP32:
+        if not cfg.lossy:  # travels uncompressed, batched with the small tensors
             batched = [a + b for a, b in zip(batched, chunks)]
         else:
             total += codecs.reduce_scatter_bytes(list(chunks), codecs.wire_config(cfg, dt), rank)
