@@ -30,7 +30,8 @@ class is everything FastML knows about that codec:
 - whether it has a kernel that encodes or decodes many chunks in one launch (``segment_tables``:
   quantize, through Triton), and the autotuner's name for the codec time it measures (``family``).
 
-Adding a codec: its module here (imported below), its kernel, example settings in
+Adding a codec: its module in this package (found and imported on import, after the four modules
+above, which keep the order of the release before the registry), its kernel, example settings in
 tests/test_codec_contract.py's ``EXAMPLES``, and its digests (``python tests/test_wire_digests.py
 --regenerate``); nothing else. The contract tests then run over it (round trip, zeros, NaN/inf,
 pickling, a 2-rank all-reduce and reduce-scatter), plans take ``{"codec": "name"}`` and its recipes,
@@ -43,6 +44,9 @@ The wire interface (``encode_chunk``, ``chunk_nbytes``, ``wire_bytes``, ``roundt
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 from fastml_strategy.codecs._base import (DEFAULT_BLOCK_SIZE, RECIPES, RESIDUAL_DTYPES, WIRE_FORMAT_VERSION, Codec,
                                           CodecConfig, ResidualConfig, WireCodec, candidates, codec_class, codec_for,
                                           register_codec, registered_codecs, settings_class, uniform_recipes)
@@ -51,6 +55,12 @@ from fastml_strategy.codecs.plain import Bf16Codec, Bf16Config, Fp16Codec, Fp16C
 from fastml_strategy.codecs.quantize import QuantizeCodec, QuantizeConfig
 from fastml_strategy.codecs.topk import TopkCodec, TopkConfig, select_topk
 from fastml_strategy.codecs.lowrank import LowRankCodec, LowRankConfig
+# Every other codec module of this package registers itself on import, in name order: a new codec is
+# its module, with no line to add here (fastml_strategy.codecs.fp8 is the example).
+_BUILT_IN = {"plain", "quantize", "topk", "lowrank"}
+for _m in sorted(m.name for m in pkgutil.iter_modules(__path__)):
+    if not _m.startswith("_") and _m not in _BUILT_IN:
+        importlib.import_module(f"{__name__}.{_m}")
 from fastml_strategy.codecs._wire import (chunk_finite, chunk_nbytes, chunk_unit, decode_chunk, decode_dense,
                                           decode_topk_add, dense_nbytes, effective_config, encode_chunk,
                                           encode_dense, encode_topk, encode_topk_ef, is_sparse, reduce_chunk,
