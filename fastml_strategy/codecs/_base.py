@@ -68,6 +68,14 @@ def all_finite(t: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(t).all()
 
 
+def store(out: torch.Tensor, y: torch.Tensor, accumulate: bool) -> None:
+    """A decoder's last step: ``out = y``, or ``out += y`` when accumulating."""
+    if accumulate:
+        out.add_(y)
+    else:
+        out.copy_(y)
+
+
 def ring_bytes(nbytes: int, world_size: int) -> float:
     """What one rank sends of a message of ``nbytes`` in a ring (scatter-reduce-allgather)
     all-reduce: 2(W-1)/W of it."""

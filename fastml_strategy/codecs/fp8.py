@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from fastml_strategy.codecs._base import (DEFAULT_BLOCK_SIZE, ResidualConfig, WireCodec, align4, all_finite,
-                                          check_block_size, register_codec)
+                                          check_block_size, register_codec, store)
 
 __all__ = ["Fp8Config", "Fp8Codec", "E4M3_MAX"]
 
@@ -127,11 +127,7 @@ class Fp8Codec(WireCodec):
             return
         scales, codes = self._views(buf, numel)
         bs = self.cfg.block_size
-        y = codes.to(torch.float32) * scales.repeat_interleave(bs)[:numel]
-        if accumulate:
-            out.add_(y)
-        else:
-            out.copy_(y)
+        store(out, codes.to(torch.float32) * scales.repeat_interleave(bs)[:numel], accumulate)
 
     def finite(self, buf, numel) -> torch.Tensor:
         if numel == 0:

@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from fastml_strategy.codecs._base import CodecConfig, WireCodec, align4, all_finite, register_codec
+from fastml_strategy.codecs._base import CodecConfig, WireCodec, align4, all_finite, register_codec, store
 
 __all__ = ["Fp32Config", "Fp16Config", "Bf16Config", "Fp32Codec", "Fp16Codec", "Bf16Codec"]
 
@@ -60,11 +60,7 @@ class _PlainCodec(WireCodec):
         self._values(out, x.numel()).copy_(x)
 
     def decode(self, buf, numel, out, accumulate=False) -> None:
-        y = self._values(buf, numel)
-        if accumulate:
-            out.add_(y)
-        else:
-            out.copy_(y)
+        store(out, self._values(buf, numel), accumulate)
 
     def finite(self, buf, numel) -> torch.Tensor:
         if numel == 0:
