@@ -97,13 +97,16 @@ class LowRankSection:
     """The low-rank layers of one bucket that share a factor codec: one P round and one Q round.
 
     ``factor_cfg``: None for a plain fp32 all-reduce, else the codec the factors travel in through
-    the compressed all-reduce (a layout of one tensor, built here, with no error feedback)."""
+    the compressed all-reduce (a layout of one tensor, built here, with no error feedback).
+    ``layout_type``: the class of that layout (the bucket layout that holds this section gives its
+    own, :class:`fastml_strategy._layouts.BucketLayout`, so this module need not import it)."""
 
     params: list[_LowRankParam]
     factor_cfg: CodecConfig | None
     device: torch.device
     world_size: int
     rank: int
+    layout_type: type | None = None
     p_numel: int = 0
     q_numel: int = 0
     p_flat: torch.Tensor | None = None
@@ -127,14 +130,12 @@ class LowRankSection:
     # -- the wire ---------------------------------------------------------------------------------------
     def factor_layout(self, which: str):
         """The layout of the P or Q vector through the compressed all-reduce (compressed factors)."""
-        from fastml_strategy._layouts import BucketLayout
-
         lay = self._sub.get(which)
         if lay is None:
             numel = self.p_numel if which == "P" else self.q_numel
             plan = Plan(default=self.factor_cfg, min_numel=0, name=f"lowrank-{which}")
-            lay = self._sub[which] = BucketLayout((f"lowrank.{which}",), (0,), (numel,), plan, self.world_size,
-                                                  self.rank, self.device, double_buffer=False)
+            lay = self._sub[which] = self.layout_type((f"lowrank.{which}",), (0,), (numel,), plan, self.world_size,
+                                                      self.rank, self.device, double_buffer=False)
         return lay
 
     def _all_reduce(self, eng, flat: torch.Tensor, which: str, step: int, checks, divisor: float, before):
