@@ -272,7 +272,7 @@ class CodecConfig(metaclass=_ConfigType):
         known = set(_own_fields(sub)) | ({"codec"} | (_V1_FIELDS if sub.legacy else set()))
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"{where}: unknown field(s) {unknown}; the {sub.codec.value} codec's fields are "
+            raise ValueError(f"{where}: unknown field(s) {unknown}; known fields are "
                              f"{sorted(known)}")
         try:
             return CodecConfig(**d)
