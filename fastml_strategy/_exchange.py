@@ -19,22 +19,11 @@ import torch.distributed as dist
 from fastml_strategy import codecs
 from fastml_strategy._layouts import _DenseGroup, _Messages
 from fastml_strategy._residuals import ResidualStore
+from fastml_strategy._seeds import mix  # noqa: F401  (re-exported: the collectives import it from here)
 from fastml_strategy._status import host, write_header
 from fastml_strategy.config import Plan
 
 __all__ = ["ChunkExchange", "mix"]
-
-_M32 = 0xFFFFFFFF
-
-
-def mix(*xs: int) -> int:
-    """A 32-bit hash of integers (FNV-1a with a shift): the seeds of stochastic rounding, from the
-    plan's seed, the step, the rank, the stage and the layer."""
-    h = 0x811C9DC5
-    for x in xs:
-        h = ((h ^ (int(x) & _M32)) * 0x01000193) & _M32
-        h ^= h >> 15
-    return h
 
 
 class ChunkExchange:

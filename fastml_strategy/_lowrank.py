@@ -45,30 +45,22 @@ bucket's message headers, which follow, carry it to every rank, and every rank r
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-from fastml_strategy._exchange import mix
 from fastml_strategy._status import all_finite
-from fastml_strategy.config import CodecConfig, Plan
+from fastml_strategy.codecs.lowrank import initial_q, low_rank_roundtrip, matrix_shape, orthogonalise_
+from fastml_strategy.config import Codec, CodecConfig, Plan
 
 __all__ = ["matrix_shape", "orthogonalise_", "initial_q", "LowRankSection", "low_rank_roundtrip", "refuse_lowrank"]
-
-# Gram-Schmidt's guard against a zero column (a layer whose gradient is zero): the smallest normal
-# fp32, so that 0 / (0 + eps) = 0 and any column with a normal norm is divided by its norm exactly.
-_EPS = torch.finfo(torch.float32).tiny
 
 
 def refuse_lowrank(plan: Plan, where: str, why: str) -> None:
     """Raise ValueError, naming the plan's low-rank settings, where the low-rank codec does not run
     (``where``: the caller, ``why``: the reason). Called after the ranks agreed on the plan, so every
     rank raises it alike, before any step."""
-    from fastml_strategy.config import Codec
-
     keys = [k for k, cfg in (("default", plan.default), *plan.layers) if cfg.codec is Codec.LOWRANK]
     if keys:
         raise ValueError(
@@ -76,54 +68,6 @@ def refuse_lowrank(plan: Plan, where: str, why: str) -> None:
             f"DDP hook only ({why}); give these layers another codec (e.g. 'int4'), or train with "
             f"DDP and fastml_strategy.register_hook(model, plan) (one rank per machine, or "
             f"ranks_per_node=1)")
-
-
-def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
-    """The m x n matrix a tensor of ``shape`` is viewed as (torch's PowerSGD: the first dimension
-    against the rest)."""
-    m = int(shape[0]) if len(shape) else 1
-    return m, int(math.prod(shape[1:])) if len(shape) > 1 else 1
-
-
-def orthogonalise_(p: torch.Tensor) -> torch.Tensor:
-    """Orthonormalise the columns of ``p`` (m x r, fp32) in place: Gram-Schmidt with a second
-    projection pass per column ("twice is enough"), so that the basis stays orthonormal when the
-    matrix has rank below r (one pass leaves the last columns' roundoff along the earlier ones, which
-    normalising then blows up; torch's hook switches to Householder QR above rank 2 for this).
-    Deterministic: the same bits on every rank for the same input. A zero column stays zero."""
-    r = p.shape[1]
-    for i in range(r):
-        col = p[:, i: i + 1]
-        if i:
-            prev = p[:, :i]
-            for _ in range(2):
-                col -= prev @ (prev.t() @ col)
-        col /= torch.linalg.vector_norm(col) + _EPS
-    return p
-
-
-def initial_q(name: str, n: int, rank: int, seed: int, device) -> torch.Tensor:
-    """The first warm start ``Q`` (n x r, flat) of layer ``name``: standard normal numbers from a
-    generator seeded by the plan's seed and the name, the same on every rank."""
-    from fastml_strategy.wire.messages import layer_key
-
-    gen = torch.Generator().manual_seed(mix(seed, 0x10E4, layer_key(name)))
-    return torch.randn(n * rank, generator=gen, dtype=torch.float32).to(device)
-
-
-@torch.no_grad()
-def low_rank_roundtrip(x: torch.Tensor, rank: int, seed: int = 0, iterations: int = 2) -> torch.Tensor:
-    """What one rank's low-rank codec makes of ``x`` (an m x n view) without communication: ``P Q^T``
-    after ``iterations`` power steps from the seeded start (the warm start converges over training
-    steps; two steps measure where it stands after a few). The autotuner's profile measures the error
-    of this, as :func:`fastml_strategy.codecs.roundtrip` does for the other codecs."""
-    m, n = matrix_shape(x.shape)
-    M = x.detach().reshape(m, n).to(torch.float32)
-    q = initial_q("roundtrip", n, rank, seed, M.device).view(n, rank)
-    for _ in range(iterations):
-        p = orthogonalise_(M @ orthogonalise_(q))
-        q = M.t() @ p
-    return (p @ q.t()).reshape(x.shape)
 
 
 @dataclass
@@ -153,13 +97,16 @@ class LowRankSection:
     """The low-rank layers of one bucket that share a factor codec: one P round and one Q round.
 
     ``factor_cfg``: None for a plain fp32 all-reduce, else the codec the factors travel in through
-    the compressed all-reduce (a layout of one tensor, built here, with no error feedback)."""
+    the compressed all-reduce (a layout of one tensor, built here, with no error feedback).
+    ``layout_type``: the class of that layout (the bucket layout that holds this section gives its
+    own, :class:`fastml_strategy._layouts.BucketLayout`, so this module need not import it)."""
 
     params: list[_LowRankParam]
     factor_cfg: CodecConfig | None
     device: torch.device
     world_size: int
     rank: int
+    layout_type: type | None = None
     p_numel: int = 0
     q_numel: int = 0
     p_flat: torch.Tensor | None = None
@@ -183,14 +130,12 @@ class LowRankSection:
     # -- the wire ---------------------------------------------------------------------------------------
     def factor_layout(self, which: str):
         """The layout of the P or Q vector through the compressed all-reduce (compressed factors)."""
-        from fastml_strategy._layouts import BucketLayout
-
         lay = self._sub.get(which)
         if lay is None:
             numel = self.p_numel if which == "P" else self.q_numel
             plan = Plan(default=self.factor_cfg, min_numel=0, name=f"lowrank-{which}")
-            lay = self._sub[which] = BucketLayout((f"lowrank.{which}",), (0,), (numel,), plan, self.world_size,
-                                                  self.rank, self.device, double_buffer=False)
+            lay = self._sub[which] = self.layout_type((f"lowrank.{which}",), (0,), (numel,), plan, self.world_size,
+                                                      self.rank, self.device, double_buffer=False)
         return lay
 
     def _all_reduce(self, eng, flat: torch.Tensor, which: str, step: int, checks, divisor: float, before):

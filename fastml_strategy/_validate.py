@@ -21,7 +21,7 @@ import os
 import warnings
 from typing import Any
 
-__all__ = ["whole_number", "env_whole_number", "renamed", "LAYER_STATS_EVERY", "LAYER_STATS_EVERY_LOCALSGD"]
+__all__ = ["whole_number", "env_whole_number", "renamed", "type_problem", "LAYER_STATS_EVERY", "LAYER_STATS_EVERY_LOCALSGD"]
 
 # The defaults of ``layer_stats_every`` (``FASTML_LAYER_STATS_EVERY``): measuring a layer's compression
 # error costs a decode and two passes over its gradient, so the per-step paths (the DDP hook, FSDP)
@@ -33,6 +33,25 @@ LAYER_STATS_EVERY_LOCALSGD = 1
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def type_problem(value: Any, number: bool = False) -> str | None:
+    """Why ``value`` is not a whole number (``number``: not a number at all), worded to follow a
+    setting's name in an error (``bits must be an integer, got the string '4' ...``); None if it is
+    one. A plan JSON that quotes a number (``"bits": "4"``) is refused, not read as 4: its author
+    meant something, and a plan is compared byte for byte across ranks."""
+    if _is_int(value) or (number and isinstance(value, float)):
+        return None
+    kind = "a number" if number else "an integer"
+    if value is None:
+        return "is None"
+    if isinstance(value, str):
+        return f"must be {kind}, got the string {value!r} (write it without quotes)"
+    if isinstance(value, float):
+        return f"must be an integer, got {value!r}"
+    if isinstance(value, bool):
+        return f"must be {kind}, got {value!r}"
+    return f"must be {kind}, got a {type(value).__name__} ({value!r})"
 
 
 def whole_number(name: str, value: Any, minimum: int = 1, *, owner: str | None = None, note: str = "") -> int:

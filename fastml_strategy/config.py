@@ -20,7 +20,6 @@ files and digests of per-step plans are what they were.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import hashlib
 import json
 import math
@@ -31,209 +30,25 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from fastml_strategy._io import atomic_write_text
-from fastml_strategy._validate import whole_number
+from fastml_strategy._validate import _is_int, type_problem, whole_number
+from fastml_strategy.codecs import (DEFAULT_BLOCK_SIZE, RECIPES, RESIDUAL_DTYPES, Codec, CodecConfig, codec_for,
+                                    registered_codecs, settings_class)
 
 __all__ = ["Codec", "CodecConfig", "LocalSteps", "Plan", "RECIPES", "DEFAULT_RECIPE", "PLAN_FORMAT_VERSION",
-           "resolve_plan", "check_local_steps"]
+           "resolve_plan", "check_local_steps", "type_problem", "DEFAULT_BLOCK_SIZE", "RESIDUAL_DTYPES",
+           "intra_node_codecs"]
 
 PLAN_FORMAT_VERSION = 1
 
-# 512 elements per max-min block: int4 then costs 4 + 64/512 = 4.125 bits per element (ratio 7.76
-# against fp32) and int2 2.125 bits (ratio 15.1), while a block stays small enough that one outlier
-# does not flatten the resolution of a whole layer.
-DEFAULT_BLOCK_SIZE = 512
 # Below this many elements a tensor travels uncompressed (fp32, batched with the bucket's other small
 # tensors): at 4096 elements an int4 block's metadata is still noticeable and the saving is < 15 KB.
 DEFAULT_MIN_NUMEL = 4096
 
 
-class Codec(str, enum.Enum):
-    """How one tensor's gradient travels."""
-
-    FP32 = "fp32"  # plain fp32 all-reduce (ring), exact
-    FP16 = "fp16"  # cast to fp16 for the wire, summed in fp32
-    BF16 = "bf16"  # cast to bf16 for the wire, summed in fp32
-    QUANTIZE = "quantize"  # max-min per block, 1-8 bits, bit-packed, scatter-reduce-allgather
-    TOPK = "topk"  # largest-magnitude entries (values + int32 indices), all_gather, scatter-add
-    LOWRANK = "lowrank"  # PowerSGD: rank-r factors P (m x r) and Q (n x r) of each matrix, two all-reduces
-
-
-RESIDUAL_DTYPES = frozenset({"fp32", "bf16"})
-# How the low-rank codec's factors P and Q travel: a plain fp32 all-reduce (torch's PowerSGD hook), or
-# through FastML's compressed all-reduce in fp16/bf16 (half the bytes) or int8 (a quarter).
-LOWRANK_FACTORS = ("fp32", "fp16", "bf16", "int8")
-# The fields only the low-rank codec reads: written to JSON only for it, so every other codec's plan
-# files and digests stay what they were.
-LOWRANK_FIELDS = ("rank", "factors")
-# Codecs of the hop inside a machine (Plan.intra_node): exact or a 16-bit cast
-INTRA_NODE_CODECS = frozenset({Codec.FP32, Codec.FP16, Codec.BF16})
-
-
-@dataclass(frozen=True)
-class CodecConfig:
-    """The compression of one parameter's gradient.
-
-    Fields that do not apply to the codec are ignored (``bits`` of ``fp16``, say); values out of range
-    for the codec that uses them raise ValueError at construction, naming the field and the fix.
-    """
-
-    codec: Codec = Codec.FP32
-    # quantize: bits per element (1-8). topk: bits of the selected values (None = fp32 values).
-    bits: int | None = None
-    # Elements per max-min block (power of two, 8..65536). Smaller: more accurate, more metadata
-    # (8 bytes per block).
-    block_size: int = DEFAULT_BLOCK_SIZE
-    # Stochastic rounding: unbiased, noisier; seeded by (seed, rank, step), so runs are reproducible.
-    stochastic: bool = False
-    # topk: fraction of entries kept, in (0, 1]; or an exact count (topk_count wins if both are set).
-    topk: float | None = None
-    topk_count: int | None = None
-    # Error feedback: what compression drops is added back into the next step's gradient. Costs one
-    # residual per parameter (memory the size of the model); without it, top-k does not converge.
-    error_feedback: bool = True
-    # dtype of the error-feedback residual: "fp32", or "bf16" for half the memory (the residual is
-    # rounded to bf16 after each step; the encoder still adds it in fp32). Under FSDP a residual is as
-    # large as the unsharded gradient, so this is the memory knob there (docs/fsdp.md has the table).
-    residual_dtype: str = "fp32"
-    # Sparse all_gather traffic grows with the world size (each rank receives W-1 sparse messages).
-    # At the world size where top-k would send more than a scatter-reduce-allgather quantized to
-    # ``fallback_bits`` (None: fp32 ring all-reduce), the layer falls back to that dense codec.
-    fallback_bits: int | None = 8
-    # lowrank: the rank r of the approximation P Q^T of each m x n gradient matrix; it sends (m + n) r
-    # numbers instead of m n (rank 4 of a 1024 x 1024 layer: 128x fewer). Matrices too small to gain
-    # ((m + n) r >= m n) and 1-D tensors travel uncompressed (fp32).
-    rank: int = 4
-    # lowrank: how the factors travel: "fp32" (a plain all-reduce, as torch's PowerSGD hook), "fp16" /
-    # "bf16" (half the bytes) or "int8" (a quarter) through the compressed all-reduce, which costs two
-    # collectives per round instead of one; error feedback absorbs their rounding.
-    factors: str = "fp32"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.codec, Codec):
-            try:
-                object.__setattr__(self, "codec", Codec(self.codec))
-            except ValueError:
-                raise ValueError(
-                    f"codec={self.codec!r} is not a codec; use one of {[c.value for c in Codec]}"
-                ) from None
-        self.validate(_CONSTRUCTED)
-
-    # -- validation ----------------------------------------------------------------------------------
-    def validate(self, where: str = "codec") -> None:
-        """Raise ValueError naming the field and the fix if a setting is out of range (the codec's own
-        fields are checked by its class, :meth:`fastml_strategy.codecs.WireCodec.check`)."""
-
-        def fail(fieldname: str, problem: str, fix: str) -> None:
-            raise ValueError(f"{where}: {fieldname} {problem}; {fix}")
-
-        self._codec_class().check(self, fail)
-        fb = self.fallback_bits
-        if fb is not None and (not _is_int(fb) or not 1 <= fb <= 8):
-            fail("fallback_bits", type_problem(fb) or f"is {fb!r}, outside 1-8", "use 1-8, or None for fp32")
-        bs = self.block_size
-        if not _is_int(bs) or bs < 8 or bs > 65536 or bs & (bs - 1):
-            fail("block_size", type_problem(bs) or f"is {bs!r}",
-                 "use a power of two from 8 to 65536 (512 is the default)")
-        if not isinstance(self.stochastic, bool):
-            fail("stochastic", f"is {self.stochastic!r}", "use true or false")
-        if not isinstance(self.error_feedback, bool):
-            fail("error_feedback", f"is {self.error_feedback!r}", "use true or false")
-        if self.residual_dtype not in RESIDUAL_DTYPES:
-            fail("residual_dtype", f"is {self.residual_dtype!r}",
-                 f"use one of {sorted(RESIDUAL_DTYPES)} (bf16 halves the residual's memory)")
-
-    def _codec_class(self):
-        # The codec classes live in fastml_strategy.codecs (torch and the kernels), which imports this
-        # module; the package imports this module first, so by the time a config is checked both exist.
-        from fastml_strategy.codecs import codec_class
-
-        return codec_class(self.codec)
-
-    @property
-    def lossy(self) -> bool:
-        """Whether the plan compresses this tensor (every codec but fp32). A layer that is not lossy
-        travels uncompressed, batched with the bucket's other such tensors (in fp16/bf16 when the
-        gradients already are: exact either way)."""
-        return self._codec_class().lossy
-
-    @property
-    def uses_residual(self) -> bool:
-        """Whether this codec keeps an error-feedback residual (fp16/bf16 casts do not need one)."""
-        return self.error_feedback and self._codec_class().error_feedback
-
-    @property
-    def residual_torch_dtype(self) -> "torch.dtype":
-        import torch
-
-        return torch.bfloat16 if self.residual_dtype == "bf16" else torch.float32
-
-    def topk_k(self, numel: int) -> int:
-        """How many entries top-k keeps of a tensor of ``numel`` elements (at least 1, unless the
-        tensor is empty)."""
-        if numel <= 0:
-            return 0
-        if self.topk_count is not None:
-            return max(1, min(int(self.topk_count), numel))
-        return max(1, min(numel, int(-(-numel * float(self.topk) // 1))))
-
-    def describe(self) -> str:
-        """A short human name: ``int4``, ``topk1%-int4``, ``fp16``... (the codec class's)."""
-        return self._codec_class().describe(self)
-
-    # -- JSON ----------------------------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["codec"] = self.codec.value
-        if self.codec is not Codec.LOWRANK:  # the files and digests of other codecs stay as they were
-            for k in LOWRANK_FIELDS:
-                d.pop(k)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any], where: str = "codec") -> "CodecConfig":
-        if not isinstance(d, Mapping):
-            raise ValueError(f"{where}: expected an object with a 'codec' field, got {type(d).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"{where}: unknown field(s) {unknown}; known fields are {sorted(known)}")
-        if "codec" not in d:
-            raise ValueError(f"{where}: missing field 'codec'; use one of {[c.value for c in Codec]}")
-        try:
-            return cls(**d)
-        except ValueError as e:
-            msg = str(e).removeprefix(f"{_CONSTRUCTED}: ")
-            raise ValueError(f"{where}: {msg}") from None
-
-
-_CONSTRUCTED = "CodecConfig"  # the ``where`` of errors raised at construction
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def type_problem(value: Any, number: bool = False) -> str | None:
-    """Why ``value`` is not a whole number (``number``: not a number at all), worded to follow a
-    setting's name in an error (``bits must be an integer, got the string '4' ...``); None if it is
-    one. A plan JSON that quotes a number (``"bits": "4"``) is refused, not read as 4: its author
-    meant something, and a plan is compared byte for byte across ranks."""
-    if _is_int(value) or (number and isinstance(value, float)):
-        return None
-    kind = "a number" if number else "an integer"
-    if value is None:
-        return "is None"
-    if isinstance(value, str):
-        return f"must be {kind}, got the string {value!r} (write it without quotes)"
-    if isinstance(value, float):
-        return f"must be an integer, got {value!r}"
-    if isinstance(value, bool):
-        return f"must be {kind}, got {value!r}"
-    return f"must be {kind}, got a {type(value).__name__} ({value!r})"
-
-
-def _q(bits: int, **kw: Any) -> CodecConfig:
-    return CodecConfig(codec=Codec.QUANTIZE, bits=bits, **kw)
+def intra_node_codecs() -> list[str]:
+    """The codecs the hop inside a machine may take (Plan.intra_node): the registered codecs that say
+    so (``WireCodec.intra_node``: exact, or a 16-bit cast)."""
+    return sorted(c.value for c, cls in registered_codecs().items() if cls.intra_node)
 
 
 # The outer optimizers of local steps: DiLoCo's Nesterov SGD, or plain SGD (outer_lr=1, momentum 0:
@@ -314,25 +129,8 @@ class LocalSteps:
             raise ValueError(f"{where}: {str(e).removeprefix('local_steps: ')}") from None
 
 
-# Named recipes (``Plan.from_recipe``). "none" compresses nothing: every bucket is all-reduced the way
-# DDP's own hook does it (divide by W, one all-reduce in the gradients' dtype), so the result is DDP's,
-# bit for bit; FastML adds one 64-byte status all_gather per step (fail-fast on a decode error).
-RECIPES: dict[str, CodecConfig] = {
-    "none": CodecConfig(codec=Codec.FP32),
-    "fp16": CodecConfig(codec=Codec.FP16),
-    "bf16": CodecConfig(codec=Codec.BF16),
-    "int8": _q(8),
-    "int4": _q(4),
-    "int2": _q(2),
-    "int4-sr": _q(4, stochastic=True),
-    "topk1": CodecConfig(codec=Codec.TOPK, topk=0.01),
-    "topk1-int4": CodecConfig(codec=Codec.TOPK, topk=0.01, bits=4),
-    # PowerSGD (fastml_strategy._lowrank): rank-r factors in fp32, error feedback, warm-started Q
-    "lowrank1": CodecConfig(codec=Codec.LOWRANK, rank=1),
-    "lowrank2": CodecConfig(codec=Codec.LOWRANK, rank=2),
-    "lowrank4": CodecConfig(codec=Codec.LOWRANK, rank=4),
-    "lowrank8": CodecConfig(codec=Codec.LOWRANK, rank=8),
-}
+# Named recipes (``Plan.from_recipe``): ``RECIPES`` is the registry's, each codec module adding its
+# own (fastml_strategy.codecs); "none" is fp32's.
 
 
 # The plan of a user who names none (no argument, no FASTML_PLAN), and the default of a Plan's layers.
@@ -362,7 +160,7 @@ class Plan:
     # The hop inside a machine of the hierarchical all-reduce (several machines of several ranks):
     # None or fp32 sends it exact; fp16/bf16 halve its bytes (for GPUs that share PCIe without NVLink)
     # at one rounding of the machine's reduced gradient, which error feedback does not see. A recipe
-    # name ("bf16") or a CodecConfig; quantization is refused (see INTRA_NODE_CODECS).
+    # name ("bf16") or a CodecConfig; quantization is refused (see intra_node_codecs()).
     intra_node: CodecConfig | None = None
     # The schedule of each compressed bucket's all-reduce (fastml_strategy._halving): "auto" picks per
     # bucket by alpha-beta terms at the run's world size (N = 2: the ring; a power of two above 2:
@@ -395,7 +193,7 @@ class Plan:
         if isinstance(self.intra_node, str):
             if self.intra_node not in RECIPES:
                 raise ValueError(f"plan.intra_node is {self.intra_node!r}; use one of "
-                                 f"{sorted(c.value for c in INTRA_NODE_CODECS)} (or 'none' for fp32)")
+                                 f"{intra_node_codecs()} (or 'none' for fp32)")
             object.__setattr__(self, "intra_node", RECIPES[self.intra_node])
         self.validate()
 
@@ -415,22 +213,24 @@ class Plan:
         """One setting for every layer: ``bits`` alone quantizes, ``topk`` alone sparsifies, both
         give top-k with quantized values; ``codec="fp16"`` (or fp32/bf16) for plain casts.
         ``residual_dtype="bf16"`` halves the error-feedback memory."""
-        common = dict(block_size=block_size, stochastic=stochastic, error_feedback=error_feedback,
-                      residual_dtype=residual_dtype)
-        if codec is not None:
-            cfg = CodecConfig(codec=codec, bits=bits, topk=topk, **common)
-        elif topk is not None:
-            cfg = CodecConfig(codec=Codec.TOPK, topk=topk, bits=bits, **common)
-        elif bits is not None:
-            cfg = CodecConfig(codec=Codec.QUANTIZE, bits=bits, **common)
-        else:
-            raise ValueError("Plan.uniform: give bits=1..8, topk=(0, 1], or codec='fp32'/'fp16'/'bf16'")
+        if codec is None and topk is None and bits is None:
+            raise ValueError("Plan.uniform: give bits=1..8, topk=(0, 1], or codec='fp32'/'fp16'/'bf16' (or any "
+                             "registered codec's name)")
+        if codec is None:
+            codec = "topk" if topk is not None else "quantize"
+        given = dict(bits=bits, topk=topk, block_size=block_size, stochastic=stochastic,
+                     error_feedback=error_feedback, residual_dtype=residual_dtype)
+        unset = dict(bits=None, topk=None, block_size=DEFAULT_BLOCK_SIZE, stochastic=False, error_feedback=True,
+                     residual_dtype="fp32")
+        own = {f.name for f in dataclasses.fields(settings_class(codec))}
+        # what the codec reads, and whatever else was set (which it then refuses, naming its settings)
+        cfg = CodecConfig(codec=codec, **{k: v for k, v in given.items() if k in own or v != unset[k]})
         return cls(default=cfg, min_numel=min_numel, name=cfg.describe())
 
     @classmethod
     def from_recipe(cls, name: str, **overrides: Any) -> "Plan":
-        """A named recipe: ``none``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``int2``, ``int4-sr``,
-        ``topk1``, ``topk1-int4``, ``lowrank1``, ``lowrank2``, ``lowrank4``, ``lowrank8``."""
+        """A named recipe of :data:`RECIPES` (each codec module names its own: ``none``, ``fp16``,
+        ``int8``, ``int4``, ``topk1``, ``lowrank4``, ``fp8``...)."""
         if not isinstance(name, str) or name not in RECIPES:
             raise ValueError(
                 f"unknown recipe {name!r}{_did_you_mean(name)}; use one of {sorted(RECIPES)}, a plan JSON "
@@ -601,10 +401,10 @@ class Plan:
             if not isinstance(self.intra_node, CodecConfig):
                 raise ValueError(f"plan.intra_node is a {type(self.intra_node).__name__}; use a recipe name "
                                  f"('bf16', 'fp16', 'none') or a CodecConfig")
-            if self.intra_node.codec not in INTRA_NODE_CODECS:
+            if not codec_for(self.intra_node).intra_node:
                 raise ValueError(
                     f"plan.intra_node is {self.intra_node.describe()}; the hop inside a machine takes "
-                    f"{sorted(c.value for c in INTRA_NODE_CODECS)} only: it carries the machine's summed "
+                    f"{intra_node_codecs()} only: it carries the machine's summed "
                     f"gradient back to every rank after the compressed cross-machine stage, where no error "
                     f"feedback corrects a lossy code, and it runs on the fast link (use 'bf16' to halve it)")
 
@@ -627,10 +427,8 @@ class Plan:
     @property
     def intra_node_dtype(self) -> "torch.dtype | None":
         """The dtype the hop inside a machine travels in (None: the bucket's, summed in fp32)."""
-        if self.intra_node is None or self.intra_node.codec is Codec.FP32:
+        if self.intra_node is None or not self.intra_node.lossy:
             return None
-        from fastml_strategy.codecs import codec_for
-
         return codec_for(self.intra_node).dtype  # the cast codec's wire dtype
 
     def check_parameters(self, names: Iterable[str], aliases: Mapping[str, str] | None = None,

@@ -48,7 +48,7 @@ sends both steps in that dtype (half the bytes, for GPUs that share PCIe without
 copies are summed in fp32, and step 4 all-gathers the 16-bit rounding of each reduced row, which every
 rank of the machine, the row's owner included, copies into its bucket (so replicas stay identical).
 That rounding comes after error feedback (step 3) and is not corrected by it, which is why the hop
-takes no lossier code (:data:`fastml_strategy.config.INTRA_NODE_CODECS`).
+takes no lossier code (:func:`fastml_strategy.config.intra_node_codecs`).
 
 Sparse gradients (their own bucket) take the exact flat sparse all-reduce.
 

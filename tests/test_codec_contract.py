@@ -42,6 +42,11 @@ EXAMPLES: dict[Codec, dict[str, CodecConfig]] = {
         "lowrank4-int8": CodecConfig(codec=Codec.LOWRANK, rank=4, factors="int8"),
         "lowrank1-bf16-rbf16": CodecConfig(codec=Codec.LOWRANK, rank=1, factors="bf16", residual_dtype="bf16"),
     },
+    Codec.FP8: {
+        "fp8": CodecConfig(codec=Codec.FP8),
+        "fp8-b64-rbf16": CodecConfig(codec=Codec.FP8, block_size=64, residual_dtype="bf16"),
+        "fp8-noef": CodecConfig(codec=Codec.FP8, error_feedback=False),
+    },
 }
 # The shapes of the 2-rank run's layers (numels 5000, 40, 3000): the low-rank codec compresses the
 # matrices and sends the 1-D tensor as fp32.

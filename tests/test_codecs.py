@@ -48,7 +48,7 @@ def test_roundtrip_within_bound(cfg, n):
         step = torch.cat([(b.max() - b.min()).expand(b.numel()) / levels for b in blocks])
         bound = step * (1.0 if cfg.stochastic else 0.5) * (1 + 1e-5) + 1e-6
         assert ((y - x).abs() <= bound).all()
-    else:
+    elif cfg.codec is Codec.TOPK:
         k = cfg.topk_k(n)
         kept = y != 0
         assert int(kept.sum()) <= k
@@ -57,6 +57,8 @@ def test_roundtrip_within_bound(cfg, n):
             assert x[~kept].abs().max() <= x[kept].abs().min() + 1e-6
         if cfg.bits is None:
             assert torch.equal(y[kept], x[kept])
+    else:  # a codec added since (its own bound is its module's test; the contract's bound here)
+        assert float((y - x).abs().max()) <= 2 * float(x.abs().max())
 
 
 def test_zeros(cfg):

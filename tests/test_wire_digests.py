@@ -11,10 +11,11 @@ on the pure-torch reference (``FASTML_CPU_KERNEL=0``) and once per local build o
 which must all give the same bytes.
 
 - A change of bytes fails with "the encoded bytes changed: bump WIRE_FORMAT_VERSION ...". Raise the
-  version in ``fastml_strategy/codecs.py``, then record the new digests with ``REGENERATE`` below (it
+  version in ``fastml_strategy/codecs/_base.py``, then record the new digests with ``REGENERATE`` below (it
   adds the new version's entries and keeps the old versions' as the record of their bytes).
 - A new codec is picked up from the registry: it needs example settings in ``EXAMPLES`` and digests
-  (the same command records the missing ones; it never overwrites a stored digest). A codec whose
+  (the same command records the missing ones under the current version; it never overwrites a stored
+  digest). A new codec changes no stored digest, so it does not raise the version. A codec whose
   messages are not one encode of one tensor overrides ``wire_sample``, or sets ``digest_exempt`` to the
   reason the test prints.
 
@@ -43,14 +44,12 @@ DIGEST_FILE = Path(__file__).with_name("wire_digests.json")
 REGENERATE = "python tests/test_wire_digests.py --regenerate"
 NUMELS = (1, 13, 1000, 4099)  # one element, a partial block, one partial block of 512, 8 blocks and a bit
 OTHER_DTYPES = ((torch.bfloat16, 1000), (torch.float16, 4099))  # the encoder's 16-bit inputs
-_DEFAULT = CodecConfig()
-
-
 def config_key(cfg: CodecConfig) -> str:
-    """A stable name of ``cfg``: the codec and the fields that differ from the defaults."""
+    """A stable name of ``cfg``: the codec and its fields that differ from their defaults, in the order
+    of its plan record."""
     d = cfg.to_dict()
-    rest = [f"{f.name}={d[f.name]!r}" for f in dataclasses.fields(cfg)
-            if f.name != "codec" and getattr(cfg, f.name) != getattr(_DEFAULT, f.name)]
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    rest = [f"{k}={v!r}" for k, v in d.items() if k in defaults and v != defaults[k]]
     return " ".join([d["codec"], *rest])
 
 
@@ -120,13 +119,14 @@ def compare(stored: dict, computed: dict, path: str) -> list[str]:
             f"the encoded bytes changed ({path}), for {len(changed)} case(s), e.g. {changed[:4]}: ranks of this "
             f"build and of the last would decode each other's messages differently under the same "
             f"WIRE_FORMAT_VERSION={v}. If the change is meant, bump WIRE_FORMAT_VERSION in "
-            f"fastml_strategy/codecs.py and regenerate with `{REGENERATE}`; if not, the change is a bug.")
+            f"fastml_strategy/codecs/_base.py and regenerate with `{REGENERATE}`; if not, the change is a bug.")
     if missing:
         problems.append(
             f"no stored digest for {missing[:4]}{' ...' if len(missing) > 4 else ''} under WIRE_FORMAT_VERSION={v} "
-            f"in {DIGEST_FILE.name}. A new codec (or new bytes) needs a new version: bump WIRE_FORMAT_VERSION in "
-            f"fastml_strategy/codecs.py, then record the digests with `{REGENERATE}` (it adds missing entries "
-            f"and never overwrites a stored one) and commit {DIGEST_FILE.name}.")
+            f"in {DIGEST_FILE.name}. A new codec (or a new setting of one) records its digests under the "
+            f"current version with `{REGENERATE}` (it adds missing entries and never overwrites a stored one) "
+            f"and commits {DIGEST_FILE.name}; bytes that change for a stored setting need a new version "
+            f"(WIRE_FORMAT_VERSION in fastml_strategy/codecs/_base.py).")
     return problems
 
 

@@ -40,13 +40,15 @@ from fastml_strategy.autotune.result import (ASSUMED_TARGET_STEPS, TARGET_STEPS_
 from fastml_strategy.autotune.result import plan_family
 from fastml_strategy.autotune.result import winning_row as _winner
 from fastml_strategy.autotune.workload import Workload
+from fastml_strategy.codecs import uniform_recipes
 from fastml_strategy.config import LocalSteps, Plan
 
 __all__ = ["autotune", "AutotuneResult", "Settings", "prepare", "UNIFORM_RECIPES", "SCALING_NODES",
            "WHATIF_NODES", "WHATIF_RANKS_PER_NODE", "ASSUMED_TARGET_STEPS", "baseline_label"]
 
-# The uniform recipes every report compares against (the list), plus plain DDP.
-UNIFORM_RECIPES = ("none", "fp16", "int8", "int4", "int2", "topk1", "lowrank4")
+# The uniform recipes every report compares against, plus plain DDP: each registered codec's
+# ``uniform`` (fastml_strategy.codecs: none, fp16, int8, int4, int2, topk1, lowrank4).
+UNIFORM_RECIPES = uniform_recipes()
 SCALING_NODES = (8, 16, 32, 64, 128, 256, 512, 1024)
 # Sharded runs: the what-if grid of cluster shapes (nodes x ranks per node) for every option.
 WHATIF_NODES = (2, 8, 32, 128)

@@ -30,7 +30,7 @@ import pandas as pd
 
 from fastml_strategy._io import atomic_open, atomic_write_text
 from fastml_strategy.autotune.costmodel import CANDIDATES, FIT_SE_FLOOR
-from fastml_strategy.config import Codec, CodecConfig
+from fastml_strategy.config import CodecConfig
 
 from fastml_strategy.autotune.result import TARGET_STEPS_SOURCES, uses_local_steps
 
@@ -325,7 +325,9 @@ def bits_per_element(cfg: CodecConfig, numel: int) -> float:
 
 
 def _sparsity(cfg: CodecConfig, numel: int) -> float:
-    return 1.0 - cfg.topk_k(numel) / numel if cfg.codec is Codec.TOPK else 0.0
+    from fastml_strategy.codecs import codec_for
+
+    return 1.0 - codec_for(cfg).density(numel) if numel > 0 else 0.0
 
 
 # -- tables --------------------------------------------------------------------------------------------

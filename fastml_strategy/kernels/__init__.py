@@ -35,21 +35,17 @@ import os
 
 import torch
 
-from fastml_strategy.kernels.reference import (
-    ChunkLayout,
-    chunk_layout,
-    dequantize_reference,
-    num_blocks,
-    packed_nbytes,
-    quantize_reference,
-    uniform,
-)
+from fastml_strategy.kernels import reference
+from fastml_strategy.kernels.reference import (ChunkLayout, check_args, check_out, chunk_layout, num_blocks, packed_nbytes,
+                                               uniform)
 
 __all__ = [
     # codec
     "quantize",
     "dequantize",
     "reduce_quantize",
+    "quantize_reference",
+    "dequantize_reference",
     # sizes
     "packed_nbytes",
     "num_blocks",
@@ -123,6 +119,22 @@ def available_backends(device: str | torch.device = "cpu") -> list[str]:
     return out
 
 
+def _backend(be: str):
+    """The module of backend ``be``. Each implements one narrow protocol, called with arguments this
+    module has checked: ``quantize_into(x, bits, block_size, stochastic, seed, residual, residual_out,
+    packed, meta)`` (``x`` flat, contiguous and not empty; the outputs allocated and sized) and
+    ``dequantize_into(packed, meta, numel, bits, block_size, out, accumulate)`` (``numel`` > 0)."""
+    if be == "triton":
+        from fastml_strategy.kernels import quantize_triton
+
+        return quantize_triton
+    if be == "cpu":
+        from fastml_strategy.kernels import cpu
+
+        return cpu
+    return reference
+
+
 def quantize(
     x: torch.Tensor,
     bits: int,
@@ -146,32 +158,35 @@ def quantize(
     the others go through an fp32 copy). ``stochastic`` rounds with the counter-based hash of ``seed``
     (same seed, same bytes on every backend). ``packed_out`` / ``meta_out``: contiguous tensors of
     those sizes to write into (e.g. views of a send buffer); they are returned.
-    """
-    _check_args(bits, block_size)
-    be = resolve_backend(x, backend)
-    if backend is None and x.dtype not in _KERNEL_DTYPES:
-        be = "torch"  # e.g. float64: only the reference converts it
-    if residual is not None and residual.dtype != torch.float32:
-        native = False
-        if be == "cpu" and residual.dtype == torch.bfloat16:
-            from fastml_strategy.kernels import cpu
 
-            native = cpu.native_bf16_residual()
+    The one signature of the encoder: every backend is reached from here (:func:`_backend`).
+    """
+    check_args(bits, block_size)
+    be = resolve_backend(x, backend)
+    if x.dtype not in _KERNEL_DTYPES:
+        if backend is None:
+            be = "torch"  # e.g. float64: only the reference converts it
+        elif be != "torch":
+            raise TypeError(f"quantize: x is {x.dtype}; the {be} backend takes float32, float16 or bfloat16")
+    if residual is not None and residual.dtype != torch.float32:
+        native = be == "cpu" and residual.dtype == torch.bfloat16 and _backend("cpu").native_bf16_residual()
         if not native:  # through an fp32 copy: the same bytes, two more passes over the residual
             r32 = residual.to(torch.float32)
             out = quantize(x, bits, block_size, stochastic, seed, r32, None, be, packed_out, meta_out)
             (residual if residual_out is None else residual_out).copy_(r32)
             return out
-    args = (x, bits, block_size, stochastic, seed, residual, residual_out, packed_out, meta_out)
-    if be == "triton":
-        from fastml_strategy.kernels import quantize_triton
-
-        return quantize_triton.quantize(*args)
-    if be == "cpu":
-        from fastml_strategy.kernels import cpu
-
-        return cpu.quantize(*args)
-    return quantize_reference(*args)
+    x = x.reshape(-1)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    n, nb, nbytes = x.numel(), num_blocks(x.numel(), block_size), packed_nbytes(x.numel(), bits)
+    packed = packed_out if packed_out is not None else torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    meta = meta_out if meta_out is not None else torch.empty(nb, 2, dtype=torch.float32, device=x.device)
+    if n == 0:
+        return packed, meta
+    check_out(packed, nbytes, torch.uint8, "packed_out")
+    check_out(meta, 2 * nb, torch.float32, "meta_out")
+    _backend(be).quantize_into(x, bits, block_size, stochastic, seed, residual, residual_out, packed, meta)
+    return packed, meta
 
 
 def dequantize(
@@ -186,18 +201,25 @@ def dequantize(
 ) -> torch.Tensor:
     """Decode ``numel`` fp32 values; into ``out`` (contiguous fp32) when given, added to it when
     ``accumulate`` (the reduce step of scatter-reduce-allgather, with no temporary per peer)."""
-    _check_args(bits, block_size)
+    check_args(bits, block_size)
     be = resolve_backend(packed, backend)
-    args = (packed, meta, numel, bits, block_size, out, accumulate)
-    if be == "triton":
-        from fastml_strategy.kernels import quantize_triton
+    if out is None:
+        out = (torch.zeros if accumulate else torch.empty)(numel, dtype=torch.float32, device=packed.device)
+    if numel == 0:
+        return out
+    check_out(out, numel, torch.float32, "out")
+    _backend(be).dequantize_into(packed, meta, numel, bits, block_size, out, accumulate)
+    return out
 
-        return quantize_triton.dequantize(*args)
-    if be == "cpu":
-        from fastml_strategy.kernels import cpu
 
-        return cpu.dequantize(*args)
-    return dequantize_reference(*args)
+def quantize_reference(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize` on the pure-torch reference (``backend="torch"``): the test oracle."""
+    return quantize(*args, backend="torch", **kwargs)
+
+
+def dequantize_reference(*args, **kwargs) -> torch.Tensor:
+    """:func:`dequantize` on the pure-torch reference (``backend="torch"``)."""
+    return dequantize(*args, backend="torch", **kwargs)
 
 
 def reduce_quantize(
@@ -222,7 +244,7 @@ def reduce_quantize(
     (``acc``: a contiguous fp32 scratch of ``numel`` elements, allocated when not given). The compiled
     CPU backend fuses the four, block by block in L1, into the same bytes without writing the sum.
     Returns ``(packed, meta)``."""
-    _check_args(bits, block_size)
+    check_args(bits, block_size)
     if not sources:
         raise ValueError("reduce_quantize: no sources")
     be = resolve_backend(sources[0][0], backend)
@@ -234,7 +256,7 @@ def reduce_quantize(
         from fastml_strategy.kernels import cpu
 
         if cpu.has_reduce():
-            cpu.reduce_quantize(sources, numel, bits, block_size, divisor, stochastic, seed, packed_out,
+            cpu.reduce_quantize_into(sources, numel, bits, block_size, divisor, stochastic, seed, packed_out,
                                 meta_out)
             return packed_out, meta_out
     if acc is None:
@@ -244,14 +266,6 @@ def reduce_quantize(
     acc.div_(divisor)
     return quantize(acc, bits, block_size, stochastic, seed, backend=be, packed_out=packed_out,
                     meta_out=meta_out)
-
-
-def _check_args(bits: int, block_size: int) -> None:
-    if not 1 <= bits <= 8:
-        raise ValueError(f"bits={bits}: the codec packs 1 to 8 bits per element")
-    if block_size < 8 or block_size & (block_size - 1):
-        raise ValueError(
-            f"block_size={block_size}: must be a power of two >= 8, so every block starts on a byte")
 
 
 # -- segment tables (Triton; imported on first use, as Triton must not load with the package) --------------

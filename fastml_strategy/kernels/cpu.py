@@ -58,7 +58,7 @@ from typing import NamedTuple
 
 import torch
 
-from fastml_strategy.kernels.reference import num_blocks, packed_nbytes, seed_word
+from fastml_strategy.kernels.reference import seed_word
 
 __all__ = [
     # the codec
@@ -369,47 +369,19 @@ def _threads(n: int) -> int:
     return max(1, min(t, n // _MIN_ELEMS_PER_THREAD))
 
 
-def quantize(
-    x: torch.Tensor,
-    bits: int,
-    block_size: int = 512,
-    stochastic: bool = False,
-    seed: int = 0,
-    residual: torch.Tensor | None = None,
-    residual_out: torch.Tensor | None = None,
-    packed_out: torch.Tensor | None = None,
-    meta_out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Compiled twin of :func:`~fastml_strategy.kernels.reference.quantize_reference`
-    (``torch.ops.fastml.quantize``; arguments are checked there)."""
+def quantize_into(x, bits, block_size, stochastic, seed, residual, residual_out, packed, meta) -> None:
+    """Compiled twin of :func:`~fastml_strategy.kernels.reference.quantize_into` (the protocol of
+    :func:`fastml_strategy.kernels._backend`: checked there; ``torch.ops.fastml.quantize``)."""
     b = _require()
-    x = x.reshape(-1)
-    if not x.is_contiguous():
-        x = x.contiguous()
-    n = x.numel()
-    packed = packed_out if packed_out is not None else torch.empty(packed_nbytes(n, bits), dtype=torch.uint8)
-    meta = meta_out if meta_out is not None else torch.empty(num_blocks(n, block_size), 2, dtype=torch.float32)
     b.ops.quantize(x, bits, block_size, bool(stochastic), seed_word(seed), residual, residual_out, packed, meta,
-                   _threads(n))
-    return packed, meta
+                   _threads(x.numel()))
 
 
-def dequantize(
-    packed: torch.Tensor,
-    meta: torch.Tensor,
-    numel: int,
-    bits: int,
-    block_size: int = 512,
-    out: torch.Tensor | None = None,
-    accumulate: bool = False,
-) -> torch.Tensor:
-    """Compiled twin of :func:`~fastml_strategy.kernels.reference.dequantize_reference`
+def dequantize_into(packed, meta, numel, bits, block_size, out, accumulate) -> None:
+    """Compiled twin of :func:`~fastml_strategy.kernels.reference.dequantize_into`
     (``torch.ops.fastml.dequantize``)."""
     b = _require()
-    if out is None:
-        out = (torch.zeros if accumulate else torch.empty)(numel, dtype=torch.float32)
     b.ops.dequantize(*_message(packed, meta), numel, bits, block_size, out, bool(accumulate), _threads(numel))
-    return out
 
 
 def _message(packed: torch.Tensor, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -432,17 +404,7 @@ def has_reduce() -> bool:
     return b is not None and b.reduce
 
 
-def reduce_quantize(
-    sources: list[tuple[torch.Tensor, torch.Tensor]],
-    numel: int,
-    bits: int,
-    block_size: int,
-    divisor: float,
-    stochastic: bool,
-    seed: int,
-    packed_out: torch.Tensor,
-    meta_out: torch.Tensor,
-) -> None:
+def reduce_quantize_into(sources, numel, bits, block_size, divisor, stochastic, seed, packed_out, meta_out) -> None:
     """Compiled twin of :func:`fastml_strategy.kernels.reduce_quantize`: the ``(packed, meta)``
     messages of ``sources`` (``numel`` elements each) decoded, summed in order, divided by ``divisor``
     and quantized into ``packed_out`` / ``meta_out``, in one pass over each block

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastml_strategy.kernels.reference import FLT_MAX, chunk_layout, num_blocks, packed_nbytes, seed_word
+from fastml_strategy.kernels.reference import FLT_MAX, check_out, chunk_layout, num_blocks, packed_nbytes, seed_word
 
 __all__ = ["quantize", "dequantize", "encode_table", "decode_table", "seed_column", "quantize_segments",
            "dequantize_segments"]
@@ -248,38 +248,19 @@ def _words_ok(bits: int, packed: torch.Tensor) -> bool:
     return bits in (1, 2, 4, 8) and packed.data_ptr() % bits == 0
 
 
-def quantize(
-    x: torch.Tensor,
-    bits: int,
-    block_size: int = 512,
-    stochastic: bool = False,
-    seed: int = 0,
-    residual: torch.Tensor | None = None,
-    residual_out: torch.Tensor | None = None,
-    packed_out: torch.Tensor | None = None,
-    meta_out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton twin of :func:`~fastml_strategy.kernels.reference.quantize_reference` (same arguments)."""
+def quantize_into(x, bits, block_size, stochastic, seed, residual, residual_out, packed, meta) -> None:
+    """Triton twin of :func:`~fastml_strategy.kernels.reference.quantize_into` (the protocol of
+    :func:`fastml_strategy.kernels._backend`: ``x`` flat and contiguous, the outputs checked there)."""
     if x.dtype not in _DTYPES:
         raise TypeError(f"quantize: x is {x.dtype}; the codec takes float32, float16 or bfloat16")
-    x = x.reshape(-1)
-    if not x.is_contiguous():
-        x = x.contiguous()
     n = x.numel()
-    nb = num_blocks(n, block_size)
     nbytes = packed_nbytes(n, bits)
-    packed = packed_out if packed_out is not None else torch.empty(nbytes, dtype=torch.uint8, device=x.device)
-    meta = meta_out if meta_out is not None else torch.empty(nb, 2, dtype=torch.float32, device=x.device)
-    if n == 0:
-        return packed, meta
-    _check_out(packed, nbytes, torch.uint8, "packed_out")
-    _check_out(meta, 2 * nb, torch.float32, "meta_out")
     has_res = residual is not None
     if has_res:
         r = residual.reshape(-1)
-        _check_out(r, n, torch.float32, "residual")
+        check_out(r, n, torch.float32, "residual")
         rout = r if residual_out is None else residual_out.reshape(-1)
-        _check_out(rout, n, torch.float32, "residual_out")
+        check_out(rout, n, torch.float32, "residual_out")
     else:
         r = rout = x  # unused
     g, nfull, opts = _plan(n, block_size)
@@ -295,26 +276,11 @@ def quantize(
         _quantize_kernel[(triton.cdiv(ntail_blocks, g),)](
             x[b:], r[b:], rout[b:], packed[pb:], meta.view(-1)[2 * (b // block_size):], n - b, nbytes - pb, b,
             seed_s, EVEN=False, WORDS=False, **consts)
-    return packed, meta
 
 
-def dequantize(
-    packed: torch.Tensor,
-    meta: torch.Tensor,
-    numel: int,
-    bits: int,
-    block_size: int = 512,
-    out: torch.Tensor | None = None,
-    accumulate: bool = False,
-) -> torch.Tensor:
-    """Triton twin of :func:`~fastml_strategy.kernels.reference.dequantize_reference`."""
-    if out is None:
-        out = (torch.zeros if accumulate else torch.empty)(numel, dtype=torch.float32, device=packed.device)
-    if numel == 0:
-        return out
-    _check_out(out, numel, torch.float32, "out")
+def dequantize_into(packed, meta, numel, bits, block_size, out, accumulate) -> None:
+    """Triton twin of :func:`~fastml_strategy.kernels.reference.dequantize_into`."""
     _decode(packed, meta, numel, bits, block_size, out, accumulate)
-    return out
 
 
 def _decode(packed, meta, numel, bits, block_size, out, accumulate):
@@ -337,13 +303,6 @@ def _decode(packed, meta, numel, bits, block_size, out, accumulate):
         _dequantize_kernel[(triton.cdiv(num_blocks(numel - b, block_size), g),)](
             packed[pb:], meta[2 * (b // block_size):], out[b:],
             numel - b, nbytes - pb, EVEN=False, WORDS=False, **consts)
-
-
-def _check_out(t: torch.Tensor, numel: int, dtype: torch.dtype, name: str) -> None:
-    if t.dtype != dtype or t.numel() != numel or not t.is_contiguous():
-        raise ValueError(
-            f"{name}: expected a contiguous {dtype} tensor of {numel} elements, got {t.dtype} "
-            f"{tuple(t.shape)} (contiguous={t.is_contiguous()})")
 
 
 # -- segment tables: one launch for many chunks ------------------------------------------------------

@@ -54,8 +54,10 @@ from typing import NamedTuple
 import torch
 
 __all__ = [
-    "quantize_reference",
-    "dequantize_reference",
+    "quantize_into",
+    "dequantize_into",
+    "check_args",
+    "check_out",
     "uniform",
     "seed_word",
     "packed_nbytes",
@@ -209,32 +211,15 @@ def _block_meta(v2: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tens
     return mn, scale, finite
 
 
-def quantize_reference(
-    x: torch.Tensor,
-    bits: int,
-    block_size: int = 512,
-    stochastic: bool = False,
-    seed: int = 0,
-    residual: torch.Tensor | None = None,
-    residual_out: torch.Tensor | None = None,
-    packed_out: torch.Tensor | None = None,
-    meta_out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Encode ``x`` (1-D) as ``(packed uint8[ceil(n*bits/8)], meta fp32[nblocks, 2])``.
-
-    With ``residual`` (fp32, same length), encodes ``x + residual`` and writes the new residual to
-    ``residual_out`` (default: ``residual`` itself, in place). ``packed_out`` / ``meta_out``, when
-    given, receive the payload and metadata (and are returned). See the module docstring for the format.
-    """
-    _check_args(bits, block_size)
-    x = x.reshape(-1)
+def quantize_into(x: torch.Tensor, bits: int, block_size: int, stochastic: bool, seed: int,
+                  residual: torch.Tensor | None, residual_out: torch.Tensor | None, packed: torch.Tensor,
+                  meta: torch.Tensor) -> None:
+    """The reference encoder (the test oracle, and the path of any device): ``x`` (flat, contiguous,
+    not empty; with ``residual``, ``x + residual``) into ``packed`` / ``meta``, the new residual into
+    ``residual_out`` (default ``residual``). :func:`fastml_strategy.kernels.quantize` checks the
+    arguments and allocates the outputs; see the module docstring for the format."""
     n = x.numel()
     levels = (1 << bits) - 1
-    nb = num_blocks(n, block_size)
-    if n == 0:
-        packed = packed_out if packed_out is not None else torch.empty(0, dtype=torch.uint8, device=x.device)
-        meta = meta_out if meta_out is not None else torch.empty(0, 2, dtype=torch.float32, device=x.device)
-        return packed, meta
     v2, _ = _padded_blocks(x, residual, block_size)
     mn, scale, finite = _block_meta(v2, levels)
     all_finite = bool(finite.all())
@@ -254,16 +239,13 @@ def quantize_reference(
         qf.mul_(finite[:, None])  # codes of non-finite blocks are 0 (qf is finite here)
     qf.view(-1)[n:] = 0  # padding codes: the bits after element n - 1 are 0
     q = qf.to(torch.uint8).reshape(-1)
-    meta = meta_out if meta_out is not None else torch.empty(nb, 2, dtype=torch.float32, device=x.device)
     if all_finite:
         meta[:, 0] = mn
         meta[:, 1] = scale
     else:
         meta[:, 0] = torch.where(finite, mn, float("nan"))
         meta[:, 1] = torch.where(finite, scale, float("nan"))
-    packed = pack_bits(q, bits, n)
-    if packed_out is not None:
-        packed = packed_out.copy_(packed)
+    packed.copy_(pack_bits(q, bits, n))
     if residual is not None:
         y = qf.mul_(scale[:, None]).add_(mn_q[:, None]).view(-1)[:n]  # mn + q * scale
         dst = (residual if residual_out is None else residual_out).reshape(-1)
@@ -272,10 +254,19 @@ def quantize_reference(
         else:
             fin_el = finite.repeat_interleave(block_size)[:n]
             dst.copy_(torch.where(fin_el, v2.view(-1)[:n] - y, residual.reshape(-1)))
-    return packed, meta
 
 
-def _check_args(bits: int, block_size: int) -> None:
+def check_out(t: torch.Tensor, numel: int, dtype: torch.dtype, name: str) -> None:
+    """Raise ValueError unless ``t`` is a contiguous ``dtype`` tensor of ``numel`` elements (an output
+    or a residual given to a kernel)."""
+    if t.dtype != dtype or t.numel() != numel or not t.is_contiguous():
+        raise ValueError(
+            f"{name}: expected a contiguous {dtype} tensor of {numel} elements, got {t.dtype} "
+            f"{tuple(t.shape)} (contiguous={t.is_contiguous()})")
+
+
+def check_args(bits: int, block_size: int) -> None:
+    """The one check of the codec's parameters, for every entry point and backend."""
     if not 1 <= bits <= 8:
         raise ValueError(f"bits={bits}: the codec packs 1 to 8 bits per element")
     if block_size < 8 or block_size & (block_size - 1):
@@ -283,22 +274,11 @@ def _check_args(bits: int, block_size: int) -> None:
             f"block_size={block_size}: must be a power of two >= 8, so every block starts on a byte")
 
 
-def dequantize_reference(
-    packed: torch.Tensor,
-    meta: torch.Tensor,
-    numel: int,
-    bits: int,
-    block_size: int = 512,
-    out: torch.Tensor | None = None,
-    accumulate: bool = False,
-) -> torch.Tensor:
-    """Decode ``numel`` fp32 values; into ``out`` (fp32, 1-D), added to it when ``accumulate``."""
+def dequantize_into(packed: torch.Tensor, meta: torch.Tensor, numel: int, bits: int, block_size: int,
+                    out: torch.Tensor, accumulate: bool) -> None:
+    """The reference decoder: ``numel`` (> 0) fp32 values into ``out`` (fp32, 1-D), added to it when
+    ``accumulate``."""
     nb = num_blocks(numel, block_size)
-    if out is None:
-        out = torch.zeros(numel, dtype=torch.float32, device=packed.device) if accumulate else \
-            torch.empty(numel, dtype=torch.float32, device=packed.device)
-    if numel == 0:
-        return out
     q = unpack_bits(packed.reshape(-1), bits, nb * block_size).view(nb, block_size)
     meta = meta.reshape(nb, 2)
     y = q.to(torch.float32).mul_(meta[:, 1:2]).add_(meta[:, 0:1]).view(-1)[:numel]  # mn + q * scale
@@ -307,4 +287,3 @@ def dequantize_reference(
         dst.add_(y)
     else:
         dst.copy_(y)
-    return out

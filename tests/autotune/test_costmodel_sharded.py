@@ -2,6 +2,7 @@
 predicted bytes and residual memory against real FSDP2 / HSDP runs of fastml_strategy.fsdp.register
 on gloo ranks."""
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -91,14 +92,14 @@ def test_sharded_runs_also_search_bf16_residuals():
     for base in BASE_OPTIONS:
         cfg = CANDIDATES[base]
         twin = f"{base}-rbf16"
-        if cfg.codec.value == "lowrank":  # DDP only (FSDP refuses it: a shard is no matrix)
+        if not cfg.wire.sharded:  # low-rank: DDP only (FSDP refuses it: a shard is no matrix)
             assert base not in opts and twin not in opts
             continue
         assert (twin in opts) == cfg.uses_residual
         if cfg.uses_residual:
             assert CANDIDATES[twin].residual_dtype == "bf16"
             assert CANDIDATES[twin].describe().endswith("-rbf16")
-            assert CANDIDATES[twin].codec == cfg.codec and CANDIDATES[twin].bits == cfg.bits
+            assert dataclasses.replace(CANDIDATES[twin], residual_dtype=cfg.residual_dtype) == cfg
 
 
 def test_ddp_is_untouched_by_the_sharding_argument():

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import fastml_strategy as fm
 import fastml_strategy.codecs as codecs
 from fastml_strategy import kernels
-from fastml_strategy.kernels.reference import quantize_reference
+from fastml_strategy.kernels import quantize_reference
 
 
 def main() -> int:

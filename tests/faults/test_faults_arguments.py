@@ -70,7 +70,7 @@ PLAN_ROWS = [
     ("uniform-nothing", lambda t: Plan.uniform(), ValueError, "Plan.uniform", "give bits=1..8"),
     ("uniform-bits", lambda t: Plan.uniform(bits=0), ValueError, "bits is 0", "1 to 8"),
     ("uniform-topk", lambda t: Plan.uniform(topk=0.0), ValueError, "topk is 0.0", "kept fraction"),
-    ("uniform-codec", lambda t: Plan.uniform(codec="fp8"), ValueError, "codec='fp8'", "use one of"),
+    ("uniform-codec", lambda t: Plan.uniform(codec="fp7"), ValueError, "codec='fp7'", "use one of"),
     ("uniform-block", lambda t: Plan.uniform(bits=4, block_size=3), ValueError, "block_size is 3", "power of two"),
     ("uniform-min-numel", lambda t: Plan.uniform(bits=4, min_numel=-8), ValueError, "min_numel is -8", ">= 0"),
     ("recipe-unknown", lambda t: Plan.from_recipe("int5"), ValueError, "unknown recipe 'int5'", "use one of"),

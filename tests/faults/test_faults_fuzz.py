@@ -161,7 +161,7 @@ def test_dense_codecs_roundtrip(x, cfg, seed):
     assert y.shape == x.shape and y.dtype == torch.float32
     assert nbytes == codecs.dense_nbytes(n, cfg)
     x32, y = x.reshape(-1).to(torch.float32), y.reshape(-1)
-    where = f"{cfg.describe()} bs={cfg.block_size} n={n} {x.dtype}"
+    where = f"{cfg.describe()} bs={getattr(cfg, 'block_size', None)} n={n} {x.dtype}"
     if cfg.codec is Codec.FP32:
         assert torch.equal(y.nan_to_num(1.0), x32.nan_to_num(1.0)) and torch.equal(
             torch.isnan(y), torch.isnan(x32)), where

@@ -9,14 +9,9 @@ import math
 import pytest
 import torch
 
-from fastml_strategy.kernels import dequantize, packed_nbytes, quantize, reduce_quantize, resolve_backend
-from fastml_strategy.kernels.reference import (
-    FLT_MAX,
-    dequantize_reference,
-    num_blocks,
-    quantize_reference,
-    uniform,
-)
+from fastml_strategy.kernels import (dequantize, dequantize_reference, packed_nbytes, quantize, quantize_reference,
+                                     reduce_quantize, resolve_backend)
+from fastml_strategy.kernels.reference import FLT_MAX, num_blocks, uniform
 
 SIZES = [1, 13, 1000, 1024, 30011]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -295,7 +290,7 @@ def test_bf16_residual_rounds_to_nearest_even(cpu_build):
     x = torch.cat([torch.zeros(v.shape[0], 1), torch.ones(v.shape[0], 1), v], dim=1).reshape(-1)
     n = x.numel()
     r_out = torch.empty(n, dtype=torch.bfloat16)
-    cpu.quantize(x, 8, 8, residual=torch.zeros(n, dtype=torch.bfloat16), residual_out=r_out)
+    quantize(x, 8, 8, residual=torch.zeros(n, dtype=torch.bfloat16), residual_out=r_out, backend="cpu")
     got = r_out.view(-1, 8)[:, 2:]
     assert torch.equal(got.view(torch.int16), v.to(torch.bfloat16).view(torch.int16))
 
@@ -417,13 +412,13 @@ def test_cpu_threads_bit_exact(monkeypatch, cpu_build):
     r = torch.randn(n) * 0.01
     r_ref, r_got = r.clone(), r.clone()
     ref = quantize_reference(x, 5, 512, True, 3, r_ref)
-    got = cpu.quantize(x, 5, 512, True, 3, r_got)
+    got = quantize(x, 5, 512, True, 3, r_got, backend="cpu")
     assert_same(got[0], ref[0])
     assert_same(got[1], ref[1])
     assert_same(r_got, r_ref)
     out = torch.randn(n)
     expected = out + dequantize_reference(*ref, n, 5, 512)
-    assert_same(cpu.dequantize(*ref, n, 5, 512, out=out, accumulate=True), expected)
+    assert_same(dequantize(*ref, n, 5, 512, out=out, accumulate=True, backend="cpu"), expected)
 
 
 def test_empty_tensor(backend, device):

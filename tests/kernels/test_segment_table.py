@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import BACKENDS
-from fastml_strategy.kernels import packed_nbytes
-from fastml_strategy.kernels.reference import dequantize_reference, num_blocks, quantize_reference
+from fastml_strategy.kernels import dequantize_reference, packed_nbytes, quantize_reference
+from fastml_strategy.kernels.reference import num_blocks
 
 pytestmark = pytest.mark.skipif("triton" not in BACKENDS, reason="Triton (or its interpreter) not available")
 

@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 from fastml_strategy.autotune.catalog import Link
-from fastml_strategy.config import RECIPES, Codec, CodecConfig
+from fastml_strategy import codecs
+from fastml_strategy.config import Codec, CodecConfig
 
 # Local steps: the sync periods H calibrated and searched by default (per-step compression is H = 1,
 # always searched), and the fragment counts F searched (Streaming DiLoCo uses a few to a few tens).
@@ -23,40 +24,22 @@ DEFAULT_LOCAL_FRAGMENTS: tuple[int, ...] = (1, 2, 4, 8)
 LOCAL_CALIBRATION_OPTION = "int4"
 
 
-# The per-layer choices the search considers, cheapest error first: the named recipes of
-# config.RECIPES the tuner uses (bf16 and int4-sr are left out: fp16 and int4 already span their
-# error and bytes), and variants of them in between. "none" keeps every plan with error 0 reachable
-# (uncompressed is always feasible); "-noef" options drop error feedback, saving the residual memory
+# The per-layer choices the search considers, cheapest error first: every registered codec's
+# ``candidates`` (fastml_strategy.codecs: each codec module lists its own, e.g. quantize's int8..int2
+# and int4-noef, top-k's topk10/topk1/topk1-int4; fp32's "none" keeps every plan with error 0
+# reachable), in registration order. "-noef" options drop error feedback, saving the residual memory
 # at the price of bias (profiled like every other option).
-_BASE_CANDIDATES: dict[str, CodecConfig] = {
-    "none": RECIPES["none"],
-    "fp16": RECIPES["fp16"],
-    "int8": RECIPES["int8"],
-    "int6": dataclasses.replace(RECIPES["int8"], bits=6),
-    "int4": RECIPES["int4"],
-    "int3": dataclasses.replace(RECIPES["int4"], bits=3),
-    "int2": RECIPES["int2"],
-    "int4-noef": dataclasses.replace(RECIPES["int4"], error_feedback=False),
-    "topk10": dataclasses.replace(RECIPES["topk1"], topk=0.10),
-    "topk1": RECIPES["topk1"],
-    "topk1-int4": RECIPES["topk1-int4"],
-    # PowerSGD (rank r per layer): (m + n) r factor numbers per m x n matrix, two all-reduces per bucket
-    "lowrank1": RECIPES["lowrank1"],
-    "lowrank2": RECIPES["lowrank2"],
-    "lowrank4": RECIPES["lowrank4"],
-    "lowrank8": RECIPES["lowrank8"],
-}
+_BASE_CANDIDATES: dict[str, CodecConfig] = codecs.candidates()
 # The options DDP searches (its hook keeps two fp32 residual buffers; its memory is not modelled).
 BASE_OPTIONS: tuple[str, ...] = tuple(_BASE_CANDIDATES)
 # Under FSDP a residual is as large as the unsharded gradient, so sharded runs also search each
 # error-fed option with a bf16 residual (half the memory; "int4-rbf16", as CodecConfig.describe()
-# names it), derived here rather than listed.
-# The low-rank codec runs in the DDP hook only (FSDP/HSDP refuse it: a shard is no matrix), so it has
-# no -rbf16 variant and sharded runs do not search it.
+# names it), derived here rather than listed. Codecs that FSDP/HSDP do not run (``WireCodec.sharded``
+# False: low-rank, a shard is no matrix) have no -rbf16 variant and sharded runs do not search them.
 CANDIDATES: dict[str, CodecConfig] = {
     **_BASE_CANDIDATES,
     **{f"{k}-rbf16": dataclasses.replace(v, residual_dtype="bf16")
-       for k, v in _BASE_CANDIDATES.items() if v.uses_residual and v.codec is not Codec.LOWRANK},
+       for k, v in _BASE_CANDIDATES.items() if v.uses_residual and v.wire.sharded},
 }
 
 
@@ -64,7 +47,7 @@ def default_options(sharding: "str | Sharding | None" = None) -> list[str]:
     """The codec options searched by default: :data:`BASE_OPTIONS` for DDP, every candidate (the
     ``-rbf16`` variants too) for FSDP/HSDP."""
     kind = sharding.kind if isinstance(sharding, Sharding) else (sharding or "ddp")
-    return list(BASE_OPTIONS) if kind == "ddp" else [k for k, v in CANDIDATES.items() if v.codec is not Codec.LOWRANK]
+    return list(BASE_OPTIONS) if kind == "ddp" else [k for k, v in CANDIDATES.items() if v.wire.sharded]
 
 
 SHARDINGS = ("ddp", "fsdp", "hsdp")
@@ -382,5 +365,5 @@ def _candidate_name(cfg: CodecConfig) -> str:
         if c == cfg:
             return name
     raise ValueError(f"the codec {cfg.describe()} is none of the autotuner's candidates "
-                     f"({', '.join(CANDIDATES)}), so its time was not profiled; add it to "
-                     f"costmodel._BASE_CANDIDATES")
+                     f"({', '.join(CANDIDATES)}), so its time was not profiled; add it to its codec's "
+                     f"candidates (fastml_strategy.codecs)")
