@@ -74,12 +74,29 @@ def test_release_plan_gives_the_same_wire_bytes(path, monkeypatch):
                 assert hashlib.sha256(y.contiguous().numpy().tobytes()).hexdigest() == want_hash, (key, n)
 
 
-def test_flat_record_fields_a_codec_does_not_read_are_accepted_and_dropped():
-    """Plan format 1 wrote every codec's fields for every codec; a release's file may hold any of them
-    (they never did anything) and still loads; the settings object holds only its own fields."""
-    cfg = CodecConfig.from_dict({"codec": "fp16", "bits": 3, "topk": 0.5, "rank": 2, "factors": "int8"})
+def test_flat_record_fields_a_codec_does_not_read_load_as_the_record_wrote_them():
+    """Plan format 1 wrote every codec's fields for every codec, at the record's defaults where the
+    codec did not read them: such a file still loads, and the settings object holds only its own
+    fields. Any other value there is a setting that would do nothing (``topk`` on quantize is not
+    top-k, ``bits`` on fp16 not int4): refused, naming the codecs that read it, not dropped."""
+    cfg = CodecConfig.from_dict({"codec": "fp16", "bits": None, "block_size": 512, "stochastic": False,
+                                 "topk": None, "topk_count": None, "error_feedback": True,
+                                 "residual_dtype": "fp32", "fallback_bits": 8})
     assert cfg == CodecConfig(codec="fp16") and not hasattr(cfg, "bits")
     q = CodecConfig(codec="quantize", bits=4, topk=None, fallback_bits=8, rank=4)
     assert q == codecs.QuantizeConfig(bits=4) and not hasattr(q, "rank") and not hasattr(q, "topk")
+    # a codec without a residual has no error feedback either way
+    assert CodecConfig(codec="bf16", error_feedback=False) == CodecConfig(codec="bf16")
+    for d, field, readers in [({"codec": "fp16", "bits": 3}, "bits", "quantize, topk"),
+                              ({"codec": "quantize", "bits": 4, "topk": 0.01}, "topk", "topk"),
+                              ({"codec": "quantize", "bits": 4, "rank": 2}, "rank", "lowrank"),
+                              ({"codec": "fp32", "residual_dtype": "bf16"}, "residual_dtype", "fp8, lowrank"),
+                              ({"codec": "lowrank", "rank": 2, "stochastic": True}, "stochastic", "quantize, topk"),
+                              ({"codec": "quantize", "bits": 4, "fallback_bits": 4}, "fallback_bits", "topk")]:
+        with pytest.raises(ValueError, match=rf"codec: the {d['codec']} codec does not read {field}=.*"
+                                             rf"reads {field} \({readers}"):
+            CodecConfig.from_dict(d)
+        with pytest.raises(ValueError, match="does not read"):  # and in a plan, on every path
+            Plan.from_dict({"format_version": 1, "default": d})
     with pytest.raises(ValueError, match=r"unknown field\(s\) \['colour'\]"):
         CodecConfig.from_dict({"codec": "quantize", "bits": 4, "colour": 1})

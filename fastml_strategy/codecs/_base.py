@@ -162,6 +162,12 @@ _V1_RECORD: tuple[tuple[str, Any], ...] = (
     ("bits", None), ("block_size", DEFAULT_BLOCK_SIZE), ("stochastic", False), ("topk", None),
     ("topk_count", None), ("error_feedback", True), ("residual_dtype", "fp32"), ("fallback_bits", 8))
 _V1_FIELDS = frozenset(k for k, _ in _V1_RECORD) | {"rank", "factors"}
+# The value of each of those fields in a record whose codec does not read it (the flat record's
+# defaults; the low-rank fields were written for that codec only). A record of that release always
+# holds them: they load. Any other value means the user asked for something this codec does not do
+# (``{"codec": "quantize", "topk": 0.01}`` is not top-k, ``{"codec": "fp16", "bits": 4}`` not int4),
+# and is refused rather than dropped.
+_V1_UNREAD = dict(_V1_RECORD) | {"rank": 4, "factors": "fp32"}
 _CONSTRUCTED = "CodecConfig"  # the ``where`` of errors raised at construction
 
 
@@ -181,13 +187,29 @@ class _ConfigType(type):
         name = args[0] if args else kw.pop("codec", "fp32")
         sub = settings_class(name)
         own = set(_own_fields(sub))
-        if sub.legacy:  # the flat record's fields that this codec does not read: ignored, as they were
+        if sub.legacy:  # the flat record's fields that this codec does not read, as that record wrote them
+            _refuse_unread(sub, own, kw)
             kw = {k: v for k, v in kw.items() if k in own or k not in _V1_FIELDS}
         extra = sorted(set(kw) - own)
         if extra:
             raise TypeError(f"CodecConfig: the {sub.codec.value} codec has no setting(s) {extra}; its "
                             f"settings are {sorted(own)}")
         return sub(**kw)
+
+
+def _refuse_unread(sub: type, own: set[str], kw: Mapping[str, Any]) -> None:
+    """Raise ValueError for a flat-record field that ``sub``'s codec does not read, set to a value
+    other than the record's (:data:`_V1_UNREAD`): a setting that would silently do nothing. A codec
+    without a residual takes either ``error_feedback`` (it has none either way)."""
+    for k in sorted(set(kw) & _V1_FIELDS - own):
+        v = kw[k]
+        if v == _V1_UNREAD[k] and type(v) is type(_V1_UNREAD[k]) or (k == "error_feedback" and isinstance(v, bool)):
+            continue
+        readers = sorted(c.value for c in Codec if k in _own_fields(settings_class(c.value)))
+        raise ValueError(
+            f"{_CONSTRUCTED}: the {sub.codec.value} codec does not read {k}={v!r} (it would do nothing); "
+            f"remove it, or use a codec that reads {k} ({', '.join(readers) or 'none'}); the "
+            f"{sub.codec.value} codec's settings are {sorted(own)}")
 
 
 @dataclass(frozen=True)
