@@ -177,19 +177,17 @@ def final_loss(losses: Sequence[float]) -> float:
     return float(x.mean()) if np.isfinite(x).all() else math.inf
 
 
-@preserved_rng()
-def train_curve(wl: Workload, choice: Mapping[str, str] | None, steps: int, seed: int,
-                report: Callable[[int, list[float]], None] | None = None,
-                report_every: int = 5) -> tuple[list[float], float | None]:
-    """Train ``steps`` steps from the initial weights; return the loss curve and the eval metric."""
+def _train(wl: Workload, steps: int, seed: int, prepare: Callable[[torch.nn.Module], Callable[[], None] | None],
+           report: Callable[[int, list[float]], None] | None = None,
+           report_every: int = 5) -> tuple[list[float], float | None]:
+    """Train ``steps`` steps from the initial weights on the seeded batches; ``prepare(model)`` gives
+    what runs on the gradients between backward and the optimizer step (None: nothing). Returns the
+    loss curve and the eval metric."""
     wl = build_run(wl, seed)
     model = wl.fresh_model()
     model.train()
     opt = wl.make_optimizer(model)
-    sim = None
-    if choice:
-        configs = {n: CANDIDATES[o] for n, o in choice.items() if o != "none"}
-        sim = SimulatedCompression(model, configs)
+    on_grads = prepare(model)
     losses: list[float] = []
     stream = seeded_stream(wl, seed)
     for t in range(steps):
@@ -197,14 +195,27 @@ def train_curve(wl: Workload, choice: Mapping[str, str] | None, steps: int, seed
         opt.zero_grad(set_to_none=True)
         loss = wl.loss_fn(model, batch)
         loss.backward()
-        if sim is not None:
-            sim.apply()
+        if on_grads is not None:
+            on_grads()
         opt.step()
         v = float(loss.detach())
         losses.append(v if math.isfinite(v) else math.inf)
         if report is not None and (t + 1) % report_every == 0:
             report(t + 1, losses)
     return losses, _metric(wl, model)
+
+
+@preserved_rng()
+def train_curve(wl: Workload, choice: Mapping[str, str] | None, steps: int, seed: int,
+                report: Callable[[int, list[float]], None] | None = None,
+                report_every: int = 5) -> tuple[list[float], float | None]:
+    """Train ``steps`` steps from the initial weights; return the loss curve and the eval metric."""
+    configs = {n: CANDIDATES[o] for n, o in (choice or {}).items() if o != "none"}
+
+    def prepare(model: torch.nn.Module) -> Callable[[], None] | None:
+        return SimulatedCompression(model, configs).apply if choice else None
+
+    return _train(wl, steps, seed, prepare, report, report_every)
 
 
 class _OneBucket:
@@ -268,32 +279,26 @@ def powersgd_curve(wl: Workload, rank: int, steps: int, seed: int,
 
     from fastml_strategy.autotune.costmodel.powersgd import calibration_start_iter
 
-    wl = build_run(wl, seed)
-    model = wl.fresh_model()
-    model.train()
-    opt = wl.make_optimizer(model)
-    bucket = _OneBucket([p for p in model.parameters() if p.requires_grad])
-    state = PowerSGDState(process_group=_one_rank_group(), matrix_approximation_rank=rank,
-                          start_powerSGD_iter=calibration_start_iter(steps) if start is None else start)
-    losses: list[float] = []
     hook_s: list[float] = []
-    stream = seeded_stream(wl, seed)
-    for _ in range(steps):
-        batch = next(stream)
-        opt.zero_grad(set_to_none=True)
-        loss = wl.loss_fn(model, batch)
-        loss.backward()
-        bucket.fill()
-        compressing = state.iter >= state.start_powerSGD_iter
-        t0 = time.perf_counter()
-        out = powerSGD_hook(state, bucket).wait()
-        if compressing:
-            hook_s.append(time.perf_counter() - t0)
-        bucket.give_back(out[0] if isinstance(out, (list, tuple)) else out)
-        opt.step()
-        v = float(loss.detach())
-        losses.append(v if math.isfinite(v) else math.inf)
-    return losses, _metric(wl, model), float(np.median(hook_s)) if hook_s else 0.0
+
+    def prepare(model: torch.nn.Module) -> Callable[[], None]:
+        bucket = _OneBucket([p for p in model.parameters() if p.requires_grad])
+        state = PowerSGDState(process_group=_one_rank_group(), matrix_approximation_rank=rank,
+                              start_powerSGD_iter=calibration_start_iter(steps) if start is None else start)
+
+        def compress() -> None:
+            bucket.fill()
+            compressing = state.iter >= state.start_powerSGD_iter
+            t0 = time.perf_counter()
+            out = powerSGD_hook(state, bucket).wait()
+            if compressing:
+                hook_s.append(time.perf_counter() - t0)
+            bucket.give_back(out[0] if isinstance(out, (list, tuple)) else out)
+
+        return compress
+
+    losses, metric = _train(wl, steps, seed, prepare)
+    return losses, metric, float(np.median(hook_s)) if hook_s else 0.0
 
 
 def _metric(wl: Workload, model: torch.nn.Module) -> float | None:
