@@ -323,6 +323,24 @@ _DEC_COLS = 4
 
 
 @triton.jit
+def _packed_layout(n, BITS: tl.constexpr, BS: tl.constexpr, G: tl.constexpr):
+    # The index tensors of a program's G blocks of BS elements (element e of block b sits at lane
+    # e % 8 of group e // 8), packed BITS bits each in groups of 8 elements = BITS bytes: the blocks,
+    # the lanes, the elements' offsets [G, BS/8, 8], the packed bytes' offsets and mask (of a chunk of
+    # n elements), and the byte shifts that assemble a group's BITS bytes into one word.
+    WORD: tl.constexpr = tl.uint32 if BITS <= 4 else tl.uint64
+    nbytes = (n * BITS + 7) // 8
+    blk = tl.arange(0, G).to(tl.int64)  # [G], local to this program
+    grp = tl.arange(0, BS // 8)
+    lane = tl.arange(0, 8)
+    offs = blk[:, None, None] * BS + grp[None, :, None] * 8 + lane[None, None, :]  # [G, BS/8, 8]
+    boffs = blk[:, None, None] * (BS * BITS // 8) + grp[None, :, None] * BITS + lane[None, None, :]
+    bm = (lane < BITS)[None, None, :] & (boffs < nbytes)
+    shift = tl.where(lane < BITS, lane * 8, 0).to(WORD)
+    return blk, lane, offs, boffs, bm, shift
+
+
+@triton.jit
 def _quantize_seg_kernel(
     x_ptr, r_ptr, rout_ptr, msg_ptr, msgf_ptr, table_ptr,
     BITS: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HAS_RES: tl.constexpr, STOCH: tl.constexpr,
@@ -338,11 +356,7 @@ def _quantize_seg_kernel(
     n = tl.load(row + 5)
     base = tl.load(row + 6)
     seed_s = tl.load(row + 7).to(tl.int32)
-    nbytes = (n * BITS + 7) // 8
-    blk = tl.arange(0, G).to(tl.int64)  # [G], local to this program
-    grp = tl.arange(0, BS // 8)
-    lane = tl.arange(0, 8)
-    offs = blk[:, None, None] * BS + grp[None, :, None] * 8 + lane[None, None, :]  # [G, BS/8, 8]
+    blk, lane, offs, boffs, bm, shift = _packed_layout(n, BITS, BS, G)
     mask = offs < n
     v = tl.load(x_ptr + x_off + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
@@ -361,10 +375,7 @@ def _quantize_seg_kernel(
     tl.store(msgf_ptr + m_off + blk * 2, tl.where(bad, nan, mn), mask=bmask)
     tl.store(msgf_ptr + m_off + blk * 2 + 1, tl.where(bad, nan, scale), mask=bmask)
     word = tl.sum(qi.to(WORD) << (lane * BITS).to(WORD)[None, None, :], axis=2)  # [G, BS/8]
-    shift = tl.where(lane < BITS, lane * 8, 0).to(WORD)
     byte = ((word[:, :, None] >> shift[None, None, :]) & 0xFF).to(tl.uint8)
-    boffs = blk[:, None, None] * (BS * BITS // 8) + grp[None, :, None] * BITS + lane[None, None, :]
-    bm = (lane < BITS)[None, None, :] & (boffs < nbytes)
     tl.store(msg_ptr + p_off + boffs, byte, mask=bm)
 
 
@@ -385,14 +396,7 @@ def _dequantize_seg_kernel(
     p_off = tl.load(row + 1)
     o_off = tl.load(row + 2)
     n = tl.load(row + 3)
-    nbytes = (n * BITS + 7) // 8
-    blk = tl.arange(0, G).to(tl.int64)
-    grp = tl.arange(0, BS // 8)
-    lane = tl.arange(0, 8)
-    boffs = blk[:, None, None] * (BS * BITS // 8) + grp[None, :, None] * BITS + lane[None, None, :]
-    bm = (lane < BITS)[None, None, :] & (boffs < nbytes)
-    shift = tl.where(lane < BITS, lane * 8, 0).to(WORD)
-    offs = blk[:, None, None] * BS + grp[None, :, None] * 8 + lane[None, None, :]
+    blk, lane, offs, boffs, bm, shift = _packed_layout(n, BITS, BS, G)
     mask = offs < n
     bmask = blk * BS < n
     ok = tl.full([G], 1, tl.int32)
