@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from fastml_strategy._status import all_finite
 from fastml_strategy.codecs.lowrank import initial_q, low_rank_roundtrip, matrix_shape, orthogonalise_
-from fastml_strategy.config import Codec, CodecConfig, Plan
+from fastml_strategy.config import CodecConfig, Plan
 
 __all__ = ["matrix_shape", "orthogonalise_", "initial_q", "LowRankSection", "low_rank_roundtrip", "refuse_lowrank"]
 
@@ -61,7 +61,7 @@ def refuse_lowrank(plan: Plan, where: str, why: str) -> None:
     """Raise ValueError, naming the plan's low-rank settings, where the low-rank codec does not run
     (``where``: the caller, ``why``: the reason). Called after the ranks agreed on the plan, so every
     rank raises it alike, before any step."""
-    keys = [k for k, cfg in (("default", plan.default), *plan.layers) if cfg.codec is Codec.LOWRANK]
+    keys = [k for k, cfg in (("default", plan.default), *plan.layers) if cfg.wire.lowrank]
     if keys:
         raise ValueError(
             f"{where}: plan {plan.name!r} names the low-rank codec (PowerSGD) for {keys}, which runs in the "

@@ -102,7 +102,7 @@ from fastml_strategy._io import atomic_open
 from fastml_strategy._integration import TRAINER_KEYS, counters, find_ddp, metrics, setting
 from fastml_strategy.accelerate import LocalSGDCheckpoint
 from fastml_strategy.accelerate import setup as accelerate_setup
-from fastml_strategy.config import DEFAULT_RECIPE, RECIPES, Codec, Plan, resolve_plan
+from fastml_strategy.config import DEFAULT_RECIPE, RECIPES, Plan, resolve_plan
 from fastml_strategy._advice import advise, unactionable
 from fastml_strategy.hook import suggest_bucket_cap_mb
 from fastml_strategy.localsgd import LocalSGD, resolve_settings
@@ -502,7 +502,7 @@ def _fit_adapters(plan: Plan, given: Any, trainer: Any) -> Plan:
     whole gradient, and the recipe would compress none of it. A Plan, dict or plan JSON names its own
     ``min_numel`` and is kept as given; so is ``none`` (nothing to compress)."""
     name = given if given is not None else (os.environ.get("FASTML_PLAN") or DEFAULT_RECIPE)
-    if not isinstance(name, str) or name not in RECIPES or plan.default.codec is Codec.FP32:
+    if not isinstance(name, str) or name not in RECIPES or not plan.default.lossy:
         return plan
     if not _trains_adapters(trainer.model):
         return plan

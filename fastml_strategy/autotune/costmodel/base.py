@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from fastml_strategy.autotune.catalog import Link
 from fastml_strategy import codecs
-from fastml_strategy.config import Codec, CodecConfig
+from fastml_strategy.config import CodecConfig
 
 # Local steps: the sync periods H calibrated and searched by default (per-step compression is H = 1,
 # always searched), and the fragment counts F searched (Streaming DiLoCo uses a few to a few tens).
@@ -337,7 +337,7 @@ def _codec_factor(cfg: CodecConfig, nodes: int) -> float:
         return 0.0
     if is_sparse(cfg):
         return 1.0
-    if cfg.codec is Codec.LOWRANK:
+    if cfg.wire.lowrank:
         return LOWRANK_CODEC_FACTOR
     return (3.0 + 1.0 / nodes) / 2.0
 

@@ -67,7 +67,6 @@ from fastml_strategy.autotune.costmodel.base import (CANDIDATES, DEFAULT_INTRA_L
                                                      LayerProfile, Profile, Sharding, StepBreakdown,
                                                      _candidate_name, _cfg, _codec_factor, codec_registry, family)
 from fastml_strategy.autotune.costmodel.sharded import sharded_step_time
-from fastml_strategy.config import Codec
 from fastml_strategy.wire import PIECE_NUMEL, BucketWire, bucket_wire, hier_parts
 from fastml_strategy.wire import schedule as _schedule
 
@@ -216,7 +215,7 @@ def bucket_wire_of(bucket: Sequence[LayerProfile], choice: Mapping[str, str], wo
     about ``piece_numel`` elements and headers; the hierarchical path's rows: :func:`hier_bucket_wire`)."""
     numels = tuple(lp.numel for lp in bucket)
     cfgs = tuple(_cfg(choice, lp)[1] for lp in bucket)
-    shapes = tuple(_shape(lp) for lp in bucket) if any(c.codec is Codec.LOWRANK for c in cfgs) else None
+    shapes = tuple(_shape(lp) for lp in bucket) if any(c.wire.lowrank for c in cfgs) else None
     return bucket_wire(codec_registry(), numels, cfgs, world_size, piece_numel=piece_numel, shapes=shapes)
 
 
@@ -399,7 +398,7 @@ def _lowrank_stages(profile: Profile, bucket: Sequence[LayerProfile], choice: Ma
     if not wire.lowrank:
         return [], 0.0
     codec = sum(_layer_cost(profile, lp, choice, W, speed)[1] for lp, cfg in zip(bucket, wire.configs)
-                if cfg.codec is Codec.LOWRANK)
+                if cfg.wire.lowrank)
     nbytes = wire.lowrank_bytes()
     rounds = 2 * len(wire.lowrank) * 2 * (W - 1)
     return [(codec, rounds * lat + nbytes / link.bandwidth_Bps)], float(nbytes) if n > 1 else 0.0
