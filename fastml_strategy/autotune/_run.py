@@ -212,7 +212,8 @@ def _option_plan(profile: Profile, groups: Mapping[str, list[str]], result: "Aut
             "verdict": chk.get("verdict"), "replaced": chk.get("replaced"),
             "time_ratio": {e["plan"]: e["time_ratio"] if math.isfinite(e["time_ratio"]) else None
                            for e in chk.get("alternatives", []) + chk.get("powersgd", [])},
-            "torch_powersgd": chk.get("powersgd_faster") or ("not sooner" if chk.get("powersgd") else None)}
+            "torch_powersgd": chk.get("powersgd_faster") or ("not sooner" if chk.get("powersgd") else None),
+            "decision": chk.get("decision")}
     rule = result.accuracy_rule
     if rule is not None:
         f = (lambda v: None if isinstance(v, float) and not math.isfinite(v) else v)
@@ -636,29 +637,15 @@ def _recheck_measured(s: Settings, profile: Profile, groups: Mapping[str, list[s
     if not tuned_m or not math.isfinite(tuned_m):
         return
     c["tuned_measured_step_s"] = tuned_m
-    best: tuple[float, dict[str, Any]] | None = None
     side = c.get("timed_beside_tuned") or {}
-    for e in c["alternatives"]:
-        codec = e["plan"].split()[-1]
-        m = side.get(codec, measured_pre.get(codec))
-        if not m or not math.isfinite(m):
-            timed = [r for r in UNIFORM_RECIPES if r in measured_pre]
-            e["measured_words"] = f"{codec} was not timed (only the uniform recipes {', '.join(timed)} are)"
-            continue
-        e["measured_step_s"] = m
-        e["measured_time_ratio"] = e["ratio"] * m / tuned_m
-        e["measured_sooner"] = bool(not e["censored"] and e["levels"] > 0 and e["measured_time_ratio"] < 1.0)
-        e["measured_words"] = (f"with measured step times ({_ms_text(m)} against the tuned plan's "
-                               f"{_ms_text(tuned_m)}"
-                               + (", timed side by side" if codec in side else ", timed at another moment")
-                               + f"): {e['measured_time_ratio']:.3g}x the time")
-        if e["measured_sooner"] and e["within_limit"] and (best is None or e["measured_time_ratio"] < best[0]):
-            best = (e["measured_time_ratio"], e)
-    if best is None:
-        if any("measured_time_ratio" in e for e in c["alternatives"]):
+    for a in c["alternatives"]:
+        codec = a["plan"].split()[-1]
+        _measured_ratio(a, side.get(codec, measured_pre.get(codec)), tuned_m, codec in side, measured_pre)
+    e = _decide_measured(c)
+    if e is None:
+        if any("measured_time_ratio" in a for a in c["alternatives"]):
             c["verdict"] += "; with measured step times too"
         return
-    e = best[1]
     chosen = c["option"]
     row = next(t for t in map(Trial.of, found.rows) if t.option == chosen and t.kind == "fastml"
                and t.every == 1 and t.choice == e["choice"])
@@ -668,9 +655,42 @@ def _recheck_measured(s: Settings, profile: Profile, groups: Mapping[str, list[s
         new = _best_bucket(profile, groups, opt, found.conv, float(s.target_steps), new, search)
     found.best[chosen] = new
     c["replaced"] = e["plan"]
-    c["verdict"] = (f"{e['plan']} reached the tuned plan's losses in {best[0]:.3g}x its time with measured "
-                    f"step times (the cost model had said {e['time_ratio']:.3g}x), within the accuracy "
-                    f"limit: plan.json holds {e['plan']} instead")
+    c["verdict"] = (f"{e['plan']} reached the tuned plan's losses in {e['measured_time_ratio']:.3g}x its time "
+                    f"with measured step times (the cost model had said {e['time_ratio']:.3g}x), within the "
+                    f"accuracy limit ({c['decision_measured']['why']}): plan.json holds {e['plan']} instead")
+
+
+def _measured_ratio(e: dict[str, Any], m: float | None, tuned_m: float, beside: bool,
+                    measured_pre: Mapping[str, float]) -> None:
+    """An alternative's entry of the check with its measured step time ``m`` (None: not timed)."""
+    codec = e["plan"].split()[-1]
+    if not m or not math.isfinite(m):
+        timed = [r for r in UNIFORM_RECIPES if r in measured_pre]
+        e["measured_words"] = f"{codec} was not timed (only the uniform recipes {', '.join(timed)} are)"
+        return
+    e["measured_step_s"] = m
+    e["measured_time_ratio"] = e["ratio"] * m / tuned_m
+    e["measured_sooner"] = bool(not e["censored"] and e["levels"] > 0 and e["measured_time_ratio"] < 1.0)
+    e["measured_words"] = (f"with measured step times ({_ms_text(m)} against the tuned plan's {_ms_text(tuned_m)}"
+                           + (", timed side by side" if beside else ", timed at another moment")
+                           + f"): {e['measured_time_ratio']:.3g}x the time")
+
+
+def _decide_measured(c: dict[str, Any]) -> dict[str, Any] | None:
+    """The check's decision (:func:`fastml_strategy.autotune.decide.decide`) again with the measured
+    time ratios of the alternatives that were timed; the entry that replaces the tuned plan, or None."""
+    from fastml_strategy.autotune.decide import Contender, decide
+
+    timed = [e for e in c["alternatives"] if "measured_time_ratio" in e]
+    me = Contender("the tuned plan", len(set(c["tuned"].values())) == 1,
+                   1.0, c.get("tuned_accuracy_loss", 0.0) <= c.get("limit", math.inf))
+    others = [Contender(e["plan"], True, e["measured_time_ratio"] if not e["censored"] and e["levels"] > 0
+                        else math.inf, bool(e["within_limit"])) for e in timed]
+    d = decide([me, *others])
+    if d is None or d.chosen is me:
+        return None
+    c["decision_measured"] = d.to_dict([me, *others])
+    return timed[others.index(d.chosen)]
 
 
 def _ms_text(seconds: float) -> str:
@@ -813,6 +833,7 @@ def _check(s: Settings, profile: Profile, groups: Mapping[str, list[str]], optio
     record: dict[str, Any] = {"option": chosen, "steps": s.calibration_steps, "seed": s.seed,
                               "paired": cal.ref.get("paired"), "tuned": dict(tuned.choice),
                               "tuned_plain": plain, "tuned_step_s": tuned.step_s, "alternatives": [],
+                              "limit": s.max_accuracy_loss,
                               "replaced": None, "own_within": sorted(own)}
     ref = cal.ref.get("references", {}).get(s.seed) or cal.ref
     if not alts:
@@ -830,29 +851,53 @@ def _check(s: Settings, profile: Profile, groups: Mapping[str, list[str]], optio
                      f"but the runs before it took longer than estimated)")
     bar.phase("checking the tuned plan against uniform plans", max(1, len(todo)), "run")
     # plain DDP's curve is the reference run itself (uncompressed training, the same weights and batches)
-    t_losses = list(ref["losses"]) if plain else _check_curve(s, profile, groups, tuned.choice, cal, cal_name)[0]
+    if plain:
+        t_losses, tuned_within = list(ref["losses"]), True
+    else:
+        t_losses, t_metric = _check_curve(s, profile, groups, tuned.choice, cal, cal_name)
+        record["tuned_accuracy_loss"] = _own_accuracy(cal, ref, t_losses, t_metric)
+        tuned_within = bool(record["tuned_accuracy_loss"] <= s.max_accuracy_loss + 1e-12)
     bar.update(1)
-    best_alt = _compare_alternatives(s, profile, groups, alts, t_losses, tuned, cal, cal_name, ref, record, bar)
-    if best_alt is None:
-        tuned_words = "plain DDP stands" if plain else "the tuned plan stands"
-        why_not = [f"{e['plan']}: " + ("over the accuracy limit in its run" if e["sooner"] and not e["within_limit"]
-                                       else "not sooner") for e in record["alternatives"]]
-        record["verdict"] = f"{tuned_words} (" + "; ".join(why_not) + ")"
-        _powersgd_check(s, profile, groups, options, chosen, found, cal, cal_name, ref, record, bar, deadline, notes)
-        return record
-    row = best_alt[1]
-    # a recipe its own runs placed within the limit is admitted by them, whatever the fit said
-    new = row.replace(use_hook=True, checked_over=dict(tuned.choice), feasible=True)
-    if not s.sharding.sharded:
-        new = _best_bucket(profile, groups, options[[o.name for o in options].index(chosen)], conv,
-                           float(s.target_steps), new, search)
-    found.best[chosen] = new
-    record["replaced"] = f"uniform {row.uniform}"
-    record["verdict"] = (f"{record['replaced']} reached the {'reference' if plain else 'tuned plan'}'s losses "
-                         f"in {best_alt[0]:.3g}x its time, within the accuracy limit: plan.json holds "
-                         f"{record['replaced']} instead" + (" of plain DDP" if plain else ""))
+    _compare_alternatives(s, profile, groups, alts, t_losses, tuned, cal, cal_name, ref, record, bar)
+    row = _decide(record, alts, tuned, plain, tuned_within)
+    if row is not None:
+        # a recipe its own runs placed within the limit is admitted by them, whatever the fit said
+        new = row.replace(use_hook=True, checked_over=dict(tuned.choice), feasible=True)
+        if not s.sharding.sharded:
+            new = _best_bucket(profile, groups, options[[o.name for o in options].index(chosen)], conv,
+                               float(s.target_steps), new, search)
+        found.best[chosen] = new
     _powersgd_check(s, profile, groups, options, chosen, found, cal, cal_name, ref, record, bar, deadline, notes)
     return record
+
+
+def _decide(record: dict[str, Any], alts: list[tuple[Trial, str]], tuned: Trial, plain: bool,
+            tuned_within: bool) -> Trial | None:
+    """Apply :func:`fastml_strategy.autotune.decide.decide` to the check's figures in ``record`` (the
+    tuned plan at 1.0, each alternative's time ratio and own-run accuracy), write its ``decision``,
+    ``replaced`` and ``verdict``, and return the alternative's row that replaces the tuned plan (None:
+    the tuned plan, or plain DDP, stands)."""
+    from fastml_strategy.autotune.decide import Contender, decide
+
+    me = Contender("plain DDP" if plain else "the tuned plan", plain or tuned.uniform is not None, 1.0, tuned_within)
+    # a run that never reached the tuned plan's losses (censored) has no time to them: not a contender
+    others = [Contender(e["plan"], True, float(e["time_ratio"]) if not e.get("censored") and e.get("levels", 1) > 0
+                        else math.inf, bool(e["within_limit"])) for e in record["alternatives"]]
+    d = decide([me, *others])
+    if d is not None:
+        record["decision"] = d.to_dict([me, *others])
+    if d is None or d.chosen is me:
+        why_not = [f"{e['plan']}: " + ("over the accuracy limit in its run" if not e["within_limit"] else
+                                       f"{e['time_ratio']:.3g}x its time") for e in record["alternatives"]]
+        record["verdict"] = (f"{me.label} stands: " + (d.why if d is not None else "no plan compared stayed "
+                             "within the accuracy limit in its run") + " (" + "; ".join(why_not) + ")")
+        return None
+    row = alts[others.index(d.chosen)][0]
+    record["replaced"] = f"uniform {row.uniform}"
+    record["verdict"] = (f"{record['replaced']} reached the {'reference' if plain else 'tuned plan'}'s losses "
+                         f"in {d.chosen.time_ratio:.3g}x its time, within the accuracy limit ({d.why}): "
+                         f"plan.json holds {record['replaced']} instead" + (" of plain DDP" if plain else ""))
+    return row
 
 
 # The recipe every check also trains (when it is not the tuned plan or an alternative already): the
@@ -872,33 +917,35 @@ def _default_recipe(rows: list[Mapping[str, Any]], option: str, tuned: Trial, gr
              f"the default recipe ({DEFAULT_CHECK_RECIPE}), trained in every check: judged by its own run")]
 
 
-def _compare_alternatives(s: Settings, profile: Profile, groups: Mapping[str, list[str]],
-                          alts: list[tuple[Trial, str]], t_losses: list[float], tuned: Trial, cal: _Calibrated,
-                          cal_name: str, ref: Mapping[str, Any], record: dict[str, Any],
-                          bar: _Progress) -> tuple[float, Trial] | None:
-    """Train (or read back) each alternative, add its entry to ``record`` and return the soonest one
-    within the accuracy limit in its run, as ``(time ratio, row)`` (None: none sooner)."""
+def _own_accuracy(cal: _Calibrated, ref: Mapping[str, Any], losses: list[float], metric: float | None) -> float:
+    """The accuracy rule's measure of one run against the reference: the gap that a horizontal offset
+    within noise does not explain."""
     from fastml_strategy.autotune import calibrate
 
     slope = calibrate.end_slope([v["losses"] for v in (cal.ref.get("references") or {0: ref}).values()
                                  if v.get("losses")])
-    best_alt: tuple[float, Trial] | None = None
+    return calibrate.accuracy_within_noise(
+        ref, losses, metric, calibrate.stretch(ref["losses"], losses, cal.ref.get("noise")), slope)["accuracy_loss"]
+
+
+def _compare_alternatives(s: Settings, profile: Profile, groups: Mapping[str, list[str]],
+                          alts: list[tuple[Trial, str]], t_losses: list[float], tuned: Trial, cal: _Calibrated,
+                          cal_name: str, ref: Mapping[str, Any], record: dict[str, Any], bar: _Progress) -> None:
+    """Train (or read back) each alternative and add its entry to ``record["alternatives"]`` (in the
+    order of ``alts``): its time to the tuned plan's losses and whether its run stayed within the
+    accuracy limit."""
+    from fastml_strategy.autotune import calibrate
+
     for row, why in alts:
         losses, metric = _check_curve(s, profile, groups, row.choice, cal, cal_name)
         bar.update(1)
         cmp = calibrate.time_to_same_loss(t_losses, losses, cal.ref.get("noise"), tuned.step_s, row.step_s)
-        # the accuracy rule's measure: the gap a horizontal offset within noise does not explain
-        acc = calibrate.accuracy_within_noise(
-            ref, losses, metric, calibrate.stretch(ref["losses"], losses, cal.ref.get("noise")),
-            slope)["accuracy_loss"]
+        acc = _own_accuracy(cal, ref, losses, metric)
         within = bool(acc <= s.max_accuracy_loss + 1e-12)
         record["alternatives"].append({"plan": f"uniform {row.uniform}", "why": why,
                                        "choice": dict(row.choice), "step_s": row.step_s, "accuracy_loss": acc,
                                        "within_limit": within, "feasible_by_fit": row.feasible,
                                        **{k: v for k, v in cmp.items()}})
-        if cmp["sooner"] and within and (best_alt is None or cmp["time_ratio"] < best_alt[0]):
-            best_alt = (cmp["time_ratio"], row)
-    return best_alt
 
 
 # torch's PowerSGD hook at these ranks is trained in every check of a DDP plan beside the tuned plan
