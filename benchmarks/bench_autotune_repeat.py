@@ -73,7 +73,8 @@ def row_of(workload: str, run: int, out: Path, extra: dict) -> dict:
             "int4_predicted_step_ms": round(1e3 * float(int4["step_s"]), 1) if int4 else "",
             "predicted_tta_over_int4": (round(float(pred["tta_s"]) / float(int4["tta_s"]), 3)
                                         if int4 and pred.get("tta_s") else ""),
-            "check": chk.get("verdict", ""), "e_max": (meta.get("accuracy_rule") or {}).get("e_max", ""),
+            "check": chk.get("verdict", ""), "decision": (chk.get("decision") or {}).get("chosen", ""),
+            "replaced": chk.get("replaced") or "", "e_max": (meta.get("accuracy_rule") or {}).get("e_max", ""),
             "out": str(out), **extra}
 
 
@@ -145,7 +146,7 @@ def main() -> None:
     for wl in wls:
         for n in range(1, args.repeats + 1):
             if args.collect:
-                out = Path(args.collect) / f"{FACTORY[wl]}_r{n}"
+                out = Path(args.collect) / f"{wl}_r{n}"  # the folders tune() writes
                 log = out.with_suffix(".log")
                 extra = {"log": log.read_text().split("\n")[0] if log.exists() else ""}
             else:
@@ -162,7 +163,7 @@ def main() -> None:
     path = Path(args.csv or _bench.default_csv(f"bench_autotune_repeat_{args.link}_cpu.csv", documented=True))
     path.parent.mkdir(parents=True, exist_ok=True)
     _bench.write_csv(path, rows)
-    cols = ["workload", "run", "family", "plan", "predicted_step_ms", "int4_predicted_step_ms",
+    cols = ["workload", "run", "family", "plan", "decision", "predicted_step_ms", "int4_predicted_step_ms",
             "predicted_tta_over_int4", "trained_step_ratio", "trained_loss_vs_int4_pct"]
     print(tabulate([[r.get(c, "") for c in cols] for r in rows], headers=cols, tablefmt="github"))
     print(f"{_bench.machine_line()}; wrote {path}")
