@@ -241,8 +241,9 @@ def _build(march: str | None = None, info: dict | None = None, source: Path | No
                 cached=lib_path.exists(), compile_s=0.0, namespace=namespace)
     build_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    with _cxx_env(cxx):  # cpp_extension compiles with $CXX (else c++); ranks building at once take turns
-        cpp_extension.load(name, [str(_OP_SRC), str(source)], extra_cflags=list(flags),
+    with _cxx_env(cxx), _build_lock(build_dir):  # cpp_extension compiles with $CXX (else c++)
+        srcs = [_source_copy(build_dir, "op.cpp", _OP_SRC), _source_copy(build_dir, "kernel.cpp", source)]
+        cpp_extension.load(name, srcs, extra_cflags=list(flags),
                            extra_ldflags=["-pthread", "-Wl,-Bsymbolic"], build_directory=str(build_dir),
                            is_python_module=False, verbose=False)
     if not info["cached"]:
@@ -257,6 +258,37 @@ def _build(march: str | None = None, info: dict | None = None, source: Path | No
             torch.library.register_fake(f"{namespace}::{op}")(_no_output)
         _faked.add(namespace)
     return _Build(ops, info, bool(features & 1), bool(features & 2))
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Processes building (or loading) one build take turns on an ``flock`` of the build folder,
+    which the system releases when its holder dies. Holding it, a ``lock`` file that
+    ``cpp_extension.load`` left there is stale: its writer was killed mid-build (a timeout, Ctrl-C)
+    and every later load would wait on it forever, the library long built (torch's ``FileBaton``
+    has no owner to check)."""
+    import fcntl
+
+    with open(build_dir / ".fastml.flock", "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _source_copy(build_dir: Path, name: str, source: Path) -> str:
+    """``source`` copied into the build folder (the folder's name hashes the sources' bytes): the
+    build file then names the same paths from every checkout, so a second checkout of the same code
+    loads the build instead of compiling it again."""
+    dst = build_dir / name
+    data = source.read_bytes()
+    if not dst.exists() or dst.read_bytes() != data:
+        tmp = dst.with_name(f".{name}.{os.getpid()}")
+        tmp.write_bytes(data)
+        os.replace(tmp, dst)
+    return str(dst)
 
 
 def _no_output(*args, **kwargs) -> None:

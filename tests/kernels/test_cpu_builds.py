@@ -149,3 +149,33 @@ def test_kernels_are_torch_operators():
         torch.ops.fastml.quantize(x, 4, 512, False, 0, None, None, torch.empty(3, dtype=torch.uint8), meta, 1)
     with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
         torch.ops.fastml.quantize(x.double(), 4, 512, False, 0, None, None, packed, meta, 1)
+
+
+@pytest.mark.timeout(240)
+def test_a_build_killed_mid_way_does_not_hang_later_loads(tmp_path):
+    """cpp_extension.load marks a build with a ``lock`` file that its writer removes when done; a
+    writer killed mid-build (a test's timeout, Ctrl-C) left it, and every later process waited on it
+    forever, at the first codec call, using no CPU. The build folder's flock (released by the system
+    when its holder dies) makes such a file stale, removed by the next load. And a second checkout of
+    the same sources loads the first one's build rather than compiling again."""
+    import os
+    import sys
+
+    folder = Path(cpu.build_info()["path"]).parent
+    (folder / "lock").touch()  # what a killed build leaves
+    code = ("from fastml_strategy.kernels import cpu; assert cpu.available(), cpu.build_info(); "
+            "print(cpu.build_info()['cached'])")
+    env = dict(os.environ, PYTHONPATH=str(Path(cpu.__file__).parents[2]))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not (folder / "lock").exists()
+    # the same sources from another checkout: one build folder, no compile
+    pkg = tmp_path / "checkout" / "fastml_strategy"
+    shutil.copytree(Path(cpu.__file__).parents[1], pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    env["PYTHONPATH"] = str(pkg.parent)
+    code = ("from fastml_strategy.kernels import cpu; import fastml_strategy as f; assert cpu.available(); "
+            "i = cpu.build_info(); print(f.__file__, i['cached'], i['compile_s'])")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    where, cached, _ = r.stdout.split()
+    assert where.startswith(str(pkg)) and cached == "True", r.stdout
