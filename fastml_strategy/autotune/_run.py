@@ -871,6 +871,21 @@ def _check(s: Settings, profile: Profile, groups: Mapping[str, list[str]], optio
     return record
 
 
+def _over_limit_fallback(record: dict[str, Any], others: list[Any]) -> Any:
+    """The tuned plan went over the accuracy limit in its own run and no alternative has a time to
+    its losses (their runs never went that low: censored): it may not stand where a recipe stayed
+    within the limit. The answer is then the within-limit alternative of the lowest predicted step
+    time (within the limit, their step counts to the target differ by at most the limit)."""
+    from fastml_strategy.autotune.decide import Decision
+
+    ok = [(e["step_s"], c) for e, c in zip(record["alternatives"], others) if c.within]
+    if not ok:
+        return None
+    c = min(ok, key=lambda x: x[0])[1]
+    return Decision(c, "the tuned plan went over the accuracy limit in its own run; this is the fastest "
+                       "recipe by predicted step time that stayed within it")
+
+
 def _decide(record: dict[str, Any], alts: list[tuple[Trial, str]], tuned: Trial, plain: bool,
             tuned_within: bool) -> Trial | None:
     """Apply :func:`fastml_strategy.autotune.decide.decide` to the check's figures in ``record`` (the
@@ -884,6 +899,8 @@ def _decide(record: dict[str, Any], alts: list[tuple[Trial, str]], tuned: Trial,
     others = [Contender(e["plan"], True, float(e["time_ratio"]) if not e.get("censored") and e.get("levels", 1) > 0
                         else math.inf, bool(e["within_limit"])) for e in record["alternatives"]]
     d = decide([me, *others])
+    if d is None and not tuned_within:
+        d = _over_limit_fallback(record, others)
     if d is not None:
         record["decision"] = d.to_dict([me, *others])
     if d is None or d.chosen is me:

@@ -81,3 +81,23 @@ def test_the_check_applies_the_decision_and_records_it():
     assert rec["replaced"] is None and rec["verdict"].startswith("the tuned plan stands: 1.2x sooner than uniform int4")
     assert "uniform int2: over the accuracy limit in its run" in rec["verdict"]
     assert math.isclose(rec["decision"]["mix_margin"], MIX_MARGIN)
+
+
+def test_a_tuned_plan_over_the_limit_gives_way_to_a_recipe_within_it():
+    # gpt2 of bench_autotune_repeat: a low-rank mix over the limit in its own run stood, because int4,
+    # within the limit, never went as low as the mix's early losses (censored: no time ratio)
+    from fastml_strategy.autotune._run import _decide
+
+    tuned = Trial({"option": "local", "kind": "fastml", "every": 1, "choice": {"a": "lowrank2", "b": "int8"},
+                   "step_s": 0.18, "objective": 1.0, "feasible": True, "use_hook": True})
+    alts = [(_row("lowrank2"), "x"), (_row("int4"), "the default recipe"), (_row("int2"), "y")]
+    rec = _record(("lowrank2", math.inf, False, True), ("int4", 2.1, True, True), ("int2", 1.6, True, True))
+    rec["alternatives"][1]["step_s"], rec["alternatives"][2]["step_s"] = 0.38, 0.25
+    rec["alternatives"][0]["step_s"] = 0.2
+    row = _decide(rec, alts, tuned, plain=False, tuned_within=False)
+    assert row is not None and row.uniform == "int2" and rec["replaced"] == "uniform int2"
+    assert "over the accuracy limit in its own run" in rec["decision"]["why"]
+    # within the limit itself, the tuned plan stands when nothing has a time to its losses
+    rec = _record(("int4", 2.1, True, True))
+    rec["alternatives"][0]["step_s"] = 0.38
+    assert _decide(rec, alts[1:2], tuned, plain=False, tuned_within=True) is None
