@@ -3,25 +3,25 @@ all_gather for top-k, two collectives per pipeline piece in a fixed order.
 
 Algorithm (per bucket, on every rank; W ranks, this one ``r``)
 --------------------------------------------------------------
-1. Split the bucket by parameter (:class:`~fastml_strategy._layouts.BucketLayout`). Each compressed
+1. Split the bucket by parameter (:class:`~fastml_strategy.comm._layouts.BucketLayout`). Each compressed
    layer (fp16 / bf16 / quantize) is a segment of its own, encoded straight from the bucket buffer and
    decoded straight back into it (no gather or scatter copies when the buffer is fp32), cut into W
    chunks on its codec's unit (a quantization block never mixes two layers' scales). Small tensors
    (under ``plan.min_numel``) and fp32 layers are gathered into one fp32 segment: one message part
    for all of them.
 2. Error feedback: the quantizer reads ``grad + residual`` and writes the new residual into a second
-   buffer; the two are swapped only when the result is finite (:mod:`fastml_strategy._residuals`). The
+   buffer; the two are swapped only when the result is finite (:mod:`fastml_strategy.comm._residuals`). The
    hook commits a whole step at once: a NaN/inf in any bucket, which makes GradScaler skip the step,
    leaves every residual untouched. Residuals are keyed by parameter name and move to the new layout
    when DDP rebuilds its buckets after the first iteration.
 3. ``all_to_all_single``: rank j receives every rank's encoded chunk j (the stage this module shares
-   with the reduce-scatter, :mod:`fastml_strategy._exchange`). Each rank decodes the W copies of its
+   with the reduce-scatter, :mod:`fastml_strategy.comm._exchange`). Each rank decodes the W copies of its
    chunk in rank order, sums them in fp32, divides by W, and re-encodes the mean.
 4. ``all_gather`` of [the re-encoded mean chunk | this rank's top-k values and indices]. Every rank,
    the chunk's owner included, decodes the same bytes in the same order, so replicas stay
    bit-identical. Top-k messages are scatter-added in rank order, then divided by W.
 
-Pipelining (:class:`~fastml_strategy._layouts.BucketLayout` ``pieces``): steps 3 and 4 run per piece
+Pipelining (:class:`~fastml_strategy.comm._layouts.BucketLayout` ``pieces``): steps 3 and 4 run per piece
 of about :data:`PIECE_NUMEL` elements, not per bucket. A group longer than that is cut into slices on
 codec-unit boundaries, each slice into W chunks of its own; small groups share a piece. Every rank
 issues the pieces' collectives asynchronously in one fixed order (all_to_all 0, all_to_all 1,
@@ -47,12 +47,12 @@ layer costs (W-1) messages, which is why :func:`fastml_strategy.codecs.effective
 a dense codec past the world size where that stops paying.
 
 Errors and host reads: every message starts with a 64-byte status header, and the step's checks stay
-on the device until one host read at its end (:mod:`fastml_strategy._status`). In a pipelined bucket a
+on the device until one host read at its end (:mod:`fastml_strategy.comm._status`). In a pipelined bucket a
 failing rank sends error headers for the rest of the step and every rank completes every collective
 of the bucket before raising, so none is left pending.
 
 The compressed reduce-scatter of an FSDP unit (step 3 alone) is
-:class:`fastml_strategy._reduce_scatter.CompressedReduceScatter`.
+:class:`fastml_strategy.comm._reduce_scatter.CompressedReduceScatter`.
 """
 
 from __future__ import annotations
@@ -63,14 +63,14 @@ import torch
 import torch.distributed as dist
 
 from fastml_strategy import codecs
-from fastml_strategy._exchange import ChunkExchange, mix
-from fastml_strategy._halving import HalvingRun, choose_schedule, link_hint
-from fastml_strategy._layouts import PIECE_NUMEL, BucketLayout, _DenseGroup, _Piece, _table_group, layer_key
-from fastml_strategy._status import StepChecks, all_finite, host, resolve
+from fastml_strategy.comm._exchange import ChunkExchange, mix
+from fastml_strategy.comm._halving import HalvingRun, choose_schedule, link_hint
+from fastml_strategy.comm._layouts import PIECE_NUMEL, BucketLayout, _DenseGroup, _Piece, _table_group, layer_key
+from fastml_strategy.comm._status import StepChecks, all_finite, host, resolve
 from fastml_strategy.config import Plan
 
 # The errors and the header size users and callers know from here (defined with the header protocol).
-from fastml_strategy._status import HEADER, CompressionError, DecodeError, host_reads  # noqa: F401
+from fastml_strategy.comm._status import HEADER, CompressionError, DecodeError, host_reads  # noqa: F401
 
 __all__ = ["BucketLayout", "CompressedAllReduce", "CompressionError", "DecodeError", "StepChecks", "host_reads",
            "PIECE_NUMEL", "HEADER"]
@@ -198,7 +198,7 @@ class CompressedAllReduce(ChunkExchange):
             return None
         transient = lay.acquire()
         try:
-            if lay.lowrank:  # the low-rank sections' factor rounds first (fastml_strategy._lowrank)
+            if lay.lowrank:  # the low-rank sections' factor rounds first (fastml_strategy.comm._lowrank)
                 before = self._run_lowrank(lay, buf, step, layer_stats, checks, divisor, before)
             if schedule == "halving":
                 HalvingRun(self, lay, buf, step, layer_stats, checks, baseline_elem_size, divisor).run(before)
@@ -234,7 +234,7 @@ class CompressedAllReduce(ChunkExchange):
         return before
 
     def use_channel(self, channel) -> None:
-        """Wait for every collective through ``channel`` (:class:`fastml_strategy._peers.FailureChannel`):
+        """Wait for every collective through ``channel`` (:class:`fastml_strategy.comm._peers.FailureChannel`):
         in the halving schedule a rank meets only its partners, so a rank that died or stalled blocks
         the others until they hear of the first failure there (the hook sets one on CPU)."""
         self.wait = channel.wait
@@ -262,7 +262,7 @@ class CompressedAllReduce(ChunkExchange):
     @torch.no_grad()
     def finish(self, checks: StepChecks, device: torch.device | None = None, exchange: bool = False,
                stage: str = "decoding", plain: bool = True) -> bool:
-        """Resolve what ``checks`` gathered (:func:`fastml_strategy._status.resolve`: one host read;
+        """Resolve what ``checks`` gathered (:func:`fastml_strategy.comm._status.resolve`: one host read;
         with ``exchange``, a 64-byte all_gather of each rank's decoding status first). The results of
         plain all-reduces are checked only with ``plain`` (the hook passes it when the step has
         compressed buckets, whose residuals a NaN holds back)."""

@@ -83,11 +83,11 @@ import torch
 import torch.distributed as dist
 
 from fastml_strategy import codecs
-from fastml_strategy._status import HEADER, CompressionError, StepChecks
-from fastml_strategy._status import host as _host
-from fastml_strategy.collective import CompressedAllReduce
+from fastml_strategy.comm._status import HEADER, CompressionError, StepChecks
+from fastml_strategy.comm._status import host as _host
+from fastml_strategy.comm.collective import CompressedAllReduce
 from fastml_strategy.config import Plan
-from fastml_strategy.topology import Topology
+from fastml_strategy.comm.topology import Topology
 from fastml_strategy.wire.bucket import hier_parts, part_bounds_of
 
 __all__ = ["HierLayout", "HierarchicalAllReduce", "part_bounds"]
@@ -181,7 +181,7 @@ class HierarchicalAllReduce:
 
     def use_channel(self, channel) -> None:
         """Wait for every collective (inside the machine, across machines, the end-of-step
-        agreement) through ``channel`` (:class:`fastml_strategy._peers.FailureChannel`). Ranks here
+        agreement) through ``channel`` (:class:`fastml_strategy.comm._peers.FailureChannel`). Ranks here
         meet in three kinds of groups that do not all hold one another: when rank 2 of two machines
         of two dies, rank 0 (its cross-machine peer) and rank 3 (its machine peer) see the closed
         connection, but rank 1 next meets rank 0 in an intra-machine collective that rank 0, having

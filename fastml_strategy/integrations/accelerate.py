@@ -104,7 +104,7 @@ import torch
 import torch.distributed as dist
 
 from fastml_strategy._checkpoint import STATE_FORMAT_VERSION, gather_to_rank_zero, own_rank_state
-from fastml_strategy._distributed import checked_plan
+from fastml_strategy.comm._distributed import checked_plan
 from fastml_strategy._integration import find_ddp, find_fsdp2, is_fsdp1, setting, take_local_steps
 from fastml_strategy.config import Plan, resolve_plan
 from fastml_strategy.engine import attach

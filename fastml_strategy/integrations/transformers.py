@@ -97,11 +97,11 @@ except ImportError as e:  # pragma: no cover - the extra is missing
     raise ImportError("fastml_strategy.transformers needs Hugging Face transformers: pip install "
                       "'fastml-strategy[transformers]' (or pip install transformers)") from e
 
-from fastml_strategy._distributed import checked_plan
+from fastml_strategy.comm._distributed import checked_plan
 from fastml_strategy._io import atomic_open
 from fastml_strategy._integration import TRAINER_KEYS, counters, find_ddp, metrics, setting
-from fastml_strategy.accelerate import LocalSGDCheckpoint
-from fastml_strategy.accelerate import setup as accelerate_setup
+from fastml_strategy.integrations.accelerate import LocalSGDCheckpoint
+from fastml_strategy.integrations.accelerate import setup as accelerate_setup
 from fastml_strategy.config import DEFAULT_RECIPE, RECIPES, Codec, Plan, resolve_plan
 from fastml_strategy._advice import advise, unactionable
 from fastml_strategy.hook import suggest_bucket_cap_mb

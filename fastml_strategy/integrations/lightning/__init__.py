@@ -34,10 +34,10 @@ keep separate class hierarchies and registries): ``FastMLStrategy`` is ``lightni
 
 Example::
 
-    import fastml_strategy.lightning  # registers "fastml", "fastml_fsdp" and "fastml_localsgd"
+    import fastml_strategy.integrations.lightning  # registers "fastml", "fastml_fsdp" and "fastml_localsgd"
     trainer = L.Trainer(strategy="fastml", accelerator="cpu", devices=2)  # plan from FASTML_PLAN
     # or explicitly:
-    from fastml_strategy.lightning import FastMLFSDPStrategy, FastMLStrategy
+    from fastml_strategy.integrations.lightning import FastMLFSDPStrategy, FastMLStrategy
     trainer = L.Trainer(strategy=FastMLStrategy(plan="int4", static_graph=True), devices=8)
     trainer = L.Trainer(strategy=FastMLFSDPStrategy(plan="int4", auto_wrap_policy={Block}, hybrid=True),
                         devices=8, num_nodes=4)
@@ -48,10 +48,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fastml_strategy.lightning._common import (CHECKPOINT_KEY, FSDP_STRATEGY_NAME, LOCALSGD_STRATEGY_NAME,
+from fastml_strategy.integrations.lightning._common import (CHECKPOINT_KEY, FSDP_STRATEGY_NAME, LOCALSGD_STRATEGY_NAME,
                                                STRATEGY_NAME)
-from fastml_strategy.lightning.fsdp import DEFAULT_MIN_WRAP_NUMEL
-from fastml_strategy.lightning.registry import _CLASS_NAMES, register_strategies, strategy_class
+from fastml_strategy.integrations.lightning.fsdp import DEFAULT_MIN_WRAP_NUMEL
+from fastml_strategy.integrations.lightning.registry import _CLASS_NAMES, register_strategies, strategy_class
 
 if TYPE_CHECKING:  # the real classes are built lazily, see strategy_class()
     from lightning.fabric.strategies import DDPStrategy as FastMLFabricStrategy  # noqa: F401
