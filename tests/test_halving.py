@@ -8,8 +8,8 @@ import math
 import pytest
 
 from fastml_strategy import Plan
-from fastml_strategy.comm._halving import (chunk_ranges, choose_schedule, fold, halving_bytes_sent, halving_messages,
-                                      halving_rounds, may_halve, real_rank, ring_bytes)
+from fastml_strategy.comm._halving import (chunk_ranges, choose_schedule, fold, halving_bytes_sent,
+                                           halving_messages, halving_rounds, may_halve, real_rank, ring_bytes)
 
 
 @pytest.mark.parametrize("W", range(2, 18))

@@ -48,8 +48,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fastml_strategy.integrations.lightning._common import (CHECKPOINT_KEY, FSDP_STRATEGY_NAME, LOCALSGD_STRATEGY_NAME,
-                                               STRATEGY_NAME)
+from fastml_strategy.integrations.lightning._common import (CHECKPOINT_KEY, FSDP_STRATEGY_NAME,
+                                                            LOCALSGD_STRATEGY_NAME, STRATEGY_NAME)
 from fastml_strategy.integrations.lightning.fsdp import DEFAULT_MIN_WRAP_NUMEL
 from fastml_strategy.integrations.lightning.registry import _CLASS_NAMES, register_strategies, strategy_class
 
