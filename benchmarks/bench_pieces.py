@@ -41,7 +41,7 @@ def _worker(rank: int, world: int, port: int, plan: str, steps: int, piece: int,
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import fastml_strategy as fm
-    from fastml_strategy.collective import BucketLayout
+    from fastml_strategy.comm.collective import BucketLayout
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 4096),

@@ -67,7 +67,7 @@ def _register_lightning() -> None:
                                           "lightning_fabric")):
         return
     try:
-        import fastml_strategy.lightning  # noqa: F401  registers the strategy names on import
+        import fastml_strategy.integrations.lightning  # noqa: F401  registers the strategy names on import
     except Exception as e:  # noqa: BLE001 - a broken Lightning must not break `import fastml_strategy`
         warnings.warn(f"FastML could not register its Lightning strategies ({type(e).__name__}: {e}); pass "
                       f"the strategy object instead (fastml_strategy.lightning.FastMLStrategy())", stacklevel=2)

@@ -137,7 +137,7 @@ class LocalSteps:
 DEFAULT_RECIPE = "int4"
 
 
-# Plan.schedule's values (fastml_strategy._halving: the schedules and the choice between them)
+# Plan.schedule's values (fastml_strategy.comm._halving: the schedules and the choice between them)
 SCHEDULES = ("auto", "ring", "halving")
 
 
@@ -162,7 +162,7 @@ class Plan:
     # at one rounding of the machine's reduced gradient, which error feedback does not see. A recipe
     # name ("bf16") or a CodecConfig; quantization is refused (see intra_node_codecs()).
     intra_node: CodecConfig | None = None
-    # The schedule of each compressed bucket's all-reduce (fastml_strategy._halving): "auto" picks per
+    # The schedule of each compressed bucket's all-reduce (fastml_strategy.comm._halving): "auto" picks per
     # bucket by alpha-beta terms at the run's world size (N = 2: the ring; a power of two above 2:
     # recursive halving/doubling, 2 log2 N latency rounds for the ring's bytes; other N: halving only
     # where latency dominates), "ring" forces the all_to_all + all_gather (2(N-1) rounds, today's),
@@ -170,7 +170,7 @@ class Plan:
     # otherwise take DDP's own all-reduce). Buckets with a top-k layer always take the ring.
     schedule: str = "auto"
     # The link "auto" assumes (one-way latency in microseconds, bandwidth in Gbit/s); None: 50 us and
-    # 10 Gbit/s (fastml_strategy._halving.DEFAULT_LATENCY_US / DEFAULT_GBPS). Only the choice reads it.
+    # 10 Gbit/s (fastml_strategy.comm._halving.DEFAULT_LATENCY_US / DEFAULT_GBPS). Only the choice reads it.
     link_latency_us: float | None = None
     link_gbps: float | None = None
 

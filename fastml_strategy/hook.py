@@ -64,13 +64,13 @@ import torch.distributed as dist
 from fastml_strategy._advice import advise, little_compressed
 from fastml_strategy._checkpoint import (STATE_FORMAT_VERSION, check_saved_state, check_state_kind,
                                          fitting_residuals, gather_states, own_rank_state)
-from fastml_strategy._distributed import agreed_machines, agreed_plan, default_group_timeout, model_names
-from fastml_strategy._peers import FailureChannel
-from fastml_strategy._halving import may_halve
+from fastml_strategy.comm._distributed import agreed_machines, agreed_plan, default_group_timeout, model_names
+from fastml_strategy.comm._peers import FailureChannel
+from fastml_strategy.comm._halving import may_halve
 from fastml_strategy._validate import LAYER_STATS_EVERY, whole_number
-from fastml_strategy.collective import CompressedAllReduce, CompressionError, StepChecks
+from fastml_strategy.comm.collective import CompressedAllReduce, CompressionError, StepChecks
 from fastml_strategy.config import Plan
-from fastml_strategy.topology import Topology
+from fastml_strategy.comm.topology import Topology
 
 __all__ = ["FastMLState", "register_hook", "suggest_bucket_cap_mb", "ReplicaDriftError", "CompressionError"]
 
@@ -321,7 +321,7 @@ class FastMLState:
         # job's store (:meth:`use_channel`); None: a dead peer is noticed by the group it shares
         self._channel = None
         if node_groups:
-            from fastml_strategy.hierarchical import HierarchicalAllReduce
+            from fastml_strategy.comm.hierarchical import HierarchicalAllReduce
 
             self._engine = HierarchicalAllReduce(plan, process_group, rank, world_size, topology,
                                                  *node_groups)
@@ -349,7 +349,7 @@ class FastMLState:
         self._step_numel = 0
 
     def use_channel(self, channel) -> None:
-        """Publish this rank's failure in ``channel`` (:class:`fastml_strategy._peers.FailureChannel`)
+        """Publish this rank's failure in ``channel`` (:class:`fastml_strategy.comm._peers.FailureChannel`)
         and wait for the hierarchical path's collectives through it (see
         :meth:`~fastml_strategy.hierarchical.HierarchicalAllReduce.use_channel`)."""
         self._channel = channel
@@ -893,7 +893,7 @@ def register_hook(
     plan_obj = agreed_plan(plan, trainable, process_group, world_size, aliases=aliases, frozen=frozen)
     topo, groups = agreed_machines(process_group, rank, world_size, ranks_per_node)
     if groups:  # agreed: every rank raises alike
-        from fastml_strategy._lowrank import refuse_lowrank
+        from fastml_strategy.comm._lowrank import refuse_lowrank
 
         refuse_lowrank(plan_obj, "register_hook", "the hierarchical all-reduce of several machines of several "
                        "ranks carries flat parts of each parameter across machines, not its matrix")
@@ -905,7 +905,7 @@ def register_hook(
     state._own_node_groups = bool(groups)
     # CPU (gloo) only: NCCL's wait does not block the host. (A collective: rank 0 draws the key.)
     # Also on the flat path when the plan may run recursive halving (point-to-point rounds: a dead
-    # rank's partners notice, the others hear of it here; fastml_strategy._halving).
+    # rank's partners notice, the others hear of it here; fastml_strategy.comm._halving).
     if (groups or may_halve(plan_obj, world_size)) and not any(p.is_cuda for p in module.parameters()):
         state.use_channel(FailureChannel(process_group, rank))
     if rank == 0:

@@ -81,13 +81,13 @@ import torch.distributed as dist
 from fastml_strategy._advice import advise, little_compressed
 from fastml_strategy._checkpoint import (STATE_FORMAT_VERSION, check_saved_state, check_state_kind,
                                          fitting_residuals, gather_states, gather_to_rank_zero, own_rank_state)
-from fastml_strategy._lowrank import refuse_lowrank
-from fastml_strategy._distributed import agreed_machines, agreed_plan, default_group_timeout, model_names
-from fastml_strategy._halving import may_halve
+from fastml_strategy.comm._lowrank import refuse_lowrank
+from fastml_strategy.comm._distributed import agreed_machines, agreed_plan, default_group_timeout, model_names
+from fastml_strategy.comm._halving import may_halve
 from fastml_strategy._integration import resolve_local_steps
-from fastml_strategy._peers import FailureChannel
+from fastml_strategy.comm._peers import FailureChannel
 from fastml_strategy._validate import LAYER_STATS_EVERY_LOCALSGD, whole_number
-from fastml_strategy.collective import CompressedAllReduce, CompressionError, DecodeError, StepChecks
+from fastml_strategy.comm.collective import CompressedAllReduce, CompressionError, DecodeError, StepChecks
 from fastml_strategy.config import OUTER_OPTIMIZERS, LocalSteps, Plan, check_local_steps
 from fastml_strategy.wire.fragments import split_fragments  # the fragments (the cost model prices the same)
 
@@ -166,7 +166,7 @@ def machine_group(ranks_per_node: Optional[int] = None) -> Any:
     process_group=machine_group())``, then ``LocalSGD(ddp_model, ...)``. Which ranks share a machine
     comes from ``ranks_per_node`` or the launcher (:mod:`fastml_strategy.topology`); every rank agrees
     first. A collective on the default group: call it on every rank, once."""
-    from fastml_strategy.topology import agreed_topology, node_groups
+    from fastml_strategy.comm.topology import agreed_topology, node_groups
 
     topo = agreed_topology(dist.group.WORLD, dist.get_rank(), dist.get_world_size(), ranks_per_node)
     intra, _ = node_groups(topo, timeout=default_group_timeout(), cross=False)
@@ -179,7 +179,7 @@ def island_model(module: torch.nn.Module, ranks_per_node: Optional[int] = None, 
     (``ranks_per_node`` or the launcher says so; agreed on every rank), else ``module`` itself (one
     replica per rank). ``required``: raise ValueError, on every rank, when there are no such machines.
     A collective on the default group. What the framework adapters call to build DiLoCo islands."""
-    from fastml_strategy.topology import agreed_topology, node_groups
+    from fastml_strategy.comm.topology import agreed_topology, node_groups
 
     topo = agreed_topology(dist.group.WORLD, dist.get_rank(), dist.get_world_size(), ranks_per_node)
     if not topo.hierarchical:
@@ -385,7 +385,7 @@ class LocalSGD:
             # (the hierarchical all-reduce of the DDP hook; inside a machine the pseudo-gradients are
             # equal, DDP having kept the island's replicas equal; an FSDP2 island's part l is the shard
             # rank l holds, and only the cross-machine stage runs)
-            from fastml_strategy.hierarchical import HierarchicalAllReduce
+            from fastml_strategy.comm.hierarchical import HierarchicalAllReduce
 
             engine = HierarchicalAllReduce(self.plan, self.process_group, self.rank, self.world_size,
                                             topo, *groups)
@@ -393,12 +393,12 @@ class LocalSGD:
             engine = CompressedAllReduce(self.plan, self.process_group, self.rank, self.world_size)
         # Islands on CPU (gloo): ranks meet in groups that do not all hold one another, so a rank that
         # fails publishes it in the job's store and every wait of the synchronisation reads it
-        # (fastml_strategy._peers). Without it, when rank 3 of two machines of two dies, rank 1 (its
+        # (fastml_strategy.comm._peers). Without it, when rank 3 of two machines of two dies, rank 1 (its
         # counterpart) sees the closed connection, but rank 0 meets rank 2 across machines, which
         # failed in the island's own collective and never issues its part: rank 0 would wait for the
         # whole group timeout. (A collective: rank 0 draws the key. NCCL's wait does not block.)
         # The same holds flat when the plan may run recursive halving (a rank meets only its partners
-        # of each round: fastml_strategy._halving).
+        # of each round: fastml_strategy.comm._halving).
         channel: Optional[FailureChannel] = None
         if (groups or may_halve(self.plan, self.world_size)) and not any(p.is_cuda for _, p in named):
             channel = FailureChannel(self.process_group, self.rank)

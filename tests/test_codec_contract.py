@@ -180,9 +180,9 @@ def _two_ranks(rank, world_size, cfg):
     import torch.distributed as dist
 
     from fastml_strategy import Plan
-    from fastml_strategy._layouts import ShardedTensor
-    from fastml_strategy._reduce_scatter import CompressedReduceScatter
-    from fastml_strategy.collective import CompressedAllReduce
+    from fastml_strategy.comm._layouts import ShardedTensor
+    from fastml_strategy.comm._reduce_scatter import CompressedReduceScatter
+    from fastml_strategy.comm.collective import CompressedAllReduce
 
     plan = Plan(default=cfg, min_numel=64)
     numels = [5000, 40, 3000]  # two layers with this codec and one small tensor (uncompressed)
@@ -231,7 +231,7 @@ def _two_ranks(rank, world_size, cfg):
 def _mixed_builds(rank, world_size):
     import torch.distributed as dist
 
-    from fastml_strategy._distributed import agreed_plan
+    from fastml_strategy.comm._distributed import agreed_plan
 
     real = codecs.WIRE_FORMAT_VERSION
     if rank == 1:

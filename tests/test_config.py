@@ -180,7 +180,7 @@ def test_quoted_number_is_refused_as_a_type_error_not_a_range(field, value, need
 
 
 def test_plan_differences_name_the_field_and_each_rank_value():
-    from fastml_strategy._distributed import _plan_differences
+    from fastml_strategy.comm._distributed import _plan_differences
 
     plans = [Plan.from_recipe("int4"), Plan.from_recipe("int4", intra_node="bf16"),
              Plan.from_recipe("int4", intra_node="fp16")]

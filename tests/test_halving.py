@@ -1,5 +1,5 @@
 """The halving schedule's shape and the choice between schedules, without processes
-(fastml_strategy._halving; the runs on real ranks are tests/test_halving_dist.py)."""
+(fastml_strategy.comm._halving; the runs on real ranks are tests/test_halving_dist.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import math
 import pytest
 
 from fastml_strategy import Plan
-from fastml_strategy._halving import (chunk_ranges, choose_schedule, fold, halving_bytes_sent, halving_messages,
-                                      halving_rounds, may_halve, real_rank, ring_bytes)
+from fastml_strategy.comm._halving import (chunk_ranges, choose_schedule, fold, halving_bytes_sent,
+                                           halving_messages, halving_rounds, may_halve, real_rank, ring_bytes)
 
 
 @pytest.mark.parametrize("W", range(2, 18))

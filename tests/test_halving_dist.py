@@ -1,4 +1,4 @@
-"""The recursive halving/doubling schedule (fastml_strategy._halving) on real gloo ranks: its result on
+"""The recursive halving/doubling schedule (fastml_strategy.comm._halving) on real gloo ranks: its result on
 3, 4, 5 and 8 ranks (non-powers of two fold in), bit-identical replicas, error feedback as in the ring
 schedule, `none` through it equal to DDP within 1e-6, the bytes it counts against the cost model's
 function, and the choice between the schedules (unit tests: no process).
@@ -29,7 +29,7 @@ def _grads(rank, step):
 
 
 def _engine(plan, rank, W, schedule):
-    from fastml_strategy.collective import CompressedAllReduce
+    from fastml_strategy.comm.collective import CompressedAllReduce
 
     eng = CompressedAllReduce(dataclasses.replace(plan, schedule=schedule), dist.group.WORLD, rank, W,
                               piece_numel=_PIECE)
@@ -97,7 +97,7 @@ def _schedule_case(rank, W, recipe):
 def _one_rank_fails(plan, rank, W):
     """Rank 0's first-stage encoding raises (a folded rank where N is not a power of two): every rank
     completes the bucket's messages and raises the same CompressionError, naming rank 0."""
-    from fastml_strategy.collective import CompressionError
+    from fastml_strategy.comm.collective import CompressionError
 
     eng, lay = _engine(plan, rank, W, "halving")
     if rank == 0:
@@ -118,7 +118,7 @@ def test_halving_schedule_result(world_size):
     """Forced through halving, every rank holds the same bytes; the residuals are the ring schedule's
     (the same first-stage encoding) and satisfy the error-feedback invariant; the result is within the
     documented bound of the ring schedule's error; `none` equals DDP's all-reduce within 1e-6."""
-    from fastml_strategy._halving import halving_bytes_sent
+    from fastml_strategy.comm._halving import halving_bytes_sent
 
     W = world_size
     res = run_workers(_schedule_case, W, "int4", timeout=220)
@@ -146,7 +146,7 @@ def test_halving_schedule_result(world_size):
         assert list(res[r]["none_schedules"]) == ["halving"] and res[r]["none_schedules"]["halving"]["buckets"] == 1
     # bytes: what the runtime counted is the tensor-free function's (headers included), per rank
     from fastml_strategy import Plan
-    from fastml_strategy._layouts import bucket_wire
+    from fastml_strategy.comm._layouts import bucket_wire
 
     plan = Plan.from_recipe("int4")
     cfgs = tuple(plan.for_parameter(n, k) for n, k in zip(_NAMES, _NUMELS))

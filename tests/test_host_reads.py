@@ -1,5 +1,5 @@
 """Host reads on the hot path: every read of a tensor's value on the host goes
-through ``fastml_strategy._status.host`` (counted by ``collective.host_reads()``), and the DDP hook reads one small
+through ``fastml_strategy.comm._status.host`` (counted by ``collective.host_reads()``), and the DDP hook reads one small
 tensor per step (every header's status and every finiteness check), at the step's last bucket. Error
 headers, finiteness and this rank's errors are kept on the device until then. On a GPU each such read
 is a host synchronisation; tests/integrations/test_gpu.py runs steps under
@@ -31,7 +31,7 @@ def _plan(name):
 
 def _count(rank, world_size, plan, layer_stats_every, steps=6):
     import fastml_strategy as fm
-    from fastml_strategy import collective
+    from fastml_strategy.comm import collective
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),

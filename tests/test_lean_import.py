@@ -1,7 +1,7 @@
 """`import fastml_strategy` stays light (one test for the whole package, the autotuner's CLI module
 and the kernels included): it imports no optuna, accelerate, triton, pandas, matplotlib, Lightning or
 Hugging Face transformers/TRL/PEFT (nor ``fastml_strategy.lightning``, which registers the strategy names
-when imported, or ``fastml_strategy.transformers``), does not
+when imported, or ``fastml_strategy.transformers``, under their public or ``integrations`` paths), does not
 load or compile the CPU codec, does not initialise CUDA, and prints nothing. Optional pieces load
 when they are used; the test checks that one of them (the kernels' compiled path) really does."""
 
@@ -11,8 +11,8 @@ import subprocess
 import sys
 
 HEAVY = ("optuna", "accelerate", "triton", "pandas", "matplotlib", "lightning", "pytorch_lightning",
-         "lightning_fabric", "fastml_strategy.lightning", "transformers", "trl", "peft",
-         "fastml_strategy.transformers")
+         "lightning_fabric", "fastml_strategy.lightning", "fastml_strategy.integrations.lightning",
+         "transformers", "trl", "peft", "fastml_strategy.transformers", "fastml_strategy.integrations.transformers")
 
 
 def test_import_is_lean():

@@ -1,4 +1,4 @@
-"""The low-rank codec (PowerSGD, fastml_strategy._lowrank): its settings, its fallback, Gram-Schmidt, the
+"""The low-rank codec (PowerSGD, fastml_strategy.comm._lowrank): its settings, its fallback, Gram-Schmidt, the
 exactness of the all-reduce on gradients of rank <= r, replicas on 2 and 3 ranks, checkpoints, NaN/inf
 and faults, the bytes the cost model predicts, and torch's own PowerSGD hook on the same model."""
 
@@ -10,7 +10,7 @@ import torch
 from _dist import run_workers
 from fastml_strategy import Codec, CodecConfig, Plan, RECIPES
 from fastml_strategy import codecs
-from fastml_strategy._lowrank import matrix_shape, orthogonalise_
+from fastml_strategy.comm._lowrank import matrix_shape, orthogonalise_
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -91,7 +91,7 @@ def _low_rank_grads(step: int, rank: int, world_size: int, r: int) -> dict:
 def _exact(rank, world_size, cfg, steps):
     import torch.distributed as dist
 
-    from fastml_strategy.collective import CompressedAllReduce
+    from fastml_strategy.comm.collective import CompressedAllReduce
 
     plan = Plan(default=cfg, min_numel=0)
     eng = CompressedAllReduce(plan, dist.group.WORLD, rank, world_size)
@@ -108,7 +108,7 @@ def _exact(rank, world_size, cfg, steps):
         assert eng.run(lay, buf, step)
         errs.append(float((buf - mean).abs().max() / mean.abs().max()))
         results.append(buf)
-    from fastml_strategy._layouts import bucket_wire
+    from fastml_strategy.comm._layouts import bucket_wire
 
     wire = bucket_wire(tuple(numels), tuple(plan.for_parameter(n, k) for n, k in zip(names, numels)), world_size,
                        shapes=tuple(_SHAPES.values()))
@@ -246,7 +246,7 @@ def test_ddp_replicas_checkpoint_and_nan(world_size):
 
 def _fault(rank, world_size):
     import fastml_strategy as fm
-    from fastml_strategy import _lowrank
+    from fastml_strategy.comm import _lowrank
 
     real = _lowrank.orthogonalise_
     calls = [0]
@@ -385,7 +385,7 @@ def test_same_bytes_and_close_updates_as_torch_powersgd(r):
     headers of its one all_to_all and all_gather (which carry faults), and the cost model predicts
     FastML's bytes exactly; the updates agree to fp32 roundoff (Gram-Schmidt here, torch's
     Gram-Schmidt at rank 2 and Householder QR at rank 4: the same basis up to signs)."""
-    from fastml_strategy._layouts import bucket_wire
+    from fastml_strategy.comm._layouts import bucket_wire
 
     out = run_workers(_vs_torch, 2, r, 6, timeout=200)
     model = _mlp()

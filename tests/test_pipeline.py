@@ -18,7 +18,7 @@ def _bucket_results(rank, world_size, recipe, dtype):
     # batched): the all-reduced values with pieces of 8192 elements against one piece, 3 steps of
     # error feedback.
     from fastml_strategy import Plan
-    from fastml_strategy.collective import CompressedAllReduce
+    from fastml_strategy.comm.collective import CompressedAllReduce
 
     numels = [50000, 37, 123457, 90000, 3, 41000]
     names = [f"l{i}" for i in range(len(numels))]
@@ -160,7 +160,7 @@ def test_suggest_bucket_cap_mb():
 def test_plain_all_reduce_finiteness_check(dtype):
     # the plain (`none`) bucket's check reads the sum first: NaN/inf must still be caught, and finite
     # values whose sum overflows must not be taken for non-finite ones
-    from fastml_strategy.collective import _finite
+    from fastml_strategy.comm.collective import _finite
 
     big = torch.finfo(dtype).max
     t = torch.full((1000,), big, dtype=dtype)

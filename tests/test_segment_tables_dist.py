@@ -31,7 +31,7 @@ def _plan(recipe):
 
 def _compare(rank, world_size, recipe):
     from fastml_strategy import kernels
-    from fastml_strategy.collective import CompressedAllReduce
+    from fastml_strategy.comm.collective import CompressedAllReduce
     from fastml_strategy.kernels import quantize_triton as qt
 
     # odd sizes, layers cut across pieces (piece_numel below), a layer smaller than min_numel

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fastml_strategy.topology import Topology, detect_ranks_per_node, topology_for
+from fastml_strategy.comm.topology import Topology, detect_ranks_per_node, topology_for
 
 
 def test_sources_in_order():

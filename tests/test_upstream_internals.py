@@ -28,7 +28,7 @@ from _dist import run_workers
 
 # -- torch.distributed: the default group's timeout, DDP's comm hooks ----------------------------------------
 def _torch_internals(rank, world_size):
-    from fastml_strategy._distributed import default_group_timeout
+    from fastml_strategy.comm._distributed import default_group_timeout
     from fastml_strategy.hook import _has_comm_hook
 
     pg = dist.distributed_c10d._get_default_group()
@@ -49,7 +49,7 @@ def test_torch_distributed_internals_exist_and_hold_what_fastml_reads():
 
 
 def test_unreadable_internals_log_a_warning(caplog):
-    from fastml_strategy._distributed import default_group_timeout
+    from fastml_strategy.comm._distributed import default_group_timeout
     from fastml_strategy.hook import _has_comm_hook
 
     assert not dist.is_initialized()
@@ -95,7 +95,7 @@ def test_fsdp2_internals_fastml_reads_exist():
 def _fsdp_group_flags(rank, world_size):
     from torch.distributed.fsdp import fully_shard
 
-    from fastml_strategy._peers import default_store
+    from fastml_strategy.comm._peers import default_store
 
     m = fully_shard(torch.nn.Linear(4, 4))
     g = m._get_fsdp_state()._fsdp_param_groups[0]
@@ -146,10 +146,10 @@ def test_lightning_internals_fastml_sets_and_calls_exist(package):
 
 def test_a_missing_lightning_attribute_is_logged(caplog):
     pytest.importorskip("lightning")
-    from fastml_strategy.lightning._common import _set_private
+    from fastml_strategy.integrations.lightning._common import _set_private
 
     obj = types.SimpleNamespace()
-    with caplog.at_level(logging.WARNING, logger="fastml_strategy.lightning"):
+    with caplog.at_level(logging.WARNING, logger="fastml_strategy.integrations.lightning"):
         _set_private(obj, "_device_mesh", 1, "self.device_mesh in configure_model will be None")
     assert obj._device_mesh == 1
     assert "has no attribute _device_mesh" in caplog.text and "device_mesh in configure_model" in caplog.text
@@ -209,7 +209,7 @@ def test_unbound_callback_and_missing_callback_list_are_explained(tmp_path, capl
         fmt.FastMLCallback("int4").on_train_begin(trainer.args, trainer.state, trainer.control)
     stub = types.SimpleNamespace(callback_handler=types.SimpleNamespace(), added=[])
     stub.add_callback = stub.added.append
-    with caplog.at_level(logging.WARNING, logger="fastml_strategy.transformers"):
+    with caplog.at_level(logging.WARNING, logger="fastml_strategy.integrations.transformers"):
         cb = fmt.FastMLCallback("int4").bind(stub)
     assert stub.added == [cb] and "callback_handler.callbacks is not a list" in caplog.text
 

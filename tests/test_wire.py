@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from fastml_strategy import codecs, wire
-from fastml_strategy._layouts import BucketLayout, ShardedTensor, ShardLayout
+from fastml_strategy.comm._layouts import BucketLayout, ShardedTensor, ShardLayout
 from fastml_strategy.config import RECIPES, Plan
 
 PKG = Path(__file__).resolve().parents[1] / "fastml_strategy"
@@ -63,8 +63,10 @@ def test_wire_imports_neither_the_codecs_nor_the_runtime():
 
 
 def test_cost_model_imports_no_private_runtime_module():
-    runtime = ("fastml_strategy.fsdp", "fastml_strategy.localsgd", "fastml_strategy.hook",
-               "fastml_strategy.hierarchical", "fastml_strategy.collective")
+    runtime = ("fastml_strategy.comm", "fastml_strategy.integrations", "fastml_strategy.fsdp",
+               "fastml_strategy.localsgd", "fastml_strategy.hook",
+               # the old paths of comm's public modules
+               "fastml_strategy.topology", "fastml_strategy.hierarchical", "fastml_strategy.collective")
     for path in (PKG / "autotune" / "costmodel").glob("*.py"):
         for mod, _ in _imports(path):
             assert not mod.startswith("fastml_strategy._"), (path.name, mod)

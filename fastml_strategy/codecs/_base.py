@@ -42,7 +42,7 @@ __all__ = [
 
 # The version of the bytes FastML puts on the wire: every registered codec's chunk format, the layout
 # of the messages and their 64-byte headers. Ranks compare it before the first step (with the plan:
-# fastml_strategy._distributed.agreed_plan) and refuse to run together when it differs. It is tied to
+# fastml_strategy.comm._distributed.agreed_plan) and refuse to run together when it differs. It is tied to
 # the bytes by tests/test_wire_digests.py, which stores a digest of each codec's bytes for fixed inputs
 # under the version: raise it with any change that a rank of the previous build would decode
 # differently (a digest that changes). A new codec does not change any stored digest: it adds its own
@@ -355,7 +355,7 @@ class WireCodec:
     lossy: ClassVar[bool] = True  # False: the plan's "uncompressed" (batched with the other small tensors)
     error_feedback: ClassVar[bool] = False  # can keep a residual (then the settings' error_feedback decides)
     sparse: ClassVar[bool] = False  # all-gathered and scatter-added rather than scatter-reduced
-    lowrank: ClassVar[bool] = False  # a matrix's factors, all-reduced per bucket (fastml_strategy._lowrank)
+    lowrank: ClassVar[bool] = False  # a matrix's factors, all-reduced per bucket (fastml_strategy.comm._lowrank)
     segment_tables: ClassVar[bool] = False  # has encode_table/encode_segments/... (many chunks per launch)
     # -- what the rest of FastML reads about it (register_codec collects them) -------------------------------
     recipes: ClassVar[Mapping[str, CodecConfig]] = {}  # named plans (Plan.from_recipe, RECIPES)

@@ -1,6 +1,6 @@
 """The low-rank codec (PowerSGD, Vogels et al. 2019): an m x n gradient matrix travels as its rank-r
 factors P (m x r) and Q (n x r), all low-rank layers of a bucket in one all-reduce per factor, with a
-warm-started Q and error feedback. :mod:`fastml_strategy._lowrank` runs the two rounds inside the
+warm-started Q and error feedback. :mod:`fastml_strategy.comm._lowrank` runs the two rounds inside the
 collectives (the algorithm in steps is there); this module owns the codec's settings, its fallback
 rule, its sizes and its math: the matrix view, Gram-Schmidt and the seeded warm start, and the local
 round trip the autotuner measures.
@@ -121,7 +121,7 @@ def _lr(rank: int) -> LowRankConfig:
 class LowRankCodec(WireCodec):
     """PowerSGD: an m x n gradient matrix travels as its rank-``rank`` factors P (m x r) and Q (n x r),
     all-reduced per bucket in two rounds with warm-started Q and error feedback
-    (:mod:`fastml_strategy._lowrank` runs it; its layers are a section of the bucket layout of their
+    (:mod:`fastml_strategy.comm._lowrank` runs it; its layers are a section of the bucket layout of their
     own, not chunks). A layer it cannot compress with gain falls back to fp32 (:meth:`effective`).
 
     A flat chunk has no matrix shape, so where a collective hands this codec a chunk (a reduce-scatter,
@@ -134,7 +134,7 @@ class LowRankCodec(WireCodec):
     family = "lowrank"
     error_feedback = True
     lowrank = True
-    sharded = False  # FSDP/HSDP refuse it (fastml_strategy._lowrank.refuse_lowrank): a shard is no matrix
+    sharded = False  # FSDP/HSDP refuse it (fastml_strategy.comm._lowrank.refuse_lowrank): a shard is no matrix
     # rank-r factors in fp32, error feedback, warm-started Q: (m + n) r factor numbers per m x n matrix,
     # two all-reduces per bucket
     recipes = {f"lowrank{r}": _lr(r) for r in (1, 2, 4, 8)}

@@ -7,7 +7,7 @@ HSDP (shard inside a node, replicate across nodes) then all-reduces every shard 
 over the slow link. :func:`register` swaps in FastML's collectives:
 
 - **FSDP** (1-D mesh): the unit's reduce-scatter becomes FastML's compressed reduce-scatter
-  (:class:`fastml_strategy._reduce_scatter.CompressedReduceScatter`): each rank encodes the W
+  (:class:`fastml_strategy.comm._reduce_scatter.CompressedReduceScatter`): each rank encodes the W
   chunks of every gradient with the layer's codec and error feedback, one all_to_all, and each rank
   decodes and sums its own chunk. Bytes per rank: (W-1)/W of the compressed size.
 - **HSDP**: the cross-replica all-reduce of each reduced shard becomes FastML's scatter-reduce-
@@ -63,9 +63,9 @@ import torch
 import torch.distributed as dist
 
 from fastml_strategy._advice import advise, little_compressed
-from fastml_strategy._distributed import agreed_plan, checked_plan, model_names
-from fastml_strategy._lowrank import refuse_lowrank
-from fastml_strategy._peers import FailureChannel
+from fastml_strategy.comm._distributed import agreed_plan, checked_plan, model_names
+from fastml_strategy.comm._lowrank import refuse_lowrank
+from fastml_strategy.comm._peers import FailureChannel
 from fastml_strategy._validate import LAYER_STATS_EVERY, whole_number
 from fastml_strategy.fsdp._all_gather import _AllGatherCounter, _make_all_gather
 from fastml_strategy.fsdp._checkpoint import CHECKPOINT_KEY, load_distributed, save_distributed  # noqa: F401

@@ -13,9 +13,9 @@ import torch.distributed as dist
 from fastml_strategy import codecs
 from fastml_strategy._checkpoint import (STATE_FORMAT_VERSION, check_saved_state, check_state_kind,
                                          fitting_residuals, gather_states, own_rank_state)
-from fastml_strategy._peers import FailureChannel
-from fastml_strategy._reduce_scatter import CompressedReduceScatter
-from fastml_strategy.collective import CompressedAllReduce, CompressionError
+from fastml_strategy.comm._peers import FailureChannel
+from fastml_strategy.comm._reduce_scatter import CompressedReduceScatter
+from fastml_strategy.comm.collective import CompressedAllReduce, CompressionError
 from fastml_strategy.config import Plan
 from fastml_strategy.fsdp._checkpoint import _dcp_decode, _dcp_encode
 from fastml_strategy.fsdp._units import _Unit

@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from fastml_strategy._layouts import ShardedTensor
+from fastml_strategy.comm._layouts import ShardedTensor
 from fastml_strategy.wire.shard import shard_chunks
 
 log = logging.getLogger("fastml_strategy.fsdp")

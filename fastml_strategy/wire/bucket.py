@@ -5,7 +5,7 @@ together (:func:`bucket_groups`), where each group is cut into W chunks (:func:`
 the codec's chunk unit, so a quantization block never mixes two ranks' scales), how long groups are
 sliced for the pipeline (:func:`piece_slices`) and the slices packed into pieces
 (:func:`pack_pieces`), and every message's size and offsets (:func:`message_offsets`, a
-:data:`HEADER` per message). The runtime's :class:`fastml_strategy._layouts.BucketLayout` builds its
+:data:`HEADER` per message). The runtime's :class:`fastml_strategy.comm._layouts.BucketLayout` builds its
 tensor views from this result; the autotuner's cost model prices the same result. Neither restates
 the arithmetic.
 
@@ -203,7 +203,7 @@ class BucketWire:
     def lowrank_bytes(self, rank: int | None = None) -> int:
         """Bytes ``rank`` sends in the bucket's factor rounds (two per low-rank section): a plain fp32
         all-reduce of each factor, or the compressed all-reduce of one tensor in the factor codec, as
-        :class:`fastml_strategy._lowrank.LowRankSection` counts them."""
+        :class:`fastml_strategy.comm._lowrank.LowRankSection` counts them."""
         W = self.world_size
         if W <= 1:
             return 0
@@ -292,7 +292,7 @@ def bucket_wire(codecs: Any, numels: tuple[int, ...], planned: tuple[CodecConfig
     ``planned``, at ``world_size`` ranks, for gradients of ``dtype`` (a torch dtype, handed to
     ``codecs.wire_config`` as it is; the default ``"fp32"`` sends uncompressed tensors as they are): the groups (:func:`bucket_groups`), their chunks and pipeline segments, the
     pieces and every message's size and offsets, headers included. The runtime's
-    :class:`~fastml_strategy._layouts.BucketLayout` is built from it; the cost model prices it (cached:
+    :class:`~fastml_strategy.comm._layouts.BucketLayout` is built from it; the cost model prices it (cached:
     a search asks for the same buckets again). ``shapes``: the parameters' shapes (what a low-rank
     layer's factors are sized by; None: flat)."""
     W = world_size

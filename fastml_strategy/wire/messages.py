@@ -2,7 +2,7 @@
 each chunk lies in a message.
 
 A FastML message to (or from) rank ``j`` is ``[header | group 0 chunk j | group 1 chunk j | ...]``:
-:data:`HEADER` bytes of status (:mod:`fastml_strategy._status` writes and reads them), then one chunk
+:data:`HEADER` bytes of status (:mod:`fastml_strategy.comm._status` writes and reads them), then one chunk
 of every group, each a multiple of 4 bytes (the codec's ``nbytes``). :func:`message_offsets` gives
 the sizes and offsets of such messages; the DDP bucket's all_to_all and all_gather, the FSDP
 reduce-scatter's all_to_all and the cost model all take them from it.
@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 __all__ = ["HEADER", "PIECE_NUMEL", "itemsize", "layer_key", "chunk_bounds", "message_offsets"]
 
-HEADER = 64  # bytes: int32 status, int32 rank, 56 bytes of UTF-8 error text (fastml_strategy._status)
+HEADER = 64  # bytes: int32 status, int32 rank, 56 bytes of UTF-8 error text (fastml_strategy.comm._status)
 
 # Pipelining: a bucket is cut into pieces of about this many gradient elements, each with its own
 # all_to_all and all_gather, so that piece k+1 is encoded while piece k is on the wire and piece k-1

@@ -1,6 +1,6 @@
 """The halving schedule's shape and the choice between it and the ring, without tensors.
 
-Recursive halving and doubling (:mod:`fastml_strategy._halving` runs it) over a bucket piece's W
+Recursive halving and doubling (:mod:`fastml_strategy.comm._halving` runs it) over a bucket piece's W
 chunk messages: N ranks fold onto the P = 2^k of a hypercube (:func:`fold`), each halving round
 gives half of the chunks it still holds to its partner (:func:`chunk_ranges`), the doubling rounds
 send the reduced chunks back, and the fold is undone. :func:`halving_messages` lists what each rank

@@ -11,7 +11,7 @@ from fastml_strategy.autotune.catalog import HardwareOption
 from fastml_strategy.autotune.costmodel import (
     BUCKET_BYTES, CANDIDATES, FIRST_BUCKET_BYTES, Convergence, LayerProfile, Profile, ddp_buckets,
     evaluate, fit_alpha_beta, fit_codec_scale, fit_convergence, pareto_front, plan_error, step_time)
-from fastml_strategy._status import HEADER
+from fastml_strategy.comm._status import HEADER
 from fastml_strategy.codecs import wire_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -237,7 +237,7 @@ def test_hierarchical_parts_are_the_runtimes():
     part unit), not into ceil(numel / A): on odd sizes the rows differ, and so do the bytes."""
     from fastml_strategy.autotune._run import _plan_from_choice
     from fastml_strategy.autotune.costmodel import hier_bucket_wire
-    from fastml_strategy.hierarchical import part_bounds
+    from fastml_strategy.comm.hierarchical import part_bounds
 
     prof = make_profile(numels=(1000003, 70001, 4099))
     choice = {"l0.weight": "int4", "l1.weight": "topk1", "l2.weight": "int8"}
@@ -387,7 +387,7 @@ def test_ddp_bytes_match_what_the_hook_sends(case):
     the hook counts on two gloo ranks, for fp32, int4, top-k and a mix."""
     from fastml_strategy.autotune._run import _plan_from_choice
     from fastml_strategy.autotune.costmodel import bucket_wire_of, ddp_bytes_per_rank
-    from fastml_strategy._layouts import PIECE_NUMEL
+    from fastml_strategy.comm._layouts import PIECE_NUMEL
 
     widths, names, bucket_mb, piece = _REAL_CASES[case]
     prof = _mlp_profile(widths)
@@ -419,7 +419,7 @@ def test_bucket_wire_is_the_layout_the_hook_builds():
     import random
 
     from fastml_strategy import Plan
-    from fastml_strategy._layouts import BucketLayout, bucket_wire
+    from fastml_strategy.comm._layouts import BucketLayout, bucket_wire
     from fastml_strategy.config import RECIPES
 
     rng = random.Random(0)

@@ -17,7 +17,7 @@ from fastml_strategy.autotune.cli import main
 from fastml_strategy.autotune.costmodel import (CANDIDATES, Convergence, LocalCalibration, evaluate,
                                                 evaluate_local, local_step_time)
 from fastml_strategy.autotune.search import TIE_TOLERANCE, best_row, group_layers, run_search
-from fastml_strategy._status import HEADER
+from fastml_strategy.comm._status import HEADER
 from fastml_strategy.codecs import wire_bytes
 
 from test_costmodel import make_profile, option

@@ -1,4 +1,4 @@
-"""Faults at N = 8 with the recursive halving/doubling schedule (fastml_strategy._halving): a rank that
+"""Faults at N = 8 with the recursive halving/doubling schedule (fastml_strategy.comm._halving): a rank that
 stalls or dies blocks only its partners of the round, so the others hear of it through the failure
 channel the hook sets on the flat path, and every other rank raises CompressionError within seconds,
 as the ring schedule does at N = 2 (tests/faults/test_faults_ranks.py).

@@ -136,7 +136,7 @@ def _check_fault_results(results, world_size, how, victim, within=COMM_TIMEOUT +
 
 
 # the death phase's group timeout: a survivor that waited for it instead of hearing of the failure
-# through the job's store (fastml_strategy._peers) would take this long
+# through the job's store (fastml_strategy.comm._peers) would take this long
 DEATH_TIMEOUT = 30
 
 

@@ -1,4 +1,4 @@
-"""The failure channel when the job's c10d store itself dies (fastml_strategy._peers): its host is rank
+"""The failure channel when the job's c10d store itself dies (fastml_strategy.comm._peers): its host is rank
 0 where no torchrun agent hosts it (mp.spawn, srun or mpirun with init_method="env://").
 tests/faults/test_faults_ranks.py kills rank 0 of a real hierarchical run; these check the two
 pieces alone: the silent connection that sees the server's process go, and a wait that ends at once
@@ -35,7 +35,7 @@ def test_store_watch_sees_its_server_die_and_only_then(tmp_path):
 
     import torch.distributed as dist
 
-    from fastml_strategy._peers import StoreWatch, store_address
+    from fastml_strategy.comm._peers import StoreWatch, store_address
 
     port = free_port()
     server = subprocess.Popen([sys.executable, "-c", _SERVER, str(port)], stdout=subprocess.PIPE, text=True)
@@ -82,7 +82,7 @@ class _Hung:
 
 
 def test_a_store_that_cannot_be_read_ends_the_wait_at_once(monkeypatch):
-    import fastml_strategy._peers as peers
+    import fastml_strategy.comm._peers as peers
 
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     channel = peers.FailureChannel.__new__(peers.FailureChannel)  # no process group: the store alone

@@ -152,7 +152,7 @@ def test_accelerate_setup_in_one_process_is_a_no_op_but_checks_the_plan(monkeypa
 
 
 def test_accelerate_setup_in_one_process_takes_a_tied_weights_other_name(recwarn):
-    """The check every adapter shares (fastml_strategy._distributed.checked_plan): a plan naming a tied
+    """The check every adapter shares (fastml_strategy.comm._distributed.checked_plan): a plan naming a tied
     weight's other name applies to the weight, with the note register_hook gives, in accelerate.setup and
     accelerate.local_sgd in one process as in register_hook; a name the model lacks is still refused."""
     from accelerate import Accelerator
@@ -214,7 +214,7 @@ def test_fsdp_strategies_check_their_arguments_before_any_process_starts(monkeyp
 
 
 def test_fsdp_wrap_policies_pick_the_modules_they_name():
-    from fastml_strategy.lightning.fsdp import _wrap_policy
+    from fastml_strategy.integrations.lightning.fsdp import _wrap_policy
 
     big, small, act = torch.nn.Linear(1024, 1024), torch.nn.Linear(64, 64), torch.nn.ReLU()
     default = _wrap_policy(None)  # own parameters >= 2**20 elements
@@ -231,7 +231,7 @@ def test_lightning_strategies_tell_register_hook_their_ranks_per_node(monkeypatc
     # strategy passes its devices per node; a launcher's or the user's variable wins (None: detect).
     from types import SimpleNamespace
 
-    from fastml_strategy.lightning._common import _ranks_per_node
+    from fastml_strategy.integrations.lightning._common import _ranks_per_node
 
     for var in ("FASTML_RANKS_PER_NODE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
                 "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):

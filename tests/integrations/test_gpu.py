@@ -51,7 +51,7 @@ def test_training_steps_have_no_host_synchronisation(tmp_path):
     # whole steps (forward, backward with the hook, optimizer) of int4, top-k and a
     # mixed plan, one rank on NCCL, under torch.cuda.set_sync_debug_mode("error"): an implicit host
     # synchronisation anywhere on the hot path raises. The hook's one explicit read per step
-    # (fastml_strategy._status.host: a pinned copy and an event wait) is counted instead.
+    # (fastml_strategy.comm._status.host: a pinned copy and an event wait) is counted instead.
     import json
 
     run([sys.executable, str(JOBS / "sync_free_job.py"), str(tmp_path)], timeout=280,

@@ -262,7 +262,7 @@ def test_cpu_fsdp2_switch_refuses_what_trainer_refuses_with_fsdp():
 
     from accelerate.utils import DistributedType
 
-    from fastml_strategy.transformers import _shard_on_cpu
+    from fastml_strategy.integrations.transformers import _shard_on_cpu
 
     def trainer(**args):
         base = dict(fsdp=True, fsdp_plugin_args={"fsdp_version": 2}, save_only_model=False,
@@ -307,7 +307,7 @@ def test_only_a_recipe_name_on_a_peft_model_gets_min_numel_fitted(monkeypatch):
     from peft import LoraConfig, get_peft_model
 
     from fastml_strategy import Plan
-    from fastml_strategy.transformers import _fit_adapters
+    from fastml_strategy.integrations.transformers import _fit_adapters
 
     class Net(torch.nn.Module):
         def __init__(self) -> None:

@@ -20,7 +20,7 @@ HEADER = 64
 
 def _chunks(numels, block_size):
     """(x offset, chunk elements) of every chunk: each layer cut into W chunks on block boundaries,
-    as fastml_strategy._layouts.chunk_bounds cuts them (an empty chunk where a layer has fewer than W blocks)."""
+    as fastml_strategy.comm._layouts.chunk_bounds cuts them (an empty chunk where a layer has fewer than W blocks)."""
     out, off = [], 0
     for n in numels:
         units = -(-n // block_size)

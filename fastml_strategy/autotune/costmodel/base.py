@@ -344,7 +344,7 @@ def _codec_factor(cfg: CodecConfig, nodes: int) -> float:
 
 # The low-rank codec's work per step against its profiled round trip: a step orthogonalises Q and P
 # (Gram-Schmidt, (m + n) r^2) and multiplies three times (P = M Q, Q = M^T P, M_hat = P Q^T: 6 m n r
-# flops); the round trip (fastml_strategy._lowrank.low_rank_roundtrip) runs two power steps and the
+# flops); the round trip (fastml_strategy.codecs.lowrank.low_rank_roundtrip) runs two power steps and the
 # reconstruction (10 m n r flops): 0.6 of it, whatever the world size (the factors' all-reduce sums
 # small vectors).
 LOWRANK_CODEC_FACTOR = 0.6

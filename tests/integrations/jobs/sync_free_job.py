@@ -1,7 +1,7 @@
 """Whole DDP training steps with FastML on one CUDA rank under torch.cuda.set_sync_debug_mode("error"):
 any implicit host synchronisation on the hot path (``.item()``, ``bool(t)``, a
 blocking device-to-host copy, ``nonzero``) raises. The hook's one read per step goes through
-``fastml_strategy._status.host`` (a pinned non-blocking copy and an event wait, which the debug mode does not
+``fastml_strategy.comm._status.host`` (a pinned non-blocking copy and an event wait, which the debug mode does not
 flag); this job counts those reads per step as well.
 
     python sync_free_job.py OUT_DIR [backend]      # backend: nccl (default) or gloo
@@ -35,7 +35,7 @@ def _plan(name):
 
 def run(plan: str, dev: torch.device) -> dict:
     import fastml_strategy as fm
-    from fastml_strategy import collective
+    from fastml_strategy.comm import collective
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048),

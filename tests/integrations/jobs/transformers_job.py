@@ -330,10 +330,10 @@ def trl_sft() -> dict:
     trainer = SFTTrainer(model=tiny_llama(), args=args, train_dataset=Dataset.from_dict({"text": texts}),
                          processing_class=tok, peft_config=LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
     records = Records()
-    logging.getLogger("fastml_strategy.transformers").addHandler(records)
-    logging.getLogger("fastml_strategy.transformers").setLevel(logging.INFO)
+    logging.getLogger("fastml_strategy.integrations.transformers").addHandler(records)
+    logging.getLogger("fastml_strategy.integrations.transformers").setLevel(logging.INFO)
     cb = fmt.setup(trainer, plan="int4")  # a recipe name: setup fits min_numel to the adapters (8 x 64)
-    logging.getLogger("fastml_strategy.transformers").removeHandler(records)
+    logging.getLogger("fastml_strategy.integrations.transformers").removeHandler(records)
     trainer.train()
     out = summary(trainer, cb)
     out["trainer"] = type(trainer).__name__

@@ -72,7 +72,7 @@ def _ranks_per_node(strategy: Any) -> int | None:
     devices per node). Lightning's own launcher sets LOCAL_RANK, NODE_RANK and WORLD_SIZE but no
     LOCAL_WORLD_SIZE, and places global rank node_rank x num_processes + local_rank: the contiguous
     machines the hierarchical all-reduce assumes."""
-    from fastml_strategy.topology import detect_ranks_per_node
+    from fastml_strategy.comm.topology import detect_ranks_per_node
 
     if detect_ranks_per_node()[1] != "default":
         return None

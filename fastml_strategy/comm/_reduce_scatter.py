@@ -1,15 +1,15 @@
 """FastML's compressed reduce-scatter of one FSDP unit: the first half of scatter-reduce-allgather alone.
 
 The input holds W rows, row j the part of every gradient that rank j owns (FSDP2's layout,
-:class:`~fastml_strategy._layouts.ShardLayout`). Each rank encodes row j for rank j (per parameter,
+:class:`~fastml_strategy.comm._layouts.ShardLayout`). Each rank encodes row j for rank j (per parameter,
 with its codec and error feedback; top-k too, since nothing is re-encoded: each rank sends the top-k
 of the chunk it sends), one all_to_all, and rank j decodes and sums the W copies of row j, in rank
 order, into its output. No re-encoding, so no second collective, and no replicas to keep identical
 (each rank owns its shard). Per-rank traffic: (W-1)/W of the compressed size. The error-feedback
 residual of a rank covers every row it sends, i.e. the unsharded gradient; it is updated in place.
 
-A rank whose encoder raises still sends (error headers, :mod:`fastml_strategy._status`), so every rank
-raises the same :class:`~fastml_strategy._status.CompressionError` right after the all_to_all. An
+A rank whose encoder raises still sends (error headers, :mod:`fastml_strategy.comm._status`), so every rank
+raises the same :class:`~fastml_strategy.comm._status.CompressionError` right after the all_to_all. An
 error while decoding the received chunks is this rank's alone (there is no second collective to carry
 it): the others fail at their next collective with this rank.
 """
@@ -21,9 +21,9 @@ from typing import Sequence
 import torch
 
 from fastml_strategy import codecs
-from fastml_strategy._exchange import ChunkExchange, mix
-from fastml_strategy._layouts import ShardedTensor, ShardLayout
-from fastml_strategy._status import CompressionError, check_headers, host
+from fastml_strategy.comm._exchange import ChunkExchange, mix
+from fastml_strategy.comm._layouts import ShardedTensor, ShardLayout
+from fastml_strategy.comm._status import CompressionError, check_headers, host
 
 __all__ = ["CompressedReduceScatter"]
 

@@ -14,7 +14,7 @@ the bandwidth term and needs ``2 log2 N`` rounds.
 Algorithm (one pipeline piece; ``P``: the largest power of two <= N, ``E = N - P``)
 ----------------------------------------------------------------------------------
 0. Every rank encodes every chunk of the piece with error feedback, exactly as the ring schedule's
-   first stage (:meth:`~fastml_strategy._exchange.ChunkExchange._encode_group`): the residual is
+   first stage (:meth:`~fastml_strategy.comm._exchange.ChunkExchange._encode_group`): the residual is
    ``input - decode(own encoding)``, so the error-feedback invariant is the ring's.
 1. Fold-in (only when N is not a power of two): of ranks ``0 .. 2E-1``, each even rank sends its whole
    encoded piece to the odd rank above it and takes no further part until step 5; the odd rank decodes
@@ -64,7 +64,7 @@ A bucket with a top-k layer keeps the ring schedule (top-k messages are all-gath
 re-sparsifying partial sums would change what top-k means). A bucket with nothing to compress keeps
 DDP's own plain all-reduce (gloo's algorithm) unless the plan forces ``"halving"``, which then runs
 its fp32 (or 16-bit) values through these rounds. The FSDP reduce-scatter
-(:mod:`fastml_strategy._reduce_scatter`) is one all_to_all and stays so.
+(:mod:`fastml_strategy.comm._reduce_scatter`) is one all_to_all and stays so.
 
 The choice (:func:`choose_schedule`)
 ------------------------------------
@@ -83,12 +83,12 @@ on 1 Gbit/s + 0.5 ms, and the two even at 16: benchmarks/RESULTS.md). The plan i
 schedule and the hint), so every rank makes the same choice; the cost model calls this function on
 the same message sizes, and the autotuner writes the option's link into the plans it makes.
 
-Errors travel in the headers as in the ring schedule (:mod:`fastml_strategy._status`), with one
+Errors travel in the headers as in the ring schedule (:mod:`fastml_strategy.comm._status`), with one
 difference: a rank receives the headers of its partners only, so each rank keeps a merged status (the
 lowest failing rank it has heard of) and writes it into every header it sends; halving and doubling
 each sweep every dimension of the hypercube, so at the end every rank holds the same status and
 raises the same :class:`~fastml_strategy.CompressionError`. A rank that dies or stalls blocks only its
-partners: the DDP hook therefore waits through a :class:`~fastml_strategy._peers.FailureChannel`
+partners: the DDP hook therefore waits through a :class:`~fastml_strategy.comm._peers.FailureChannel`
 (CPU) whenever the plan may run this schedule, so every other rank hears of the first failure.
 """
 
@@ -98,7 +98,7 @@ import torch
 import torch.distributed as dist
 
 from fastml_strategy import codecs
-from fastml_strategy._status import HEADER, write_header
+from fastml_strategy.comm._status import HEADER, write_header
 from fastml_strategy.config import SCHEDULES
 # The schedule's shape and the choice (tensor-free: the cost model prices the same functions)
 from fastml_strategy.wire.schedule import (CODEC_BPS, DEFAULT_GBPS, DEFAULT_LATENCY_US,  # noqa: F401
@@ -130,7 +130,7 @@ class HalvingRun:
 
     def __init__(self, eng, lay, buf: torch.Tensor, step: int, layer_stats: bool, checks,
                  baseline_elem_size: int, divisor: float | None) -> None:
-        from fastml_strategy._exchange import mix
+        from fastml_strategy.comm._exchange import mix
 
         self.eng, self.lay, self.buf, self.checks = eng, lay, buf, checks
         self.layer_stats, self.baseline_elem_size = layer_stats, baseline_elem_size
@@ -202,7 +202,7 @@ class HalvingRun:
                     self.finite.append(codecs.chunk_finite(enc, n, g.cfg))
 
     def _reencode(self, piece, chunks: tuple[int, int], stage: int, divide: bool = False) -> None:
-        from fastml_strategy._exchange import mix
+        from fastml_strategy.comm._exchange import mix
 
         for g in piece.dense:
             for c in range(*chunks):

@@ -41,9 +41,10 @@ from fastml_strategy._integration import LIGHTNING_KEYS, layer_errors, setting, 
 from fastml_strategy._validate import LAYER_STATS_EVERY_LOCALSGD
 from fastml_strategy.config import Plan
 from fastml_strategy.hook import own_rank_state
-from fastml_strategy.lightning._common import (_HOOK_KWARGS, _HOOK_KWARGS_FIX, CHECKPOINT_KEY, LOCALSGD_STRATEGY_NAME,
-                                               _check_key_free, _FastMLStateHolder, _ranks_per_node,
-                                               _reject_kwargs, _set_private, _TrainerLogging)
+from fastml_strategy.integrations.lightning._common import (_HOOK_KWARGS, _HOOK_KWARGS_FIX, CHECKPOINT_KEY,
+                                                            LOCALSGD_STRATEGY_NAME, _check_key_free,
+                                                            _FastMLStateHolder, _ranks_per_node, _reject_kwargs,
+                                                            _set_private, _TrainerLogging)
 from fastml_strategy.localsgd import STATE_FORMAT_VERSION as LOCALSGD_FORMAT_VERSION
 from fastml_strategy.localsgd import LocalSGD, gather_to_rank_zero, resolve_settings
 

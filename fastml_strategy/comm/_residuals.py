@@ -1,6 +1,6 @@
 """The error-feedback residuals of one engine, keyed by parameter name, and the layouts that hold them.
 
-A residual lives inside the layout that encodes its parameter (:mod:`fastml_strategy._layouts`: a view
+A residual lives inside the layout that encodes its parameter (:mod:`fastml_strategy.comm._layouts`: a view
 of the layout's residual buffers, written by the encoder). Layouts change: DDP rebuilds its buckets
 after the first iteration, a frozen layer joins later, FSDP builds a unit's layout at its first
 reduce-scatter. The store keeps every residual across those changes:

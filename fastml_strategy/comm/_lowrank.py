@@ -38,7 +38,7 @@ nothing; Gram-Schmidt is used at every rank (torch switches to QR above rank 2: 
 orthonormal basis up to signs, which cancel in ``P Q^T``).
 
 Faults: a rank whose compute raises still issues every collective (with whatever its buffers hold)
-and records the error in the step's checks (:class:`~fastml_strategy._status.StepChecks`); the
+and records the error in the step's checks (:class:`~fastml_strategy.comm._status.StepChecks`); the
 bucket's message headers, which follow, carry it to every rank, and every rank raises the same
 :class:`~fastml_strategy.collective.CompressionError` at the end of the step.
 """
@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from fastml_strategy._status import all_finite
+from fastml_strategy.comm._status import all_finite
 from fastml_strategy.codecs.lowrank import initial_q, low_rank_roundtrip, matrix_shape, orthogonalise_
 from fastml_strategy.config import CodecConfig, Plan
 
@@ -99,7 +99,7 @@ class LowRankSection:
     ``factor_cfg``: None for a plain fp32 all-reduce, else the codec the factors travel in through
     the compressed all-reduce (a layout of one tensor, built here, with no error feedback).
     ``layout_type``: the class of that layout (the bucket layout that holds this section gives its
-    own, :class:`fastml_strategy._layouts.BucketLayout`, so this module need not import it)."""
+    own, :class:`fastml_strategy.comm._layouts.BucketLayout`, so this module need not import it)."""
 
     params: list[_LowRankParam]
     factor_cfg: CodecConfig | None

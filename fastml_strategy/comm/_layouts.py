@@ -1,6 +1,6 @@
 """Where every chunk of a compressed collective lies: the layouts of a DDP bucket (all-reduce) and of an
 FSDP unit (reduce-scatter), built once per shape and kept by the engine's
-:class:`~fastml_strategy._residuals.ResidualStore` with the error-feedback residuals they own.
+:class:`~fastml_strategy.comm._residuals.ResidualStore` with the error-feedback residuals they own.
 
 A layout splits its gradients by parameter into *groups* (:class:`_DenseGroup`: one per compressed
 layer, whose codec comes from the plan, and one batched group of the uncompressed tensors; top-k layers
@@ -280,7 +280,7 @@ class BucketLayout(_Messages):
             self._alloc()
 
     def _lowrank_sections(self, cfgs, wire: BucketWire, shapes, params) -> list:
-        from fastml_strategy._lowrank import LowRankSection, _LowRankParam, matrix_shape
+        from fastml_strategy.comm._lowrank import LowRankSection, _LowRankParam, matrix_shape
 
         out = []
         for (factor, _, _), idx in zip(wire.lowrank, wire.lowrank_params):

@@ -45,10 +45,10 @@ import torch
 from fastml_strategy._integration import fsdp2_units, is_fsdp1, setting
 from fastml_strategy.config import Plan
 from fastml_strategy.engine import attach
-from fastml_strategy.lightning._common import (_HOOK_KWARGS, _HOOK_KWARGS_FIX, CHECKPOINT_KEY, FSDP_STRATEGY_NAME,
-                                               STRATEGY_NAME, _check_key_free, _FastMLStateHolder,
-                                               _load_from_remainder, _ranks_per_node, _reject_kwargs,
-                                               _TrainerLogging)
+from fastml_strategy.integrations.lightning._common import (_HOOK_KWARGS, _HOOK_KWARGS_FIX, CHECKPOINT_KEY,
+                                                            FSDP_STRATEGY_NAME, STRATEGY_NAME, _check_key_free,
+                                                            _FastMLStateHolder, _load_from_remainder, _ranks_per_node,
+                                                            _reject_kwargs, _TrainerLogging)
 
 __all__ = ["trainer_class", "fabric_class"]
 

@@ -1,11 +1,11 @@
 """What FastML's two compressed collectives share: the first half of scatter-reduce-allgather.
 
 Both the all-reduce of a DDP bucket (:class:`fastml_strategy.collective.CompressedAllReduce`) and the
-reduce-scatter of an FSDP unit (:class:`fastml_strategy._reduce_scatter.CompressedReduceScatter`) start
+reduce-scatter of an FSDP unit (:class:`fastml_strategy.comm._reduce_scatter.CompressedReduceScatter`) start
 the same way: each rank encodes chunk j of every dense group of a layout for rank j (with the group's
 codec and error feedback), one ``all_to_all_single`` delivers to each rank every rank's encoding of its
 own chunks, and each rank decodes those W copies in rank order. :class:`ChunkExchange` holds what that
-needs on one process group: the plan, the layouts and residuals (:class:`~fastml_strategy._residuals.
+needs on one process group: the plan, the layouts and residuals (:class:`~fastml_strategy.comm._residuals.
 ResidualStore`), the seeds of stochastic rounding, the message headers' writer and the statistics.
 """
 
@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 
 from fastml_strategy import codecs
-from fastml_strategy._layouts import _DenseGroup, _Messages
-from fastml_strategy._residuals import ResidualStore
+from fastml_strategy.comm._layouts import _DenseGroup, _Messages
+from fastml_strategy.comm._residuals import ResidualStore
 from fastml_strategy._seeds import mix  # noqa: F401  (re-exported: the collectives import it from here)
-from fastml_strategy._status import host, write_header
+from fastml_strategy.comm._status import host, write_header
 from fastml_strategy.config import Plan
 
 __all__ = ["ChunkExchange", "mix"]
@@ -59,7 +59,7 @@ class ChunkExchange:
     def wait(work) -> None:
         """Wait for one of the asynchronous collectives. A caller whose ranks meet in several groups
         (HSDP, the hierarchical all-reduce) replaces it by
-        :meth:`fastml_strategy._peers.FailureChannel.wait`, which also raises as soon as a rank of
+        :meth:`fastml_strategy.comm._peers.FailureChannel.wait`, which also raises as soon as a rank of
         another group has failed."""
         work.wait()
 

@@ -22,9 +22,9 @@ import threading
 import warnings
 from typing import Callable
 
-from fastml_strategy.lightning import ddp, fsdp, localsgd
-from fastml_strategy.lightning._common import (_FRAMEWORKS, FSDP_STRATEGY_NAME, LOCALSGD_STRATEGY_NAME,
-                                               PUBLIC_MODULE, STRATEGY_NAME)
+from fastml_strategy.integrations.lightning import ddp, fsdp, localsgd
+from fastml_strategy.integrations.lightning._common import (_FRAMEWORKS, FSDP_STRATEGY_NAME, LOCALSGD_STRATEGY_NAME,
+                                                            PUBLIC_MODULE, STRATEGY_NAME)
 
 __all__ = ["strategy_class", "register_strategies"]
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from fastml_strategy import codecs
 from fastml_strategy.config import CodecConfig, Plan, resolve_plan
-from fastml_strategy.topology import agreed_topology, node_groups
+from fastml_strategy.comm.topology import agreed_topology, node_groups
 
 __all__ = ["agreed_plan", "agreed_machines", "checked_plan", "default_group_timeout", "model_names"]
 

@@ -51,9 +51,9 @@ from fastml_strategy._integration import fsdp2_units, is_fsdp1, is_fsdp2, settin
 from fastml_strategy._validate import whole_number
 from fastml_strategy.config import Plan, resolve_plan
 from fastml_strategy.engine import attach
-from fastml_strategy.lightning._common import (CHECKPOINT_KEY, FSDP_STRATEGY_NAME, _FastMLStateHolder,
-                                               _lightning_private, _load_from_remainder, _check_key_free,
-                                               _reject_kwargs, _set_private, _TrainerLogging)
+from fastml_strategy.integrations.lightning._common import (CHECKPOINT_KEY, FSDP_STRATEGY_NAME, _FastMLStateHolder,
+                                                            _lightning_private, _load_from_remainder, _check_key_free,
+                                                            _reject_kwargs, _set_private, _TrainerLogging)
 
 __all__ = ["DEFAULT_MIN_WRAP_NUMEL", "trainer_class", "fabric_class"]
 
