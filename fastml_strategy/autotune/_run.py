@@ -498,7 +498,7 @@ def _scaling(profile: Profile, options: list[HardwareOption], groups: Mapping[st
                              "compute_s": br.compute_s, "codec_s": br.codec_s,
                              "exposed_comm_s": br.exposed_s, "bytes_per_rank": br.bytes_per_rank,
                              "node_net_bytes": br.node_net_bytes, "ddp_schedule": br.topology,
-                             # the all-reduce schedule the runtime picks there (fastml_strategy._halving)
+                             # the all-reduce schedule the runtime picks there (fastml_strategy.comm._halving)
                              "allreduce_schedule": br.schedules})
     return rows
 

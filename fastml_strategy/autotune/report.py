@@ -684,7 +684,7 @@ def _option_figures(result: "AutotuneResult", t: Mapping[str, pd.DataFrame]) -> 
 
 def _schedule_text(sc: pd.DataFrame) -> str:
     """Which all-reduce schedule the tuned plans' predictions use at each node count: the one the
-    runtime picks there (``Plan.schedule`` "auto" with the option's link; fastml_strategy._halving)."""
+    runtime picks there (``Plan.schedule`` "auto" with the option's link; fastml_strategy.comm._halving)."""
     if "allreduce_schedule" not in sc or not len(sc):
         return ""
     tu = sc[(sc["plan"] == "tuned") & (sc["allreduce_schedule"] != "")]
