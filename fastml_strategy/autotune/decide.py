@@ -1,7 +1,7 @@
 """The final decision of a tuning run: which of the plans the check trained side by side goes into
 plan.json (issue 38).
 
-The check (:func:`fastml_strategy.autotune._run._check`) trains the tuned plan and its obvious
+The check (:func:`fastml_strategy.autotune._check._check`) trains the tuned plan and its obvious
 uniform alternatives from the same weights and measures, for each, the time to reach the tuned plan's
 losses (steps measured x step time predicted) and whether its own run stayed within the accuracy
 limit. Choosing the soonest of them outright let the kind of answer flip between runs of one command:

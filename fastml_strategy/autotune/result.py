@@ -9,15 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, TypedDict
 
 from fastml_strategy.autotune.catalog import HardwareOption
 from fastml_strategy.autotune.costmodel import (AccuracyRule, Convergence, LocalCalibration, Profile, Sharding,
                                                 Trial)
 from fastml_strategy.config import Plan
 
-__all__ = ["AutotuneResult", "ASSUMED_TARGET_STEPS", "TARGET_STEPS_SOURCES", "codec_family", "plan_family",
-           "uses_local_steps", "winning_row"]
+__all__ = ["AutotuneResult", "ASSUMED_TARGET_STEPS", "TARGET_STEPS_SOURCES", "CalibrationPoint", "StepTimeRow",
+           "ScalingRow", "WhatIfRow", "codec_family", "plan_family", "uses_local_steps", "winning_row"]
 
 # Training length when the user gives none (--target-steps) and is not asked: every time and cost scales
 # with it, the choice of plan does not (it multiplies every option and plan alike). The report says it
@@ -26,6 +26,78 @@ ASSUMED_TARGET_STEPS = 10_000
 # Where the training length came from, as the report words it.
 TARGET_STEPS_SOURCES = {"given": "--target-steps", "entered": "entered at the prompt",
                         "assumed": "assumed; pass --target-steps N for your run"}
+
+
+class CalibrationPoint(TypedDict, total=False):
+    """One calibration training run (``calibration.csv``; ``calibrate.points``, then the stretch and
+    the accuracy allowance its curve gave): a plan's measured error per step, its stretch (steps
+    against the uncompressed reference to the same losses) and accuracy loss."""
+
+    trial: int  # the calibration study's trial number
+    error: float  # the plan's relative error per step (math.inf: unknown)
+    ratio: float  # the stretch: the plan's steps / the reference's to the same losses
+    ratio_lo: float  # its interval (nan: none) and standard error
+    ratio_hi: float
+    ratio_se: float
+    censored: bool  # the run ended before reaching the reference's last level (ratio: a lower bound)
+    pruned: bool  # stopped by the pruner: its accuracy loss is math.inf
+    levels: int  # loss levels the stretch was measured at, and how many the run reached
+    levels_reached: int
+    stretch_sigma: float  # the noise of one run's stretch, and where that figure came from
+    stretch_noise: str
+    accuracy_loss: float  # against the reference (its metric, else its final loss), after the allowance
+    accuracy_loss_raw: float
+    accuracy_allowance: float
+    metric: float | None  # the run's eval metric (None: the workload has no eval_fn)
+    choice: dict[str, str]  # search group -> codec option
+    seed: int
+    losses: list[float] | None  # the run's loss curve (None: stored before curves were kept)
+
+
+class StepTimeRow(TypedDict):
+    """One plan's step time measured beside the cost model's prediction (``step_times.csv``)."""
+
+    plan: str  # "tuned (OPTION)", a uniform recipe, or the uncompressed baseline's label
+    where: str  # what was timed: ranks and link, or one process without a link
+    predicted_s: float
+    measured_s: float
+    used_in_fit: bool  # the measurement fitted the codec-time scales or the collective overhead
+    error_pct: float  # 100 (predicted - measured) / measured
+
+
+class ScalingRow(TypedDict):
+    """An option's tuned plan or its uncompressed baseline predicted on ``nodes`` machines
+    (``scaling.csv``; ``_run.SCALING_NODES``)."""
+
+    option: str
+    nodes: int
+    plan: str  # "tuned" or the baseline's label
+    step_s: float
+    compute_s: float
+    codec_s: float
+    exposed_comm_s: float
+    bytes_per_rank: int
+    node_net_bytes: int  # bytes leaving each machine per step
+    ddp_schedule: str  # flat or hierarchical
+    allreduce_schedule: Any  # the all-reduce schedule(s) the runtime picks there: ring or halving
+
+
+class WhatIfRow(TypedDict):
+    """Sharded runs: an option's tuned plan on another cluster shape against FSDP/HSDP's own
+    collectives on it (``whatif.csv``; ``_run.WHATIF_NODES`` x ``WHATIF_RANKS_PER_NODE``)."""
+
+    option: str
+    nodes: int
+    ranks_per_node: int
+    ranks: int
+    tuned_ms: float
+    own_ms: float
+    speedup: float  # own_ms / tuned_ms
+    allgather_MB: float
+    tuned_reduce_MB: float
+    own_reduce_MB: float
+    residual_MiB_per_rank: float
+    fsdp_state_MiB_per_rank: float
 
 
 @dataclass
@@ -40,14 +112,14 @@ class AutotuneResult:
     baseline: dict[str, Trial]  # option -> uncompressed DDP (or FSDP/HSDP's own) row
     profile: Profile
     convergence: Convergence
-    calibration: list[dict[str, Any]]
+    calibration: list[CalibrationPoint]
     trials: list[Trial]  # every search trial of every option, and each option's baseline row
-    step_times: list[dict[str, Any]]
-    scaling: list[dict[str, Any]]
+    step_times: list[StepTimeRow]
+    scaling: list[ScalingRow]
     pareto: list[int] = field(default_factory=list)
     groups: dict[str, list[str]] = field(default_factory=dict)
     sharding: Sharding = field(default_factory=Sharding)
-    whatif: list[dict[str, Any]] = field(default_factory=list)  # sharded: cluster shapes per option
+    whatif: list[WhatIfRow] = field(default_factory=list)  # sharded: cluster shapes per option
     target_steps: float = ASSUMED_TARGET_STEPS  # steps of uncompressed training every time and cost is for
     target_steps_source: str = "assumed"  # see TARGET_STEPS_SOURCES
     # Set when the measured link is not a network (every rank on one machine): the report flags it.

@@ -252,7 +252,7 @@ def _trial_objective(profile: Profile, groups: Mapping[str, list[str]], option: 
             i = trial.suggest_categorical("intra_node", intra) if intra else None
             r = evaluate(profile, choice, option, conv, target_steps, sharding=sharding,
                          max_residual_bytes=max_residual_bytes, intra_node=i)
-            r.update(every=1, fragments=1, delay=0)
+            r = r.replace(every=1, fragments=1, delay=0)
             limit = conv.e_max
         else:
             r = evaluate_local(profile, choice, option, conv, local, target_steps, h, f)
@@ -273,12 +273,11 @@ def _rows(trials: list[Any], option: HardwareOption, names: list[str],
           keys: Mapping[str, str]) -> list[Trial]:
     rows = []
     for t in sorted(trials, key=lambda t: t.number):
-        row = Trial(option=option.name, trial=t.number, objective=t.value)
-        row.update(t.user_attrs)
-        row["choice"] = {g: t.params[keys[g]] for g in names if keys[g] in t.params}
+        attrs = {"option": option.name, "trial": t.number, "objective": t.value, **t.user_attrs}
+        attrs["choice"] = {g: t.params[keys[g]] for g in names if keys[g] in t.params}
         for k in ("every", "fragments", "delay"):
-            row[k] = int(row.get(k, 1 if k != "delay" else 0))
-        rows.append(row)
+            attrs[k] = int(attrs.get(k, 1 if k != "delay" else 0))
+        rows.append(Trial(attrs))
     return rows
 
 

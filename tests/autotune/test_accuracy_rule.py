@@ -302,7 +302,7 @@ def test_budget_caps_the_run_and_the_report_says_what_it_left_out(tmp_path):
 
 # -- bucket size and embeddings in the search ----------------------------------------------------------
 def test_bucket_size_is_searched_and_small_models_get_smaller_buckets():
-    from fastml_strategy.autotune._run import _best_bucket
+    from fastml_strategy.autotune._state import _best_bucket
     from fastml_strategy.autotune import search
     from fastml_strategy.autotune.costmodel import Convergence, ddp_buckets, evaluate, step_time
 

@@ -57,15 +57,15 @@ def _check_figures_do_not_overlap(res):
     predicted-vs-measured plot names its plans on an axis (no labels beside points to collide)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    from fastml_strategy.autotune import report
+    from fastml_strategy.autotune.report import data, plots
 
     drawn = []
-    orig = report._png
-    report._png = lambda fig: drawn.append(fig) or orig(fig)
+    orig = plots._png
+    plots._png = lambda fig: drawn.append(fig) or orig(fig)
     try:
-        names = list(report.figures(res, report.tables(res)))
+        names = list(plots.figures(res, data.tables(res)))
     finally:
-        report._png = orig
+        plots._png = orig
     assert len(drawn) == len(names) >= 6
     for name, fig in zip(names, drawn):
         canvas = FigureCanvasAgg(fig)

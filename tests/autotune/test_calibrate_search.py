@@ -129,7 +129,8 @@ def test_verification_probes_the_gap_the_accuracy_rule_has_no_run_in():
     for want of a run; none is probed when nothing in the gap pays or it was trained already."""
     from types import SimpleNamespace
 
-    from fastml_strategy.autotune import _run
+    from fastml_strategy.autotune import _state, _tune
+    from fastml_strategy.autotune.costmodel import Sharding
     from fastml_strategy.autotune.costmodel import accuracy_rule
     from fastml_strategy.autotune.search import run_search
 
@@ -144,28 +145,28 @@ def test_verification_probes_the_gap_the_accuracy_rule_has_no_run_in():
     groups = group_layers(prof)
     opt = option(gbps=0.1, price=0.0)  # a slow link: the fewer bytes the better
     s = SimpleNamespace(target_steps=1000, storage=None, trials=60, options=tuple(known), seed=0,
-                        sharding=_run.Sharding(), max_residual_bytes=None, local_fragments=(1,))
+                        sharding=Sharding(), max_residual_bytes=None, local_fragments=(1,))
 
     def situation(points):
         rule = accuracy_rule(points, 0.01)
         conv = Convergence(k=0.2, gamma=1.0, e_max=rule.e_max)
         best = best_row(run_search(prof, groups, opt, conv, 1000, storage=None, study_name="t", trials=60,
                                    seed=0))
-        found = _run._OptionSearch(rows=[], best={opt.name: best}, baseline={}, local_best={})
+        found = _state._OptionSearch(rows=[], best={opt.name: best}, baseline={}, local_best={})
         return rule, conv, found
 
     runs = [{"error": 0.001, "accuracy_loss": 0.0}, {"error": 0.05, "accuracy_loss": 0.002},
             {"error": 0.15, "accuracy_loss": 0.004}, {"error": 1.0, "accuracy_loss": 0.05}]
     rule, conv, found = situation(runs)
     assert conv.e_max == pytest.approx(0.15)
-    probe = _run._gap_probe(s, prof, groups, [opt], conv, rule, found, [], "fp")
+    probe = _tune._gap_probe(s, prof, groups, [opt], conv, rule, found, [], "fp")
     assert probe is not None and 0.15 < probe.error < 1.0, probe
-    assert probe.objective <= _run.PROBE_GAIN * found.best[opt.name].objective
+    assert probe.objective <= _tune.PROBE_GAIN * found.best[opt.name].objective
     # already trained: nothing new to learn
-    assert _run._gap_probe(s, prof, groups, [opt], conv, rule, found, [probe.choice], "fp") is None
+    assert _tune._gap_probe(s, prof, groups, [opt], conv, rule, found, [probe.choice], "fp") is None
     # a failing run just above the limit: no gap to probe
     rule2, conv2, found2 = situation(runs[:3] + [{"error": 0.16, "accuracy_loss": 0.05}])
-    assert _run._gap_probe(s, prof, groups, [opt], conv2, rule2, found2, [], "fp") is None
+    assert _tune._gap_probe(s, prof, groups, [opt], conv2, rule2, found2, [], "fp") is None
     # the probe's run within the limit raises the rule's limit to its error
     assert accuracy_rule(runs + [{"error": probe.error, "accuracy_loss": 0.003}], 0.01).e_max == \
         pytest.approx(probe.error)
@@ -203,7 +204,7 @@ def test_plan_json_carries_the_chosen_intra_node():
     """plan.json holds the chosen hop inside the machine and round-trips it; an exact hop (or none
     searched) writes the file as before, with no intra_node."""
     from fastml_strategy import RECIPES, Plan
-    from fastml_strategy.autotune._run import _plan_from_choice
+    from fastml_strategy.autotune._state import _plan_from_choice
 
     prof = make_profile()
     choice = {"l0.weight": "int4", "l1.weight": "int8"}

@@ -276,7 +276,7 @@ def test_overwrite_reruns_from_the_storage_for_a_given_length(tuned):
 
 
 def test_human_units():
-    from fastml_strategy.autotune.report import _pct, human_money, human_time
+    from fastml_strategy.autotune.report.words import _pct, human_money, human_time
 
     assert [_pct(x) for x in (4.1e-10, 0.0123, 4.2, 77.4, 1234.0)] == ["0%", "0.012%", "4.2%", "77%", "1,234%"]
 

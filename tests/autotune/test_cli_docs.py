@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from fastml_strategy.autotune import cli, report
+from fastml_strategy.autotune import cli
+from fastml_strategy.autotune.report import words as report
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "autotune.md"
@@ -100,11 +101,11 @@ def test_autotune_doc_sample_follows_the_current_output_format():
     others = {name: [["  " + p[0], *p[1:]] for p in ts if _significant(p)]
               for name, ts in rep.items() if name != "_verdict"}
     others["cli"] = [p for p in printed if _significant(p)]
-    assert any(_follows(lines[0], t) for t in first), f"first line follows no verdict of report.py: {lines[0]}"
+    assert any(_follows(lines[0], t) for t in first), f"first line follows no verdict of report/words.py: {lines[0]}"
     used = set()
     for line in lines[1:]:
         hits = [name for name, ts in others.items() if any(_follows(line, t) for t in ts)]
-        assert hits, f"docs/autotune.md sample line follows no format string of cli.py / report.py: {line!r}"
+        assert hits, f"docs/autotune.md sample line follows no format string of cli.py / report/words.py: {line!r}"
         used.update(hits)
     # every run of the documented command (with --local-steps) prints these
     assert {"headline", "cli", "winner_line"} <= used, used

@@ -235,7 +235,7 @@ def test_ddp_on_several_ranks_per_machine_is_priced_as_the_hook_runs_it():
 def test_hierarchical_parts_are_the_runtimes():
     """The cost model cuts each layer into the runtime's parts (hierarchical.part_bounds, on the codec's
     part unit), not into ceil(numel / A): on odd sizes the rows differ, and so do the bytes."""
-    from fastml_strategy.autotune._run import _plan_from_choice
+    from fastml_strategy.autotune._state import _plan_from_choice
     from fastml_strategy.autotune.costmodel import hier_bucket_wire
     from fastml_strategy.comm.hierarchical import part_bounds
 
@@ -385,7 +385,7 @@ def test_ddp_bytes_match_what_the_hook_sends(case):
     """The cost model's bytes per rank and step (every message's header, the pipeline pieces, the
     all_gather padded to its largest chunk, the plain all-reduce of an fp32 bucket) are exactly what
     the hook counts on two gloo ranks, for fp32, int4, top-k and a mix."""
-    from fastml_strategy.autotune._run import _plan_from_choice
+    from fastml_strategy.autotune._state import _plan_from_choice
     from fastml_strategy.autotune.costmodel import bucket_wire_of, ddp_bytes_per_rank
     from fastml_strategy.comm._layouts import PIECE_NUMEL
 
@@ -450,7 +450,7 @@ def test_ddp_bytes_match_the_halving_schedule():
     counts, as for the forced ring and for `none` forced through halving."""
     import dataclasses
 
-    from fastml_strategy.autotune._run import _plan_from_choice
+    from fastml_strategy.autotune._state import _plan_from_choice
     from fastml_strategy.autotune.catalog import Link
     from fastml_strategy.autotune.costmodel import ddp_bytes_per_rank
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastml_strategy.autotune._run import _plan_from_choice
+from fastml_strategy.autotune._state import _plan_from_choice
 from fastml_strategy.autotune.catalog import HardwareOption, Link
 from fastml_strategy.autotune.costmodel import (
     BASE_OPTIONS, CANDIDATES, Convergence, LayerProfile, Profile, Sharding, allreduce_unit_bytes,

@@ -62,7 +62,7 @@ def _row(codec):
 
 
 def test_the_check_applies_the_decision_and_records_it():
-    from fastml_strategy.autotune._run import _decide
+    from fastml_strategy.autotune._check import _decide
 
     tuned = Trial({"option": "local", "kind": "fastml", "every": 1, "choice": {"a": "topk1", "b": "int4"},
                    "step_s": 1.0, "objective": 1.0, "feasible": True, "use_hook": True})
@@ -86,7 +86,7 @@ def test_the_check_applies_the_decision_and_records_it():
 def test_a_tuned_plan_over_the_limit_gives_way_to_a_recipe_within_it():
     # gpt2 of bench_autotune_repeat: a low-rank mix over the limit in its own run stood, because int4,
     # within the limit, never went as low as the mix's early losses (censored: no time ratio)
-    from fastml_strategy.autotune._run import _decide
+    from fastml_strategy.autotune._check import _decide
 
     tuned = Trial({"option": "local", "kind": "fastml", "every": 1, "choice": {"a": "lowrank2", "b": "int8"},
                    "step_s": 0.18, "objective": 1.0, "feasible": True, "use_hook": True})

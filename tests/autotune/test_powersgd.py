@@ -113,7 +113,7 @@ def _check_inputs(tmp_path, tuned_step_s, limit):
     from tiny_workload import workload
 
     from fastml_strategy.autotune import calibrate
-    from fastml_strategy.autotune._run import _Calibrated, _OptionSearch
+    from fastml_strategy.autotune._state import _Calibrated, _OptionSearch
     from fastml_strategy.autotune.calibrate import stretch_noise
     from fastml_strategy.autotune.costmodel import AccuracyRule, Convergence
 
@@ -143,8 +143,9 @@ def _check_inputs(tmp_path, tuned_step_s, limit):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_check_trains_torch_powersgd_beside_the_tuned_plan(tmp_path):
-    from fastml_strategy.autotune import report
-    from fastml_strategy.autotune._run import POWERSGD_RANKS, _check, _Progress
+    from fastml_strategy.autotune.report import words as report
+    from fastml_strategy.autotune._check import POWERSGD_RANKS, _check
+    from fastml_strategy.autotune._state import _Progress
     from fastml_strategy.autotune.costmodel.powersgd import TORCH_START_ITER
 
     # a tuned plan predicted 100 s per step: PowerSGD (milliseconds) is sooner, but it only reports
@@ -168,7 +169,7 @@ def test_the_check_trains_torch_powersgd_beside_the_tuned_plan(tmp_path):
     text = report._check_text(SimpleNamespace(check=rec))
     assert "torch PowerSGD rank 4" in text and "was faster" in text
     # torch's own hook trained the runs: rank 4 differs from rank 1 (the curves are not the reference's)
-    from fastml_strategy.autotune._run import _powersgd_curve
+    from fastml_strategy.autotune._check import _powersgd_curve
 
     l1, _, _ = _powersgd_curve(s, 1, calibration_start_iter(40), "c")  # read back from the storage
     assert l1[:calibration_start_iter(40)] == cal.ref["losses"][:calibration_start_iter(40)]

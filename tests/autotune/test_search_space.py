@@ -3,7 +3,7 @@ searched (DDP; FSDP/HSDP too, with -rbf16 variants, where the codec runs sharded
 baselines timed, with no list to edit outside the codec's module (the fp8 codec is the example)."""
 
 from fastml_strategy import codecs
-from fastml_strategy.autotune._run import UNIFORM_RECIPES
+from fastml_strategy.autotune._state import UNIFORM_RECIPES
 from fastml_strategy.autotune.costmodel import BASE_OPTIONS, CANDIDATES, Sharding, default_options
 
 

@@ -136,7 +136,7 @@ def test_the_check_picks_the_uniform_plan_that_reaches_the_same_loss_sooner():
 
 
 def test_the_alternatives_are_the_fastest_and_the_best_feasible_uniform_plans():
-    from fastml_strategy.autotune._run import _uniform_alternatives
+    from fastml_strategy.autotune._check import _uniform_alternatives
 
     groups = {"a": ["a"], "b": ["b"]}
 
@@ -161,7 +161,7 @@ def test_the_uniform_plan_its_calibration_measured_fastest_is_an_alternative_too
     # issue 28, gpt seed 1: the fit of g(e) charged a top-k mix ~1.3x the steps where its calibration
     # run measured 1.8x; the model's own fastest and best uniform plans were top-k too, so the check
     # never met uniform int2 (measured 1.13x), which reached the target sooner in training
-    from fastml_strategy.autotune._run import _uniform_alternatives
+    from fastml_strategy.autotune._check import _uniform_alternatives
 
     groups = {"a": ["a"], "b": ["b"]}
 
@@ -179,7 +179,7 @@ def test_the_uniform_plan_its_calibration_measured_fastest_is_an_alternative_too
 def test_measured_step_times_can_overturn_the_check():
     from types import SimpleNamespace
 
-    from fastml_strategy.autotune._run import _recheck_measured
+    from fastml_strategy.autotune._check import _recheck_measured
 
     tuned = {"a": "int8", "b": "int4"}
     alt = {"a": "int4", "b": "int4"}
@@ -218,7 +218,7 @@ def test_the_recheck_uses_the_step_times_measured_beside_the_tuned_plan():
     # tuned plan's rounds, and those figures decide
     from types import SimpleNamespace
 
-    from fastml_strategy.autotune._run import _recheck_measured
+    from fastml_strategy.autotune._check import _recheck_measured
 
     tuned, alt = {"a": "int8", "b": "int4"}, {"a": "int4", "b": "int4"}
     entry = {"plan": "uniform int4", "choice": alt, "ratio": 1.05, "censored": False, "levels": 12,
@@ -236,10 +236,10 @@ def test_the_recheck_uses_the_step_times_measured_beside_the_tuned_plan():
     assert "timed side by side" in check["alternatives"][0]["measured_words"]
 
 def _check_inputs(tuned_curve, alt_curve, alt_step_s):
-    """What _run._check needs, with every curve already among the calibration runs (no training)."""
+    """What _check._check needs, with every curve already among the calibration runs (no training)."""
     from types import SimpleNamespace
 
-    from fastml_strategy.autotune._run import _Calibrated, _OptionSearch
+    from fastml_strategy.autotune._state import _Calibrated, _OptionSearch
     from fastml_strategy.autotune.costmodel import AccuracyRule, Convergence
 
     groups = {"a": ["a"], "b": ["b"]}
@@ -264,7 +264,8 @@ def test_the_check_runs_whatever_the_budget_left():
     # check was skipped once --budget was spent; it now always runs and says what it cost
     import time
 
-    from fastml_strategy.autotune._run import _check, _Progress
+    from fastml_strategy.autotune._check import _check
+    from fastml_strategy.autotune._state import _Progress
 
     s, groups, found, cal, conv, tuned, alt = _check_inputs(curve(60, noise=0.02, seed=10),
                                                             curve(60, noise=0.02, seed=11), 0.6)

@@ -6,7 +6,7 @@ measured, and the Pareto front of time against cost.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator, Mapping, MutableMapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -16,12 +16,28 @@ from fastml_strategy.autotune.costmodel.base import (CANDIDATES, Convergence, Pr
 from fastml_strategy.autotune.costmodel.ddp import step_time
 
 
-class Trial(MutableMapping[str, Any]):
+_REQUIRED = object()
+
+
+def _field(key: str, cast: Any, doc: str, default: Any = _REQUIRED) -> Any:
+    """A read-only typed attribute of :class:`Trial`: its figure ``key`` (through ``cast``), or
+    ``default`` where the row has none (no default: the figure is required)."""
+
+    def get(self: "Trial") -> Any:
+        v = self._d[key] if default is _REQUIRED else self._d.get(key, default)
+        return v if cast is None else cast(v)
+
+    return property(get, doc=doc)
+
+
+class Trial(Mapping[str, Any]):
     """One plan evaluated on one hardware option: what the cost model predicts for it and where the
     search put it (the rows of ``trials.csv``, a result's ``best`` and ``baseline``).
 
-    Built in one place (:meth:`predicted`, by :func:`evaluate` and ``evaluate_local``), then
-    annotated by the search and the driver (``option``, ``trial``, ``objective``, ``choice``, ...).
+    Immutable: built in one place (:meth:`predicted`, by :func:`evaluate` and ``evaluate_local``);
+    the search and the driver annotate it (``option``, ``trial``, ``objective``, ``choice``, ...) by
+    taking a copy with :meth:`replace`, so a row another part holds (a result's ``best``, a
+    ``trials.csv`` row, the search's own list) never changes under it.
     The fields every part of the autotuner reads are typed attributes (``t.choice``, ``t.tta_s``);
     the record is also a mapping of exactly the figures it holds (``t["tta_s"]``, ``dict(t)``,
     JSON and CSV as before), so a figure a kind of training does not have (sharded bytes, a local
@@ -32,7 +48,10 @@ class Trial(MutableMapping[str, Any]):
     __slots__ = ("_d",)
 
     def __init__(self, data: Mapping[str, Any] | None = None, /, **kw: Any) -> None:
-        self._d: dict[str, Any] = dict(data or {}, **kw)
+        object.__setattr__(self, "_d", dict(data or {}, **kw))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"a Trial is immutable; use trial.replace({name}=...) for a changed copy")
 
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> "Trial":
@@ -57,12 +76,6 @@ class Trial(MutableMapping[str, Any]):
     def __getitem__(self, key: str) -> Any:
         return self._d[key]
 
-    def __setitem__(self, key: str, value: Any) -> None:
-        self._d[key] = value
-
-    def __delitem__(self, key: str) -> None:
-        del self._d[key]
-
     def __iter__(self) -> Iterator[str]:
         return iter(self._d)
 
@@ -79,64 +92,29 @@ class Trial(MutableMapping[str, Any]):
         return self._d
 
     def __setstate__(self, d: dict[str, Any]) -> None:
-        self._d = d
+        object.__setattr__(self, "_d", d)
 
-    def replace(self, **changes: Any) -> "Trial":
-        """A copy with ``changes`` (new keys last)."""
-        return Trial(self._d, **changes)
+    def replace(self, changes: Mapping[str, Any] | None = None, /, **kw: Any) -> "Trial":
+        """A copy with ``changes`` and ``kw`` (new keys last; a later one wins)."""
+        return Trial({**self._d, **(changes or {}), **kw})
 
     # -- the typed fields --------------------------------------------------------------------------
-    @property
-    def option(self) -> str:
-        """The hardware option evaluated on."""
-        return self._d["option"]
-
-    @property
-    def choice(self) -> dict[str, str]:
-        """Search group -> codec option (CANDIDATES key)."""
-        return self._d["choice"]
-
-    @property
-    def objective(self) -> float:
-        """What the search minimised: the cost where the option has a price, else the time."""
-        return self._d["objective"]
-
-    @property
-    def feasible(self) -> bool:
-        """Within the accuracy rule's error limit (and, sharded, the residual memory limit)."""
-        return bool(self._d["feasible"])
-
-    @property
-    def error(self) -> float:
-        return self._d["error"]
-
-    @property
-    def step_s(self) -> float:
-        return self._d["step_s"]
-
-    @property
-    def tta_s(self) -> float:
-        """Time to accuracy, seconds: steps x step time."""
-        return self._d["tta_s"]
-
-    @property
-    def cost_usd(self) -> float:
-        return self._d["cost_usd"]
-
-    @property
-    def every(self) -> int:
-        """H, the sync period: 1 is per-step compression (the DDP hook), > 1 LocalSGD."""
-        return int(self._d.get("every", 1))
-
-    @property
-    def kind(self) -> str:
-        """``fastml`` (per-step compression), ``local-steps``, ``plain-ddp`` or ``fsdp-own``/``hsdp-own``."""
-        return self._d.get("kind", "fastml")
-
-    @property
-    def use_hook(self) -> bool:
-        """Whether the plan asks for FastML (False: plain DDP or FSDP's own collectives)."""
-        return bool(self._d.get("use_hook", True))
+    option: str = _field("option", str, "The hardware option evaluated on.")
+    choice: dict[str, str] = _field("choice", None, "Search group -> codec option (CANDIDATES key).")
+    objective: float = _field("objective", None, "What the search minimised: the cost where the option has "
+                              "a price, else the time.")
+    feasible: bool = _field("feasible", bool, "Within the accuracy rule's error limit (and, sharded, the "
+                            "residual memory limit).")
+    error: float = _field("error", None, "The plan's relative error per step (the accuracy rule's e).")
+    step_s: float = _field("step_s", None, "Predicted seconds per step.")
+    tta_s: float = _field("tta_s", None, "Time to accuracy, seconds: steps x step time.")
+    cost_usd: float = _field("cost_usd", None, "What the time to accuracy costs on the option, USD.")
+    every: int = _field("every", int, "H, the sync period: 1 is per-step compression (the DDP hook), > 1 "
+                        "LocalSGD.", default=1)
+    kind: str = _field("kind", None, "``fastml`` (per-step compression), ``local-steps``, ``plain-ddp`` or "
+                       "``fsdp-own``/``hsdp-own``.", default="fastml")
+    use_hook: bool = _field("use_hook", bool, "Whether the plan asks for FastML (False: plain DDP or FSDP's "
+                            "own collectives).", default=True)
 
     @property
     def intra_node(self) -> str | None:
