@@ -223,7 +223,8 @@ def _train_worker(rank: int, world: int, port: int, task_name: str, plans, targe
                 plan = Plan.load(plan_arg) if plan_arg.endswith(".json") else Plan.from_recipe(plan_arg)
                 state = register_hook(model, plan)
             runs[label] = {"model": model, "state": state, "psgd": psgd, "opt": optimizer(model.parameters()),
-                           "stream": stream(), "times": [], "value": None, "reached": None, "allreduced": 0}
+                           "stream": stream(), "times": [], "value": None, "reached": None, "allreduced": 0,
+                           "curve": []}
         compute = _compute_times(new_model, stream, loss_fn, optimizer, steps=20)
         active = list(runs)
         while active:
@@ -240,6 +241,7 @@ def _train_worker(rank: int, world: int, port: int, task_name: str, plans, targe
                         r["times"].append(time.perf_counter() - t0)
                 r["allreduced"] += counted.bytes if counted is not None else 0
                 r["value"] = evaluate(r["model"].module)  # replicas identical: ranks agree
+                r["curve"].append((len(r["times"]), sum(r["times"]), r["value"]))
                 if r["reached"] is None and reached(r["value"]):
                     r["reached"] = len(r["times"])
                 # keep going past the target until timing_steps steps are timed: a steadier median
@@ -264,6 +266,8 @@ def _train_worker(rank: int, world: int, port: int, task_name: str, plans, targe
                 ring * r["allreduced"] / len(r["times"]) if psgd is not None else
                 ring * 4 * sum(p.numel() for p in r["model"].parameters()),
                 "compute_ms": compute,
+                # (steps, seconds of this rank's own steps, evaluated value) after every chunk
+                "curve": r["curve"],
             }
         q.put((rank, "ok", out))
     except BaseException as e:  # noqa: BLE001
@@ -362,6 +366,9 @@ def train_to_target(task: str, plans, target: float, max_steps: int, eval_every:
             o[k] = max(r[k] for r in rows)
         if o["seconds"] is not None:
             o["seconds"] = max(r["seconds"] for r in rows)
+        # the slowest rank's clock at each evaluation (the values agree: identical replicas)
+        o["curve"] = [(n, max(c[i][1] for c in (r["curve"] for r in rows)), v)
+                      for i, (n, _, v) in enumerate(rows[0]["curve"])]
         out[label] = o
     return out
 

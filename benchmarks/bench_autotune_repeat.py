@@ -11,8 +11,10 @@ rule's ``e_max``, the tuner's wall time, and the machine's load before and after
 ``--train`` then trains each distinct plan.json beside uniform int4 (2 gloo ranks, side by side in
 the same two processes, from the same weights; ``bench_autotune.train_to_target``) inside an emulated
 link: a network namespace named ``PREFIX-PID`` whose loopback is shaped with ``tc tbf`` (root), as
-``bench_autotune.py`` does. Its rows: ms per step and final validation loss of the tuned plan and of
-int4 after the same steps, and their ratios (done when: tuned <= 1.05x int4's step, loss <= +2%).
+``bench_autotune.py`` does. Both train ``--max-steps`` (3 x ``--steps``); int4's validation loss after
+``--steps`` is the reference. Its rows: ms per step of each and their ratio, the tuned plan's loss
+against the reference at equal steps and at equal time (its curve at int4's clock), and its time to
+the reference loss over int4's (done when: tuned <= 1.05x int4's step, loss <= +2%).
 
 Workloads: ``gpt`` (``gpt_workload.make``: 4 blocks of d=256), ``gpt2`` (``make2``: 6 of 192),
 ``gpt3`` (``make3``: 3 of 320).
@@ -84,10 +86,17 @@ def _describe(cfg: dict) -> str:
     return CodecConfig.from_dict(cfg).describe()
 
 
-def train_rows(rows: list[dict], steps: int, link: str) -> list[dict]:
-    """Each distinct plan.json of a workload trained beside uniform int4 (inside the emulated link)."""
+def train_rows(rows: list[dict], steps: int, link: str, max_steps: int | None = None) -> list[dict]:
+    """Each distinct plan.json of a workload trained beside uniform int4 (inside the emulated link).
+
+    Both train ``max_steps`` (default 3 x ``steps``); int4's loss at ``steps`` is the reference. Per
+    plan: the step-time ratio, the loss at equal steps, the loss at equal time (the tuned plan's curve
+    at int4's clock), and the time to int4's loss (the tuner's objective: a plan with cheaper, noisier
+    steps may need more of them), each from the evaluated curve, interpolated between evaluations.
+    """
     import bench_autotune as ba
 
+    max_steps = max_steps or 3 * steps
     out = []
     for wl in sorted({r["workload"] for r in rows}):
         seen: dict[str, dict] = {}
@@ -101,17 +110,54 @@ def train_rows(rows: list[dict], steps: int, link: str) -> list[dict]:
             load0 = os.getloadavg()[0]
             plans = [("tuned", str(Path(r["out"]) / "plan.json"), r["bucket_cap_mb"] or None),
                      ("int4", "int4", None)]
-            res = ba.train_to_target(wl, plans, target=-1.0, max_steps=steps, eval_every=5, timing_steps=steps)
-            t, i = res["tuned"], res["int4"]
-            r.update(trained_steps=steps, trained_tuned_ms=round(t["ms_per_step"], 1),
-                     trained_int4_ms=round(i["ms_per_step"], 1),
-                     trained_step_ratio=round(t["ms_per_step"] / i["ms_per_step"], 3),
-                     trained_tuned_loss=round(t["final_value"], 4), trained_int4_loss=round(i["final_value"], 4),
-                     trained_loss_vs_int4_pct=round(100 * (t["final_value"] / i["final_value"] - 1), 2),
+            res = ba.train_to_target(wl, plans, target=-1.0, max_steps=max_steps, eval_every=5,
+                                     timing_steps=max_steps)
+            r.update(trained_compare(res["tuned"], res["int4"], steps),
                      trained_load=f"{load0:.1f}-{os.getloadavg()[0]:.1f}", trained_link=link)
             seen[key] = r
         out += [r for r in rows if r["workload"] == wl]
     return out
+
+
+def trained_compare(t: dict, i: dict, steps: int) -> dict:
+    """The ``trained_*`` columns from two results of ``train_to_target`` (lower loss is better)."""
+    ref_s, ref_loss = _interp(i["curve"], 0, steps, 1), _interp(i["curve"], 0, steps, 2)
+    tuned_loss = _interp(t["curve"], 0, steps, 2)
+    at_time = _interp(t["curve"], 1, ref_s, 2)
+    reach = _first_below(t["curve"], ref_loss)
+    return {"trained_steps": steps, "trained_max_steps": t["curve"][-1][0],
+            "trained_tuned_ms": round(t["ms_per_step"], 1), "trained_int4_ms": round(i["ms_per_step"], 1),
+            "trained_step_ratio": round(t["ms_per_step"] / i["ms_per_step"], 3),
+            "trained_tuned_loss": round(tuned_loss, 4), "trained_int4_loss": round(ref_loss, 4),
+            "trained_loss_vs_int4_pct": round(100 * (tuned_loss / ref_loss - 1), 2),
+            "trained_loss_at_int4_time_pct": "" if at_time is None else round(100 * (at_time / ref_loss - 1), 2),
+            "trained_time_to_int4_loss_ratio": "" if reach is None else round(reach / ref_s, 3)}
+
+
+def _interp(curve: list, x: int, at: float, y: int) -> float | None:
+    """Column ``y`` of ``curve`` at ``at`` in column ``x`` (linear between points; None past the end)."""
+    prev = (0.0, 0.0, None)
+    for pt in curve:
+        if pt[x] >= at:
+            if prev[y] is None or pt[x] == prev[x]:
+                return pt[y]
+            f = (at - prev[x]) / (pt[x] - prev[x])
+            return prev[y] + f * (pt[y] - prev[y])
+        prev = pt
+    return None
+
+
+def _first_below(curve: list, loss: float) -> float | None:
+    """Seconds at which ``curve`` first reaches ``loss`` (linear between evaluations), or None."""
+    prev = None
+    for pt in curve:
+        if pt[2] <= loss:
+            if prev is None:
+                return pt[1]
+            f = (prev[2] - loss) / (prev[2] - pt[2])
+            return prev[1] + f * (pt[1] - prev[1])
+        prev = pt
+    return None
 
 
 def main() -> None:
@@ -122,7 +168,9 @@ def main() -> None:
     p.add_argument("--out", default=str(REPO / "benchmarks" / "out" / "autotune_repeat"))
     p.add_argument("--collect", default=None, help="tabulate WORKLOAD_rN folders already made under this one")
     p.add_argument("--train", action="store_true", help="train each distinct plan beside int4 (root: netns)")
-    p.add_argument("--steps", type=int, default=30, help="--train: steps per plan")
+    p.add_argument("--steps", type=int, default=30, help="--train: int4's loss after this many steps is the "
+                   "reference")
+    p.add_argument("--max-steps", type=int, default=None, help="--train: steps per plan (default 3 x --steps)")
     p.add_argument("--netns-prefix", default="fastml-rep")
     p.add_argument("--csv", default=None)
     p.add_argument("--tuner-args", nargs=argparse.REMAINDER, default=[])
@@ -156,7 +204,7 @@ def main() -> None:
             if (out / "plan.json").exists():
                 rows.append(row_of(wl, n, out, extra))
     if args.train:
-        rows = train_rows(rows, args.steps, args.link)
+        rows = train_rows(rows, args.steps, args.link, args.max_steps)
     import _bench
     from tabulate import tabulate
 
@@ -164,7 +212,8 @@ def main() -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     _bench.write_csv(path, rows)
     cols = ["workload", "run", "family", "plan", "decision", "predicted_step_ms", "int4_predicted_step_ms",
-            "predicted_tta_over_int4", "trained_step_ratio", "trained_loss_vs_int4_pct"]
+            "predicted_tta_over_int4", "trained_step_ratio", "trained_loss_vs_int4_pct",
+            "trained_loss_at_int4_time_pct", "trained_time_to_int4_loss_ratio"]
     print(tabulate([[r.get(c, "") for c in cols] for r in rows], headers=cols, tablefmt="github"))
     print(f"{_bench.machine_line()}; wrote {path}")
 

@@ -69,7 +69,7 @@ def _check_inputs(int4_loss: float):
     """A calibration in which the fit admitted nothing (e_max 0: plain DDP won the search), but uniform
     int4's own run, on the reference's curve, stayed within the limit (accuracy loss ``int4_loss``)
     and uniform int2's did not (issue 38's shape)."""
-    from fastml_strategy.autotune._run import _Calibrated, _OptionSearch
+    from fastml_strategy.autotune._state import _Calibrated, _OptionSearch
     from fastml_strategy.autotune.costmodel import AccuracyRule, Trial
 
     groups = {"a": ["a"], "b": ["b"]}
@@ -101,7 +101,8 @@ def _check_inputs(int4_loss: float):
 
 def test_the_check_replaces_plain_ddp_by_a_recipe_its_own_runs_placed_within_the_limit():
     # on today's code _check returned None for plain DDP: plan.json stayed fp32 everywhere
-    from fastml_strategy.autotune._run import _check, _Progress
+    from fastml_strategy.autotune._check import _check
+    from fastml_strategy.autotune._state import _Progress
 
     s, groups, found, cal = _check_inputs(int4_loss=0.002)
     rec = _check(s, None, groups, [SimpleNamespace(name="local")], "local", found, cal, None, "cal",
@@ -115,7 +116,8 @@ def test_the_check_replaces_plain_ddp_by_a_recipe_its_own_runs_placed_within_the
 
 
 def test_the_check_keeps_plain_ddp_when_no_recipe_met_the_rule_in_its_own_runs():
-    from fastml_strategy.autotune._run import _check, _Progress
+    from fastml_strategy.autotune._check import _check
+    from fastml_strategy.autotune._state import _Progress
 
     s, groups, found, cal = _check_inputs(int4_loss=0.03)
     rec = _check(s, None, groups, [SimpleNamespace(name="local")], "local", found, cal, None, "cal",
@@ -163,7 +165,7 @@ def test_three_seeds_give_one_family_no_slower_than_the_best_uniform_recipe(tmp_
 
 # -- the report's words (issue 34 item 6) -------------------------------------------------------------
 def test_the_headline_names_what_plan_json_holds_and_how_to_train_with_it():
-    from fastml_strategy.autotune.report import _held_words, _register_words, _steps_more
+    from fastml_strategy.autotune.report.words import _held_words, _register_words, _steps_more
 
     assert _steps_more(0.9954, "for the compression error") == "0.46% fewer steps for the compression error"
     assert _steps_more(1.042, "") == "4.2% more steps" and _steps_more(1.0, "") == "no more steps"
@@ -176,3 +178,25 @@ def test_the_headline_names_what_plan_json_holds_and_how_to_train_with_it():
     res.target_kind = "lightning"
     assert "FastMLStrategy(plan=...)" in _register_words(res)
 
+
+
+def test_repeat_bench_compares_at_equal_steps_time_and_loss():
+    # bench_autotune_repeat --train: a plan whose steps take half the time but whose loss falls more
+    # slowly per step is worse at equal steps, and is compared on the clock as well (the tuner's
+    # objective); the figures come from the evaluated curves, interpolated between evaluations
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import bench_autotune_repeat as rep
+
+    int4 = {"ms_per_step": 100.0, "curve": [(n, 0.1 * n, 4.0 - 0.02 * n) for n in range(5, 91, 5)]}
+    tuned = {"ms_per_step": 50.0, "curve": [(n, 0.05 * n, 4.0 - 0.015 * n) for n in range(5, 91, 5)]}
+    got = rep.trained_compare(tuned, int4, steps=30)
+    # int4 at step 30: loss 3.4 after 3.0 s; tuned at step 30: 3.55; at 3.0 s (its step 60): 3.1;
+    # it reaches 3.4 at step 40, 2.0 s
+    assert got["trained_step_ratio"] == 0.5
+    assert got["trained_int4_loss"] == 3.4 and got["trained_tuned_loss"] == 3.55
+    assert got["trained_loss_vs_int4_pct"] == round(100 * (3.55 / 3.4 - 1), 2)
+    assert got["trained_loss_at_int4_time_pct"] == round(100 * (3.1 / 3.4 - 1), 2)
+    assert got["trained_time_to_int4_loss_ratio"] == round(2.0 / 3.0, 3)
+    # a plan that never gets there within its steps has no time to the loss, not a made-up one
+    flat = {"ms_per_step": 50.0, "curve": [(n, 0.05 * n, 3.9) for n in range(5, 91, 5)]}
+    assert rep.trained_compare(flat, int4, steps=30)["trained_time_to_int4_loss_ratio"] == ""
