@@ -71,16 +71,36 @@ def unit_of(name: str, units: list[str]) -> str:
 class SimulatedCompression:
     """Replace each parameter's gradient by ``decode(encode(grad + residual))``, with error feedback.
 
-    ``configs`` maps parameter names to CodecConfig (missing or fp32: untouched).
+    ``configs`` maps parameter names to CodecConfig (missing or fp32: untouched). A low-rank layer
+    runs as the runtime runs it on one rank: its warm-up steps in int8 without a residual, then one
+    power step per step from the previous step's ``Q`` (:func:`~fastml_strategy.codecs.lowrank.local_power_step`),
+    the first drawn as the runtime draws it.
     """
 
     def __init__(self, model: torch.nn.Module, configs: Mapping[str, CodecConfig]) -> None:
-        from fastml_strategy.codecs import roundtrip
+        from fastml_strategy.codecs import codec_for, roundtrip
 
         self._roundtrip = roundtrip
         self.params = [(n, p, configs[n]) for n, p in model.named_parameters()
                        if n in configs and configs[n].lossy]
+        self.lowrank = {n for n, p, cfg in self.params
+                        if cfg.wire.lowrank and codec_for(cfg).compressible(tuple(p.shape))}
         self.residuals: dict[str, torch.Tensor] = {}
+        self.q: dict[str, torch.Tensor] = {}
+        self.step = 0
+
+    def _low_rank(self, name: str, x: torch.Tensor, cfg: CodecConfig) -> tuple[torch.Tensor, bool]:
+        """A low-rank layer's step: (what it decodes to, whether error feedback applies)."""
+        from fastml_strategy.codecs import codec_for
+        from fastml_strategy.codecs.lowrank import initial_q, local_power_step, matrix_shape
+
+        if self.step < cfg.start:
+            return self._roundtrip(x, codec_for(cfg).start_cfg)[0], False
+        q = self.q.get(name)
+        if q is None:
+            q = initial_q(name, matrix_shape(x.shape)[1], cfg.rank, 0, x.device)
+        dec, self.q[name] = local_power_step(x, q)
+        return dec, True
 
     def apply(self) -> None:
         for name, p, cfg in self.params:
@@ -88,10 +108,14 @@ class SimulatedCompression:
                 continue
             g = p.grad
             x = g + self.residuals[name] if name in self.residuals else g.clone()
-            dec, _ = self._roundtrip(x, cfg)
-            if cfg.uses_residual:  # kept in the residual's dtype, as the collective keeps it
+            if name in self.lowrank:
+                dec, fed = self._low_rank(name, x, cfg)
+            else:
+                (dec, _), fed = self._roundtrip(x, cfg), True
+            if cfg.uses_residual and fed:  # kept in the residual's dtype, as the collective keeps it
                 self.residuals[name] = (x - dec).to(cfg.residual_torch_dtype)
             g.copy_(dec)
+        self.step += 1
 
 
 def available_cores() -> int:

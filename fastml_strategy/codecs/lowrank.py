@@ -13,6 +13,7 @@ shard is no matrix), so the autotuner does not search it there.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -26,12 +27,17 @@ from fastml_strategy.codecs._base import (DEFAULT_BLOCK_SIZE, CodecConfig, Resid
 from fastml_strategy.codecs.plain import Bf16Config, Fp16Config, Fp32Config
 from fastml_strategy.codecs.quantize import QuantizeConfig
 
-__all__ = ["LowRankConfig", "LowRankCodec", "FACTORS", "matrix_shape", "orthogonalise_", "initial_q",
-           "low_rank_roundtrip"]
+__all__ = ["LowRankConfig", "LowRankCodec", "FACTORS", "LOWRANK_START", "START_CODEC", "matrix_shape", "orthogonalise_", "initial_q",
+           "low_rank_roundtrip", "local_power_step"]
 
 # How the factors P and Q travel: a plain fp32 all-reduce (torch's PowerSGD hook), or through FastML's
 # compressed all-reduce in fp16/bf16 (half the bytes) or int8 (a quarter).
 FACTORS = ("fp32", "fp16", "bf16", "int8")
+# The steps a low-rank layer travels whole (as int8) before its approximation starts (LowRankConfig.start)
+LOWRANK_START = 2
+# the codec of those steps: int8 through the compressed all-reduce, without error feedback (a quarter of
+# fp32's bytes; measured as good as fp32 for the warm-up, benchmarks/RESULTS.md)
+START_CODEC = QuantizeConfig(bits=8, error_feedback=False)
 # Gram-Schmidt's guard against a zero column (a layer whose gradient is zero): the smallest normal
 # fp32, so that 0 / (0 + eps) = 0 and any column with a normal norm is divided by its norm exactly.
 _EPS = torch.finfo(torch.float32).tiny
@@ -51,18 +57,38 @@ class LowRankConfig(ResidualConfig):
     factors: str = "fp32"
     # the int8 factors' quantization block
     block_size: int = DEFAULT_BLOCK_SIZE
+    # the steps before the approximation starts (torch's start_powerSGD_iter): the first ``start`` steps
+    # this layer's gradient travels whole, as int8 through the compressed all-reduce (no error
+    # feedback); the low-rank rounds begin at step ``start``. Adam-type optimisers need it: their
+    # second-moment estimate starts from the first gradients, and from a rank-r one training stalls
+    # (benchmarks/RESULTS.md: a 2.7M GPT under NAdam at loss 1.87 after 120 steps with start 0, 1.06
+    # with start 2, torch's hook 1.06). 0 compresses from the first step.
+    start: int = LOWRANK_START
 
     def check(self, fail) -> None:
         if not _is_int(self.rank) or self.rank < 1:
             fail("rank", type_problem(self.rank) or f"is {self.rank!r}", "give the rank of the approximation, a "
                  "whole number >= 1 (4 is PowerSGD's usual choice)")
+        if not _is_int(self.start) or self.start < 0:
+            fail("start", type_problem(self.start) or f"is {self.start!r}", "give the steps before the low-rank "
+                 f"approximation starts, a whole number >= 0 ({LOWRANK_START} by default; 0 compresses from the "
+                 "first step)")
         if self.factors not in FACTORS:
             fail("factors", f"is {self.factors!r}", f"use one of {list(FACTORS)} (how P and Q travel)")
         check_block_size(self, fail)
         super().check(fail)
 
     def label(self) -> str:
-        return f"lowrank{self.rank}" + ("" if self.factors == "fp32" else f"-{self.factors}")
+        return (f"lowrank{self.rank}" + ("" if self.factors == "fp32" else f"-{self.factors}")
+                + ("" if self.start == LOWRANK_START else f"-start{self.start}"))
+
+    def to_dict(self) -> dict:
+        # written only when not the default, so that a plan file of a release before the field saves to
+        # the same text (and digest); such a file loads with the default's warm-up
+        d = super().to_dict()
+        if d.get("start") == LOWRANK_START:
+            del d["start"]
+        return d
 
 
 # -- the math ---------------------------------------------------------------------------------------------
@@ -112,6 +138,19 @@ def low_rank_roundtrip(x: torch.Tensor, rank: int, seed: int = 0, iterations: in
     return (p @ q.t()).reshape(x.shape)
 
 
+@torch.no_grad()
+def local_power_step(x: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of the codec on one rank alone (world size 1, as the autotuner's calibration trains):
+    ``P = orth(M orth(Q))``, ``Q' = M^T P``; returns ``P Q'^T`` in ``x``'s shape and the new warm start
+    ``Q'`` (n x r), the runtime's steps 2-6 (:mod:`fastml_strategy.comm._lowrank`) without the
+    all-reduces."""
+    m, n = matrix_shape(x.shape)
+    M = x.detach().reshape(m, n).to(torch.float32)
+    p = orthogonalise_(M @ orthogonalise_(q.reshape(n, -1).clone()))
+    q_new = M.t() @ p
+    return (p @ q_new.t()).reshape(x.shape), q_new
+
+
 def _lr(rank: int) -> LowRankConfig:
     return LowRankConfig(rank=rank)
 
@@ -140,7 +179,7 @@ class LowRankCodec(WireCodec):
     recipes = {f"lowrank{r}": _lr(r) for r in (1, 2, 4, 8)}
     candidates = recipes
     uniform = ("lowrank4",)
-    __slots__ = ("flat", "factor")
+    __slots__ = ("flat", "factor", "start_cfg")
 
     def __init__(self, cfg: LowRankConfig) -> None:
         super().__init__(cfg)
@@ -150,6 +189,8 @@ class LowRankCodec(WireCodec):
             "fp32": None, "fp16": Fp16Config(), "bf16": Bf16Config(),
             "int8": QuantizeConfig(bits=8, block_size=cfg.block_size, error_feedback=False),
         }.get(cfg.factors)
+        # the codec of the warm-up steps (LowRankConfig.start): int8 in the factors' block size
+        self.start_cfg: CodecConfig = dataclasses.replace(START_CODEC, block_size=cfg.block_size)
 
     # -- what the layer becomes ---------------------------------------------------------------------------
     def compressible(self, shape) -> bool:

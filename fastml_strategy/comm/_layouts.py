@@ -286,7 +286,8 @@ class BucketLayout(_Messages):
         for (factor, _, _), idx in zip(wire.lowrank, wire.lowrank_params):
             lps = [_LowRankParam(params[i].name, params[i].boff, params[i].numel, *matrix_shape(shapes[i]),
                                  cfgs[i].rank, cfgs[i]) for i in idx]
-            out.append(LowRankSection(lps, factor, self.device, self.world_size, self.rank, type(self)))
+            out.append(LowRankSection(lps, factor, self.device, self.world_size, self.rank, type(self),
+                                      start=cfgs[idx[0]].start))
         return out
 
     def _group(self, gw: _wire.GroupWire, params: list[_Param], fp32_buffer: bool) -> _DenseGroup:

@@ -4,6 +4,10 @@ thin factors, all low-rank layers of a bucket in one round per factor.
 Algorithm (per DDP bucket, on every rank; W ranks; the bucket's low-rank layers, each viewed as an
 m x n matrix as torch's PowerSGD hook views it: m = shape[0], n = the product of the rest)
 ----------------------------------------------------------------------------------------------------
+0. Warm-up: at the first ``start`` steps (``LowRankConfig.start``, 2 by default, torch's
+   ``start_powerSGD_iter``) the section's gradients travel whole, as int8 through the compressed
+   all-reduce without error feedback, and steps 1-6 do not run: Adam-type optimisers start their
+   second-moment estimate from the first gradients, and from a rank-r one training stalls.
 1. Error feedback: ``M = grad + residual`` (fp32).
 2. ``P = M orth(Q)`` (m x r), with ``Q`` (n x r) warm-started: last step's all-reduced ``Q`` of this
    layer, or, at its first step, standard normal numbers from a generator seeded by the plan's seed
@@ -51,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from fastml_strategy.comm._status import all_finite
+from fastml_strategy.codecs import codec_for
 from fastml_strategy.codecs.lowrank import initial_q, low_rank_roundtrip, matrix_shape, orthogonalise_
 from fastml_strategy.config import CodecConfig, Plan
 
@@ -107,6 +112,7 @@ class LowRankSection:
     world_size: int
     rank: int
     layout_type: type | None = None
+    start: int = 0  # the steps before the approximation starts (LowRankConfig.start): int8 until then
     p_numel: int = 0
     q_numel: int = 0
     p_flat: torch.Tensor | None = None
@@ -130,10 +136,14 @@ class LowRankSection:
     # -- the wire ---------------------------------------------------------------------------------------
     def factor_layout(self, which: str):
         """The layout of the P or Q vector through the compressed all-reduce (compressed factors)."""
+        return self._flat_layout(which, self.p_numel if which == "P" else self.q_numel, self.factor_cfg)
+
+    def _flat_layout(self, which: str, numel: int, cfg: CodecConfig):
+        """The layout of one flat vector of ``numel`` elements in ``cfg`` through the compressed
+        all-reduce: a factor (``"P"``, ``"Q"``) or the warm-up's gradients (``"start"``)."""
         lay = self._sub.get(which)
         if lay is None:
-            numel = self.p_numel if which == "P" else self.q_numel
-            plan = Plan(default=self.factor_cfg, min_numel=0, name=f"lowrank-{which}")
+            plan = Plan(default=cfg, min_numel=0, name=f"lowrank-{which}")
             lay = self._sub[which] = self.layout_type((f"lowrank.{which}",), (0,), (numel,), plan, self.world_size,
                                                       self.rank, self.device, double_buffer=False)
         return lay
@@ -181,6 +191,10 @@ class LowRankSection:
         div = W if divisor is None else divisor
         mats: dict[str, torch.Tensor] = {}
         self.pending_q = {}
+        if step < self.start:
+            self._warm_up(eng, buf, step, checks, div, before)  # no layer error: no approximation yet
+            return
+        self._sub.pop("start", None)  # the warm-up's layout is not needed again
         if checks.error is None:
             try:
                 for p in self.params:
@@ -209,6 +223,42 @@ class LowRankSection:
                 self._decode(eng, buf, mats, layer_stats)
             except Exception as e:  # noqa: BLE001
                 checks.error = e
+
+    def _warm_up(self, eng, buf: torch.Tensor, step: int, checks, divisor: float, before) -> None:
+        """A step before ``start``: the section's gradients (with any residual, zero unless loaded)
+        travel whole as int8 through the compressed all-reduce (:data:`~fastml_strategy.codecs.lowrank.START_CODEC`,
+        no error feedback), their mean written back into ``buf``, the same bytes on every rank; the
+        residuals become zero and no warm start ``Q`` is drawn yet. Every collective is issued whatever
+        this rank's error."""
+        total = sum(p.numel for p in self.params)
+        flat = torch.zeros(total, dtype=torch.float32, device=self.device)
+        cfg = codec_for(self.params[0].cfg).start_cfg
+        if checks.error is None:
+            try:
+                i = 0
+                for p in self.params:
+                    flat[i: i + p.numel].copy_(self._matrix(p, buf).reshape(-1))
+                    i += p.numel
+            except Exception as e:  # noqa: BLE001 - carried by the headers that follow
+                checks.error = e
+        lay = self._flat_layout("start", total, cfg)
+        baseline = eng.bytes_uncompressed
+        tail = eng.start(lay, flat, step, False, checks, before=before, divisor=divisor)
+        if tail is not None:
+            tail()
+        eng.bytes_uncompressed = baseline  # the bucket's baseline counts these gradients already
+        checks.add_finite(all_finite(flat))
+        if checks.error is not None:
+            return
+        try:
+            i = 0
+            for p in self.params:
+                buf[p.boff: p.boff + p.numel].copy_(flat[i: i + p.numel])
+                if p.ef:
+                    p.res_next.zero_()
+                i += p.numel
+        except Exception as e:  # noqa: BLE001
+            checks.error = e
 
     def _decode(self, eng, buf: torch.Tensor, mats: dict, layer_stats: bool) -> None:
         """M_hat = P Q^T into the bucket, the new residual M - M_hat, the new warm start Q (pending)."""

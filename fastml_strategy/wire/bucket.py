@@ -66,11 +66,12 @@ def bucket_groups(codecs: Any, numels: Sequence[int], planned: Sequence[CodecCon
 def lowrank_sections(codecs: Any, configs: Sequence[CodecConfig], lowrank: Sequence[int], shapes: Sequence
                      ) -> list[tuple[CodecConfig | None, list[int], int, int]]:
     """The low-rank sections of a bucket: ``(factor codec or None for fp32, parameter indices, P
-    elements, Q elements)`` per factor codec, in bucket order; each is one P round and one Q round."""
+    elements, Q elements)`` per factor codec and warm-up length (``start``: a section's layers begin
+    their approximation at the same step), in bucket order; each is one P round and one Q round."""
     by: dict = {}
     for i in lowrank:
         codec = codecs.codec_for(configs[i])
-        sec = by.setdefault(codec.factor, [codec.factor, [], 0, 0])
+        sec = by.setdefault((codec.factor, configs[i].start), [codec.factor, [], 0, 0])
         pm, qm = codec.factor_numels(shapes[i])
         sec[1].append(i)
         sec[2] += pm
@@ -199,17 +200,24 @@ class BucketWire:
     lowrank_params: tuple[tuple[int, ...], ...] = ()
     # per low-rank section, its P and Q rounds with a compressed factor (None: fp32 all-reduces)
     lowrank_rounds: tuple[tuple["BucketWire", "BucketWire"] | None, ...] = ()
+    # per low-rank section, its warm-up: (start, the wire of its gradients as one int8 tensor or None
+    # when start is 0); steps before ``start`` send that instead of the factor rounds
+    lowrank_start: tuple[tuple[int, "BucketWire | None"], ...] = ()
 
-    def lowrank_bytes(self, rank: int | None = None) -> int:
+    def lowrank_bytes(self, rank: int | None = None, step: int | None = None) -> int:
         """Bytes ``rank`` sends in the bucket's factor rounds (two per low-rank section): a plain fp32
         all-reduce of each factor, or the compressed all-reduce of one tensor in the factor codec, as
-        :class:`fastml_strategy.comm._lowrank.LowRankSection` counts them."""
+        :class:`fastml_strategy.comm._lowrank.LowRankSection` counts them. ``step``: at a step before a
+        section's ``start``, its warm-up's bytes instead (None: the steady state, after every start)."""
         W = self.world_size
         if W <= 1:
             return 0
         total = 0
-        for (f, pn, qn), rounds in zip(self.lowrank, self.lowrank_rounds):
-            if rounds is None:
+        starts = self.lowrank_start or ((0, None),) * len(self.lowrank)
+        for (f, pn, qn), rounds, (start, warm) in zip(self.lowrank, self.lowrank_rounds, starts):
+            if step is not None and step < start:
+                total += warm.bytes_sent(rank)
+            elif rounds is None:
                 total += sum(int(round(2.0 * (W - 1) / W * n * 4)) for n in (pn, qn))
             else:
                 total += sum(w.bytes_sent(rank) for w in rounds)
@@ -222,16 +230,17 @@ class BucketWire:
             return 1
         return 2 * len(self.pieces) + sum(2 if f is None else 4 for f, _, _ in self.lowrank)
 
-    def bytes_sent(self, rank: int | None = None) -> int:
+    def bytes_sent(self, rank: int | None = None, step: int | None = None) -> int:
         """Bytes ``rank`` sends for this bucket per step, headers included, as
         :attr:`fastml_strategy.collective.CompressedAllReduce.bytes_sent` counts them (None: the
-        mean over ranks, rounded)."""
+        mean over ranks, rounded); ``step``: at that step (a low-rank section's warm-up differs),
+        None: the steady state."""
         W = self.world_size
         if W <= 1:
             return 0
         if self.uncompressed:
             return int(round(2.0 * (W - 1) / W * self.numel * self.elem_size))
-        return int(round(sum(p.bytes_sent(rank) for p in self.pieces))) + self.lowrank_bytes(rank)
+        return int(round(sum(p.bytes_sent(rank) for p in self.pieces))) + self.lowrank_bytes(rank, step)
 
 
 def _dense_groups(codecs: Any, numels, groups, W: int) -> list[GroupWire]:
@@ -305,10 +314,20 @@ def bucket_wire(codecs: Any, numels: tuple[int, ...], planned: tuple[CodecConfig
     sections = lowrank_sections(codecs, cfgs, lowrank, shapes) if lowrank else []
     rounds = tuple(None if f is None else tuple(bucket_wire(codecs, (n,), (f,), W) for n in (pn, qn))
                    for f, _, pn, qn in sections)
+    starts = tuple(_section_start(codecs, cfgs, idx, numels, W) for _, idx, _, _ in sections)
     return BucketWire(W, int(sum(numels)), itemsize(dtype), uncompressed, tuple(cfgs),
                       tuple(tuple(idx) for _, idx in groups), tuple(pieces),
                       tuple((f, pn, qn) for f, _, pn, qn in sections), tuple(dense), tuple(segs), tuple(topk),
-                      topk_nbytes, tuple(tuple(idx) for _, idx, _, _ in sections), rounds)
+                      topk_nbytes, tuple(tuple(idx) for _, idx, _, _ in sections), rounds, starts)
+
+
+def _section_start(codecs: Any, cfgs: Sequence[CodecConfig], idx: Sequence[int], numels: Sequence[int], W: int):
+    """A low-rank section's warm-up: (start, the wire of its layers' gradients as one tensor in the
+    codec's warm-up codec, or None at start 0)."""
+    start = cfgs[idx[0]].start
+    if not start:
+        return 0, None
+    return start, bucket_wire(codecs, (int(sum(numels[i] for i in idx)),), (codecs.codec_for(cfgs[idx[0]]).start_cfg,), W)
 
 
 @dataclass(frozen=True)
