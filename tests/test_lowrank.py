@@ -155,6 +155,50 @@ def test_start_0_compresses_from_the_first_step():
         assert r["per_step"] == [r["steady"]] * 3
 
 
+def _same_grads_as_simulation(rank, world_size, steps):
+    """Both ranks all-reduce the same full-rank gradients (their mean is each rank's own), and one
+    process runs the autotuner's SimulatedCompression on them: per step, the largest difference."""
+    import torch.distributed as dist
+
+    from fastml_strategy.autotune.profile import SimulatedCompression
+    from fastml_strategy.comm.collective import CompressedAllReduce
+
+    cfg = RECIPES["lowrank2"]
+    eng = CompressedAllReduce(Plan(default=cfg, min_numel=0), dist.group.WORLD, rank, world_size)
+    eng.shapes = dict(_SHAPES)
+    names = list(_SHAPES)
+    numels = [int(torch.Size(s).numel()) for s in _SHAPES.values()]
+    lay = eng.layout_for(names, [sum(numels[:i]) for i in range(len(numels))], numels, torch.device("cpu"))
+    model = torch.nn.Module()
+    for name, shape in _SHAPES.items():
+        mod, attr = name.split(".")
+        if not hasattr(model, mod):
+            model.add_module(mod, torch.nn.Module())
+        setattr(getattr(model, mod), attr, torch.nn.Parameter(torch.zeros(shape)))
+    params = dict(model.named_parameters())
+    sim = SimulatedCompression(model, {n: cfg for n in names})
+    diffs = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        grads = {n: torch.randn(s, generator=g) for n, s in _SHAPES.items()}
+        buf = torch.cat([grads[n].reshape(-1) for n in names])  # each rank the same: the mean is each one
+        assert eng.run(lay, buf, step)
+        for n in names:
+            params[n].grad = grads[n].clone()
+        sim.apply()
+        diffs.append(float((buf - torch.cat([params[n].grad.reshape(-1) for n in names])).abs().max()))
+    return diffs
+
+
+def test_the_calibration_simulates_the_runtime():
+    """The autotuner's calibration trains a low-rank layer as the runtime runs it: two int8 warm-up
+    steps (each within int8's rounding of the gradient), then one warm-started power step per step
+    with error feedback, the same values as the all-reduce gives when every rank has the same gradient."""
+    for diffs in run_workers(_same_grads_as_simulation, 2, 5, timeout=120):
+        assert max(diffs[:2]) < 0.05, diffs  # int8 of N(0, 1) numbers: a few 1/255 of the block's range
+        assert max(diffs[2:]) < 1e-4, diffs
+
+
 def test_int8_factors_keep_replicas_identical():
     out = run_workers(_exact, 3, CodecConfig(codec="lowrank", rank=2, factors="int8"), 4, timeout=120)
     for r in out:
