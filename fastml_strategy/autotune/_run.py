@@ -71,7 +71,8 @@ def _one_machine_warning(s: Settings, link: Link) -> str | None:
 def _fingerprint(s: Settings) -> str:
     shapes = [(n, tuple(p.shape)) for n, p in s.workload.model.named_parameters()]
     key = json.dumps([s.workload.name, shapes, s.options, s.profile_steps, s.calibration_steps,
-                      s.seed, s.min_numel, s.max_groups, s.world_size, s.threads_per_rank], default=str)
+                      s.seed, s.min_numel, s.max_groups, s.world_size, s.threads_per_rank, s.calibration_ranks],
+                     default=str)
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 

@@ -47,6 +47,9 @@ class Settings:
     trials: int = 200
     calibration_trials: int = 6
     calibration_steps: int = 60
+    # The data-parallel ranks a calibration step stands in for: the gradients of this many batches are
+    # averaged before the simulated compression (Workload.ranks; --calibration-ranks)
+    calibration_ranks: int = 1
     # Accuracy rule: reruns (other seeds) of the plans nearest the limit, and reference runs
     calibration_repeats: int = 2
     references: int = 2
@@ -133,7 +136,7 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
             target_steps_source: str | None = None, local_steps: bool | None = None,
             local_every: Any = None, local_fragments: Any = None, calibration_repeats: int = 2,
             references: int = 2, threads_per_rank: int | None = None,
-            budget: float | None = DEFAULT_BUDGET_MIN) -> Settings:
+            budget: float | None = DEFAULT_BUDGET_MIN, calibration_ranks: int | None = None) -> Settings:
     """Validate every input and open the storage; raise ValueError (one line) on the first problem.
     Writes nothing unless everything else is valid (then: the output folder and the default SQLite).
 
@@ -163,7 +166,11 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
 
     ``threads_per_rank``: intra-op threads compute is profiled and timed with (default: the cores
     divided by the world size, one process standing in for every rank; under torchrun, as launched).
-    ``budget``: minutes the run may take (default :data:`DEFAULT_BUDGET_MIN`; 0 or None: no cap)."""
+    ``budget``: minutes the run may take (default :data:`DEFAULT_BUDGET_MIN`; 0 or None: no cap).
+
+    ``calibration_ranks``: the ranks each calibration step stands in for, its gradient the mean of
+    that many batches (default: the world size, at most :data:`MAX_CALIBRATION_RANKS`; 1: one rank's
+    batch). Each step costs that many forward/backward passes."""
     import torch.distributed as dist
 
     distributed = dist.is_available() and dist.is_initialized()
@@ -186,6 +193,8 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
     # The catalog before the target: reading a file is cheaper than building a model.
     catalog = load_catalog(hardware)
     wl, tname = _load_workload(target)
+    cal_ranks = _calibration_ranks(calibration_ranks, world_size)
+    wl.ranks = cal_ranks
     st = _open_storage(out_p, storage) if rank == 0 else _Storage(storage)
     return Settings(workload=wl, target=tname, out=out_p, catalog=catalog,
                     catalog_path=str(hardware) if hardware else "built-in", world_size=world_size,
@@ -198,7 +207,20 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
                     threads_per_rank=threads_v, threads_source=threads_src,
                     budget_s=float(budget) * 60.0 if budget else None,
                     distributed=distributed, rank=rank, storage=st.storage, created_out=st.created,
-                    **counts)
+                    calibration_ranks=cal_ranks, **counts)
+
+
+# The most ranks a calibration step averages by default: each costs a forward and backward pass, and
+# past a few the mean gradient's noise changes little against what compression adds.
+MAX_CALIBRATION_RANKS = 4
+
+
+def _calibration_ranks(given: int | None, world_size: int) -> int:
+    """--calibration-ranks, validated (None: the world size, at most MAX_CALIBRATION_RANKS)."""
+    if given is None:
+        return max(1, min(int(world_size), MAX_CALIBRATION_RANKS))
+    whole_number("--calibration-ranks", given, 1)
+    return int(given)
 
 
 def _check_counts(**given: tuple[Any, int]) -> dict[str, Any]:

@@ -182,8 +182,10 @@ def _train(wl: Workload, steps: int, seed: int, prepare: Callable[[torch.nn.Modu
            report: Callable[[int, list[float]], None] | None = None,
            report_every: int = 5) -> tuple[list[float], float | None]:
     """Train ``steps`` steps from the initial weights on the seeded batches; ``prepare(model)`` gives
-    what runs on the gradients between backward and the optimizer step (None: nothing). Returns the
-    loss curve and the eval metric."""
+    what runs on the gradients between backward and the optimizer step (None: nothing). Each step
+    averages the gradients of ``wl.ranks`` batches (the ranks' mean, as DDP's all-reduce gives it) and
+    records their mean loss. Returns the loss curve and the eval metric."""
+    W = max(1, int(wl.ranks))
     wl = build_run(wl, seed)
     model = wl.fresh_model()
     model.train()
@@ -192,14 +194,15 @@ def _train(wl: Workload, steps: int, seed: int, prepare: Callable[[torch.nn.Modu
     losses: list[float] = []
     stream = seeded_stream(wl, seed)
     for t in range(steps):
-        batch = next(stream)
         opt.zero_grad(set_to_none=True)
-        loss = wl.loss_fn(model, batch)
-        loss.backward()
+        v = 0.0
+        for _ in range(W):
+            loss = wl.loss_fn(model, next(stream))
+            (loss / W if W > 1 else loss).backward()
+            v += float(loss.detach()) / W
         if on_grads is not None:
             on_grads()
         opt.step()
-        v = float(loss.detach())
         losses.append(v if math.isfinite(v) else math.inf)
         if report is not None and (t + 1) % report_every == 0:
             report(t + 1, losses)

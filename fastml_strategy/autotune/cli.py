@@ -108,6 +108,10 @@ def _calibration_options(p: argparse.ArgumentParser) -> None:
                    help="short training runs of candidate plans against uncompressed training")
     g.add_argument("--calibration-steps", type=int, default=60, metavar="N",
                    help="steps of each calibration run (at least 10)")
+    g.add_argument("--calibration-ranks", type=int, default=None, metavar="N",
+                   help="ranks each calibration step stands in for: its gradient is the mean of N batches, "
+                        "as DDP's all-reduce averages the ranks' (default: the world size, at most 4; 1: one "
+                        "rank's batch). The low-rank codec converges with the ranks' mean gradient")
     g.add_argument("--calibration-repeats", type=int, default=2, metavar="N",
                    help="rerun the N plans whose accuracy loss is nearest the limit with another seed "
                         "(0: none); the accuracy rule fits every run, so one noisy run cannot decide it")
@@ -293,6 +297,7 @@ def _prepare(args: argparse.Namespace, steps_source: str) -> tuple[Settings | No
             args.target, out=args.out, world_size=args.world_size, link=args.link,
             hardware=args.hardware, trials=args.trials, storage=args.storage,
             calibration_trials=args.calibration_trials, calibration_steps=args.calibration_steps,
+            calibration_ranks=args.calibration_ranks,
             profile_steps=args.profile_steps, measure_steps=args.measure_steps,
             max_accuracy_loss=args.max_accuracy_loss, target_steps=args.target_steps,
             max_groups=args.max_groups, min_numel=args.min_numel,

@@ -69,6 +69,11 @@ class Workload:
     # Filled by load_target: the TARGET's factory, so every calibration run is built afresh (a
     # deterministic factory then replays the same batches: runs are paired, see calibrate.runs_paired).
     factory: Callable[[], Any] | None = field(default=None, repr=False)
+    # Set by the autotuner (--calibration-ranks): the data-parallel ranks a calibration run stands in
+    # for. Each of its steps averages the gradients of this many batches, as DDP's all-reduce does,
+    # before the simulated compression: a codec that compresses the mean (the low-rank codec, exactly)
+    # converges with the ranks' mean gradient, not one rank's noisier one.
+    ranks: int = field(default=1, repr=False)
 
     def rebuild(self) -> "Workload":
         """A new Workload from the factory (the same one when there is no factory): its model in its
@@ -77,6 +82,7 @@ class Workload:
             return self
         wl = as_workload(self.factory(), name=self.name)
         wl.factory = self.factory
+        wl.ranks = self.ranks
         return wl
 
     # -- helpers the profiler and the calibration use ------------------------------------------------

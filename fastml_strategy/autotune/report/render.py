@@ -71,6 +71,9 @@ def _summary(result: "AutotuneResult", s: "Settings") -> list[str]:
         ch = search_expand(result)
         lines.append("Embeddings (row-sparse gradients, searched on their own): "
                      + ", ".join(f"{n} -> {ch.get(n, 'none')}" for n in emb) + ".")
+    if s.calibration_ranks > 1:
+        lines.append(f"Calibration: each step trains on the mean gradient of {s.calibration_ranks} batches, "
+                     f"as {s.calibration_ranks} data-parallel ranks do (--calibration-ranks).")
     if prof.threads:
         lines.append(f"Compute was timed with {prof.threads} thread(s) per rank "
                      f"({prof.threads_source or 'as profiled'}).")
