@@ -357,3 +357,34 @@ def test_noise_is_measured_near_the_limit():
             pt(0.98, 0.075)]
     rule = accuracy_rule(runs, 0.01)
     assert rule.sigma < 0.01 and rule.e_max == pytest.approx(0.17)
+
+
+def test_a_calibration_step_of_two_ranks_trains_on_the_mean_gradient_of_two_batches(tmp_path):
+    """``--calibration-ranks 2``: each calibration step is DDP's step of 2 ranks (the mean gradient
+    of 2 consecutive batches, their mean loss), in runs rebuilt from the factory too; the default is
+    the world size, at most 4, and a bad value is refused naming the flag."""
+    from fastml_strategy.autotune._settings import _calibration_ranks
+
+    f = tmp_path / "gen_workload.py"
+    f.write_text(GEN_WORKLOAD)
+    wl = load_target(f"{f}:make")
+    one, _ = train_curve(wl, None, 4, seed=0)
+    wl.ranks = 2
+    two, _ = train_curve(wl, None, 4, seed=0)
+    assert wl.rebuild().ranks == 2 and two != one
+    # by hand: the same model, batches and optimizer, two batches per step
+    from fastml_strategy.autotune.calibrate import build_run, seeded_stream
+
+    w = build_run(wl, 0)
+    model, stream = w.fresh_model(), seeded_stream(w, 0)
+    opt, want = w.make_optimizer(model), []
+    for _ in range(4):
+        opt.zero_grad(set_to_none=True)
+        losses = [w.loss_fn(model, next(stream)) for _ in range(2)]
+        ((losses[0] + losses[1]) / 2).backward()
+        opt.step()
+        want.append(sum(float(v.detach()) for v in losses) / 2)
+    assert two == pytest.approx(want, rel=1e-6, abs=1e-7)
+    assert [_calibration_ranks(None, w_) for w_ in (1, 2, 8)] == [1, 2, 4] and _calibration_ranks(3, 8) == 3
+    with pytest.raises(ValueError, match="--calibration-ranks"):
+        _calibration_ranks(0, 2)
