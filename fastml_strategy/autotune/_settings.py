@@ -166,11 +166,7 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
 
     ``threads_per_rank``: intra-op threads compute is profiled and timed with (default: the cores
     divided by the world size, one process standing in for every rank; under torchrun, as launched).
-    ``budget``: minutes the run may take (default :data:`DEFAULT_BUDGET_MIN`; 0 or None: no cap).
-
-    ``calibration_ranks``: the ranks each calibration step stands in for, its gradient the mean of
-    that many batches (default: the world size, at most :data:`MAX_CALIBRATION_RANKS`; 1: one rank's
-    batch). Each step costs that many forward/backward passes."""
+    ``budget``: minutes (default :data:`DEFAULT_BUDGET_MIN`; 0/None: no cap). ``calibration_ranks``: :func:`_calibration_ranks`."""
     import torch.distributed as dist
 
     distributed = dist.is_available() and dist.is_initialized()
@@ -193,8 +189,6 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
     # The catalog before the target: reading a file is cheaper than building a model.
     catalog = load_catalog(hardware)
     wl, tname = _load_workload(target)
-    cal_ranks = _calibration_ranks(calibration_ranks, world_size)
-    wl.ranks = cal_ranks
     st = _open_storage(out_p, storage) if rank == 0 else _Storage(storage)
     return Settings(workload=wl, target=tname, out=out_p, catalog=catalog,
                     catalog_path=str(hardware) if hardware else "built-in", world_size=world_size,
@@ -207,7 +201,7 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
                     threads_per_rank=threads_v, threads_source=threads_src,
                     budget_s=float(budget) * 60.0 if budget else None,
                     distributed=distributed, rank=rank, storage=st.storage, created_out=st.created,
-                    calibration_ranks=cal_ranks, **counts)
+                    calibration_ranks=_set_ranks(wl, _calibration_ranks(calibration_ranks, world_size)), **counts)
 
 
 # The most ranks a calibration step averages by default: each costs a forward and backward pass, and
@@ -215,8 +209,15 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
 MAX_CALIBRATION_RANKS = 4
 
 
+def _set_ranks(wl: Workload, ranks: int) -> int:
+    wl.ranks = ranks  # what each calibration run of the workload averages
+    return ranks
+
+
 def _calibration_ranks(given: int | None, world_size: int) -> int:
-    """--calibration-ranks, validated (None: the world size, at most MAX_CALIBRATION_RANKS)."""
+    """--calibration-ranks, validated (None: the world size, at most MAX_CALIBRATION_RANKS): the ranks
+    a calibration step stands in for, its gradient the mean of that many batches (each one more
+    forward/backward pass; 1: one rank's batch)."""
     if given is None:
         return max(1, min(int(world_size), MAX_CALIBRATION_RANKS))
     whole_number("--calibration-ranks", given, 1)
