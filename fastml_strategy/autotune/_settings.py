@@ -81,6 +81,9 @@ class Settings:
     created_out: bool = False
     deadline: float | None = None  # time.time() by which the run should end (set by run from budget_s)
 
+    def __post_init__(self) -> None:
+        self.workload.ranks = self.calibration_ranks  # what each calibration run of the workload averages
+
 
 def _autotune_output(path: Path) -> bool:
     """Whether ``path`` is a file this command wrote (not a user's own file of the same name)."""
@@ -201,17 +204,12 @@ def prepare(target: str | Workload | Any, *, out: str | os.PathLike = "fastml-au
                     threads_per_rank=threads_v, threads_source=threads_src,
                     budget_s=float(budget) * 60.0 if budget else None,
                     distributed=distributed, rank=rank, storage=st.storage, created_out=st.created,
-                    calibration_ranks=_set_ranks(wl, _calibration_ranks(calibration_ranks, world_size)), **counts)
+                    calibration_ranks=_calibration_ranks(calibration_ranks, world_size), **counts)
 
 
 # The most ranks a calibration step averages by default: each costs a forward and backward pass, and
 # past a few the mean gradient's noise changes little against what compression adds.
 MAX_CALIBRATION_RANKS = 4
-
-
-def _set_ranks(wl: Workload, ranks: int) -> int:
-    wl.ranks = ranks  # what each calibration run of the workload averages
-    return ranks
 
 
 def _calibration_ranks(given: int | None, world_size: int) -> int:

@@ -123,18 +123,25 @@ def initial_q(name: str, n: int, rank: int, seed: int, device) -> torch.Tensor:
     return torch.randn(n * rank, generator=gen, dtype=torch.float32).to(device)
 
 
+def _power_steps(x: torch.Tensor, q: torch.Tensor, iterations: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``iterations`` power steps on ``x`` viewed as its m x n matrix, from ``q`` (n x r, not changed):
+    ``P = orth(M orth(Q))``, ``Q = M^T P`` each; returns the last ``(P, Q)``."""
+    m, n = matrix_shape(x.shape)
+    M = x.detach().reshape(m, n).to(torch.float32)
+    q = q.reshape(n, -1).clone()
+    for _ in range(iterations):
+        p = orthogonalise_(M @ orthogonalise_(q))
+        q = M.t() @ p
+    return p, q
+
+
 @torch.no_grad()
 def low_rank_roundtrip(x: torch.Tensor, rank: int, seed: int = 0, iterations: int = 2) -> torch.Tensor:
     """What one rank's low-rank codec makes of ``x`` (an m x n view) without communication: ``P Q^T``
     after ``iterations`` power steps from the seeded start (the warm start converges over training
     steps; two steps measure where it stands after a few). The autotuner's profile measures the error
     of this, as :func:`fastml_strategy.codecs.roundtrip` does for the other codecs."""
-    m, n = matrix_shape(x.shape)
-    M = x.detach().reshape(m, n).to(torch.float32)
-    q = initial_q("roundtrip", n, rank, seed, M.device).view(n, rank)
-    for _ in range(iterations):
-        p = orthogonalise_(M @ orthogonalise_(q))
-        q = M.t() @ p
+    p, q = _power_steps(x, initial_q("roundtrip", matrix_shape(x.shape)[1], rank, seed, x.device), iterations)
     return (p @ q.t()).reshape(x.shape)
 
 
@@ -144,10 +151,7 @@ def local_power_step(x: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, to
     ``P = orth(M orth(Q))``, ``Q' = M^T P``; returns ``P Q'^T`` in ``x``'s shape and the new warm start
     ``Q'`` (n x r), the runtime's steps 2-6 (:mod:`fastml_strategy.comm._lowrank`) without the
     all-reduces."""
-    m, n = matrix_shape(x.shape)
-    M = x.detach().reshape(m, n).to(torch.float32)
-    p = orthogonalise_(M @ orthogonalise_(q.reshape(n, -1).clone()))
-    q_new = M.t() @ p
+    p, q_new = _power_steps(x, q, 1)
     return (p @ q_new.t()).reshape(x.shape), q_new
 
 

@@ -283,11 +283,11 @@ class BucketLayout(_Messages):
         from fastml_strategy.comm._lowrank import LowRankSection, _LowRankParam, matrix_shape
 
         out = []
-        for (factor, _, _), idx in zip(wire.lowrank, wire.lowrank_params):
+        for (factor, _, _), idx, (start, _) in zip(wire.lowrank, wire.lowrank_params, wire.lowrank_start):
             lps = [_LowRankParam(params[i].name, params[i].boff, params[i].numel, *matrix_shape(shapes[i]),
                                  cfgs[i].rank, cfgs[i]) for i in idx]
             out.append(LowRankSection(lps, factor, self.device, self.world_size, self.rank, type(self),
-                                      start=cfgs[idx[0]].start))
+                                      start=start))
         return out
 
     def _group(self, gw: _wire.GroupWire, params: list[_Param], fp32_buffer: bool) -> _DenseGroup:
