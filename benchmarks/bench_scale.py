@@ -79,6 +79,7 @@ METHODS = {
     "int4-ring": "FastML, plan int4, Plan.schedule 'ring' (all_to_all + all_gather: today's)",
     "int4-halving": "FastML, plan int4, Plan.schedule 'halving' (recursive halving / doubling)",
     "topk1": "FastML, plan topk1",
+    "floor": "no communication: DDP with a hook that hands its bucket back (the emulation's CPU floor)",
 }
 # method -> (recipe, Plan.schedule) for register_hook(plan=Plan.from_recipe(recipe, schedule=...))
 PLANS = {"none": ("none", "auto"), "int4": ("int4", "auto"), "int4-ring": ("int4", "ring"),
@@ -118,6 +119,15 @@ def _profile(a, rank: int, world: int) -> dict:
     return profile_workload(wl, steps=3, warmup=1, options=PROFILE_OPTIONS, world_size=world).to_dict()
 
 
+def _no_communication(state, bucket):  # unannotated: DDP checks a hook's annotations
+    """DDP's bucketing and copies with nothing sent: what every rank's cores do besides communicating."""
+    import torch
+
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
 def _hooked(a, method: str, model):
     """DDP over ``model`` with ``method``'s communication; (ddp, FastML state or None). The plan's
     link hint is the emulated link (as the autotuner writes it), for the "auto" schedule's choice."""
@@ -127,7 +137,9 @@ def _hooked(a, method: str, model):
     import fastml_strategy as fm
 
     ddp = DDP(model)
-    if method == "fp16-hook":
+    if method == "floor":
+        ddp.register_comm_hook(None, _no_communication)
+    elif method == "fp16-hook":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif method in PLANS:
         recipe, schedule = PLANS[method]
@@ -172,7 +184,7 @@ def _run_method(a, method: str, rank: int, local0: bool, machines: int) -> dict:
         loss = float(torch.nn.functional.cross_entropy(model(x), y))
     res = {"ms": 1e3 * statistics.median(times), "node_bytes": float(node) / machines, "loss": loss,
            "cpu_all_ms": 1e3 * float(cpu_all),
-           "schedule": "ring"}
+           "schedule": "none" if method == "floor" else "ring"}
     if state is not None:
         st = state.stats()
         ran = "+".join(k for k, v in st.get("schedules", {}).items() if v.get("buckets")) or "ring"
@@ -250,6 +262,10 @@ def predict(profile, method: str, option) -> dict:
     from fastml_strategy.autotune.costmodel import step_time
 
     tunable = [lp.name for lp in profile.layers if lp.tunable]
+    if method == "floor":  # no wire: the profile's compute only
+        compute = step_time(profile, {}, option, hook=False).compute_s
+        return {"step_s": compute, "node_bytes": 0.0, "codec_s": 0.0, "compute_s": compute, "rounds": 0.0,
+                "topology": "flat", "schedules": "none"}
     kw = dict(hook=False) if method in ("ddp", "fp16-hook") else {"schedule": PLANS[method][1]}
     if method == "fp16-hook":
         kw["ring_element_bytes"] = 2

@@ -106,3 +106,10 @@ def test_tcp_payload_link_and_fp16_ring_bytes():
     fp32 = step_time(prof, {}, opt, hook=False)
     fp16 = step_time(prof, {}, opt, hook=False, ring_element_bytes=2)
     assert fp16.node_net_bytes == pytest.approx(fp32.node_net_bytes / 2, abs=2) and fp16.step_s < fp32.step_s
+
+
+def test_the_floor_is_priced_as_compute_alone():
+    # the no-communication method: nothing on the wire, the profile's compute (10 + 20 + 5 ms)
+    floor = bs.predict(_profile(), "floor", bs.option_for(16, 1, 1e9, 0.0005))
+    assert floor["node_bytes"] == 0.0 and floor["rounds"] == 0.0 and floor["codec_s"] == 0.0
+    assert floor["step_s"] == pytest.approx(0.035) and floor["compute_s"] == pytest.approx(0.035)
