@@ -33,7 +33,10 @@ Methods (``--methods``): ``ddp`` (gloo's ring all-reduce, fp32), ``fp16-hook``
 hierarchical where R > 1; ``int4`` is ``Plan.schedule="auto"`` with the emulated link as the plan's
 link hint, as the autotuner writes it, the others force ``"ring"`` (today's all_to_all + all_gather)
 or ``"halving"`` (recursive halving / doubling)). The schedule column is what ``stats()["schedules"]``
-says ran; ``predicted_schedule`` what the cost model priced.
+says ran; ``predicted_schedule`` what the cost model priced. ``floor``: the same DDP steps with a
+comm hook that hands its bucket back and sends nothing, priced as the profile's compute: what the
+shared cores need before any communication (with ``--links 100gbit``, no delay, a link no step comes
+near, it is the emulation's floor at that N).
 
 Codec scales: the hook's codec work costs more than the profiled round trips (flattening, residual
 updates, its thread competing with backward). As the autotuner does on the cluster it profiles,
