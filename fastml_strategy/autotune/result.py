@@ -173,15 +173,22 @@ def uses_local_steps(row: Mapping[str, Any]) -> bool:
     return int(row.get("every", 1)) > 1
 
 
+# The codec classes' families (``Codec.family``) in the words the report and plan.json's meta use.
+_FAMILY_WORDS = {"quantize": "quantized", "topk": "top-k", "cast": "16-bit", "lowrank": "low-rank", "fp32": "fp32"}
+
+
 def codec_family(option: str) -> str:
-    """A codec option's family: ``quantized`` (int2-int8, with or without error feedback), ``top-k``
-    (values fp32 or int4), ``16-bit`` or ``fp32`` (``none``); a ``-rbf16`` residual does not change it."""
-    o = option.removesuffix("-rbf16")
-    if o.startswith("int"):
-        return "quantized"
-    if o.startswith("topk"):
-        return "top-k"
-    return {"fp16": "16-bit", "bf16": "16-bit", "none": "fp32"}.get(o, o)
+    """A codec option's family, read from its codec class (``Codec.family``) through the autotuner's
+    candidates: ``quantized`` (int2-int8, with or without error feedback), ``top-k`` (values fp32 or
+    int4), ``low-rank`` (every rank), ``16-bit``, ``fp32`` (``none``), or a newer codec's own family
+    name; a ``-rbf16`` residual does not change it. An option that is no candidate is its own family."""
+    from fastml_strategy.autotune.costmodel.base import CANDIDATES, family
+
+    cfg = CANDIDATES.get(option, CANDIDATES.get(option.removesuffix("-rbf16")))
+    if cfg is None:
+        return option
+    f = family(cfg)
+    return _FAMILY_WORDS.get(f, f)
 
 
 def plan_family(choice: Mapping[str, str], numel: Mapping[str, int], every: int = 1, hook: bool = True) -> str:

@@ -54,6 +54,11 @@ def test_plan_family():
     assert plan_family({"a": "none", "b": "none", "c": "none"}, numel) == "plain DDP"
     assert plan_family({"a": "int4"}, numel, hook=False) == "plain DDP"
     assert plan_family({"a": "none"}, numel, every=50) == "local steps"
+    # low-rank at any rank is one family: a plan of rank 2 and rank 4 layers is "low-rank", whatever
+    # rank holds most elements (each rank was its own "family" before, e.g. "lowrank2")
+    assert [codec_family(o) for o in ("lowrank1", "lowrank8", "fp8")] == ["low-rank", "low-rank", "fp8"]
+    assert plan_family({"a": "lowrank2", "b": "lowrank4", "c": "int4"}, numel) == "low-rank"
+    assert plan_family({"a": "int4", "b": "lowrank2", "c": "lowrank4"}, numel) == "low-rank"  # 110 of 210
 
 
 # -- the check never fails open --------------------------------------------------------------------------
