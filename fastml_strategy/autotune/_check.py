@@ -1,6 +1,6 @@
 """The check, the last phase before plan.json is written (:func:`_check`): the tuned plan of its
 option and the obvious uniform alternatives (the fastest uniform plan within the accuracy limit, the
-best by the cost model, the default recipe) are trained side by side from the same weights, then
+best by the cost model, each codec family's recipe: int4, the default, lowrank4, topk1) are trained side by side from the same weights, then
 torch's PowerSGD hook beside the answer; a uniform plan that reaches the tuned plan's losses sooner
 (measured stretch x step time) within the accuracy limit is written instead
 (``fastml_strategy.autotune.decide``). Launched distributed, the same comparison runs again with
@@ -13,6 +13,7 @@ would try first is the test.
 import math
 from typing import Any, Mapping
 
+from fastml_strategy.config import DEFAULT_RECIPE
 from fastml_strategy.autotune.costmodel import Convergence, Profile, Trial
 from fastml_strategy.autotune.catalog import HardwareOption
 from fastml_strategy.autotune._settings import Settings
@@ -315,21 +316,33 @@ def _decide(record: dict[str, Any], alts: list[tuple[Trial, str]], tuned: Trial,
     return row
 
 
-# The recipe every check also trains (when it is not the tuned plan or an alternative already): the
-# library's default, so that a calibration the budget cut short (on a loaded machine only the first,
-# fp16, plan may run) cannot leave the answer slower than it where it meets the accuracy limit.
-DEFAULT_CHECK_RECIPE = "int4"
+# The recipes every check also trains (when none is the tuned plan or an alternative already): each
+# codec family's own (``Codec.check``: int4, the library's default; lowrank4; topk1), so that a
+# calibration the budget cut short (on a loaded machine only the first, fp16, plan may run) cannot
+# leave the answer slower than int4 where it meets the accuracy limit, and a family the calibration
+# never ran uniformly is still judged by its own run (gpt2 of bench_autotune: uniform lowrank4 reached
+# the target first of every recipe in 6 runs of 6 while the check, not training it, answered int2 or a
+# low-rank mix; benchmarks/RESULTS.md, issue 36).
+def check_recipes() -> tuple[str, ...]:
+    """:func:`fastml_strategy.codecs.check_recipes` (every registered codec's ``check``)."""
+    from fastml_strategy.codecs import check_recipes as registered
+
+    return registered()
 
 
 def _default_recipe(rows: list[Mapping[str, Any]], option: str, tuned: Trial, groups: Mapping[str, list[str]],
                     alts: list[tuple[Trial, str]]) -> list[tuple[Trial, str]]:
-    """Uniform :data:`DEFAULT_CHECK_RECIPE` as one more alternative, unless it is already compared."""
-    uni = [t for t in map(Trial.of, rows) if t.option == option and t.kind == "fastml" and t.every == 1
-           and t.uniform == DEFAULT_CHECK_RECIPE and len(t.choice) == len(groups) and math.isfinite(t.objective)]
-    if not uni or any(a.choice == uni[0].choice for a, _ in alts) or tuned.choice == uni[0].choice:
-        return []
-    return [(min(uni, key=lambda t: t.objective),
-             f"the default recipe ({DEFAULT_CHECK_RECIPE}), trained in every check: judged by its own run")]
+    """The uniform plan of each of :func:`check_recipes` on ``option`` as one more alternative, unless
+    it is already compared (or is the tuned plan, or not an option there)."""
+    out: list[tuple[Trial, str]] = []
+    for recipe in check_recipes():
+        uni = [t for t in map(Trial.of, rows) if t.option == option and t.kind == "fastml" and t.every == 1
+               and t.uniform == recipe and len(t.choice) == len(groups) and math.isfinite(t.objective)]
+        if not uni or tuned.choice == uni[0].choice or any(a.choice == uni[0].choice for a, _ in alts + out):
+            continue
+        why = (f"the default recipe ({recipe})" if recipe == DEFAULT_RECIPE else f"its codec family's recipe ({recipe})")
+        out.append((min(uni, key=lambda t: t.objective), f"{why}, trained in every check: judged by its own run"))
+    return out
 
 
 def _own_accuracy(cal: _Calibrated, ref: Mapping[str, Any], losses: list[float], metric: float | None) -> float:

@@ -166,10 +166,10 @@ def _ms_text(seconds: float) -> str:
 
 
 # Runs the check against uniform plans may train (the tuned plan, the fastest and the best uniform
-# plan): their time is reserved from --budget before the optional runs (repeats, local steps,
+# plan, the codec families' recipes not among them: about two more): their time is reserved from --budget before the optional runs (repeats, local steps,
 # verification) are started, so that a budget cuts those and never the check (a run whose check the
 # budget left out can write a plan slower than a uniform one).
-CHECK_RUNS = 3
+CHECK_RUNS = 5
 
 
 def _reserve(deadline: float | None, seconds: float) -> float | None:

@@ -49,7 +49,8 @@ import pkgutil
 
 from fastml_strategy.codecs._base import (DEFAULT_BLOCK_SIZE, RECIPES, RESIDUAL_DTYPES, WIRE_FORMAT_VERSION, Codec,
                                           CodecConfig, ResidualConfig, WireCodec, candidates, codec_class, codec_for,
-                                          register_codec, registered_codecs, settings_class, uniform_recipes)
+                                          check_recipes, register_codec, registered_codecs, settings_class,
+                                          uniform_recipes)
 # The codecs, in registration order (the order of RECIPES, of the autotuner's options and baselines).
 from fastml_strategy.codecs.plain import Bf16Codec, Bf16Config, Fp16Codec, Fp16Config, Fp32Codec, Fp32Config
 from fastml_strategy.codecs.quantize import QuantizeCodec, QuantizeConfig
@@ -81,6 +82,7 @@ __all__ = [
     "RECIPES",
     "candidates",
     "uniform_recipes",
+    "check_recipes",
     # the codecs and their settings
     "Fp32Codec", "Fp32Config",
     "Fp16Codec", "Fp16Config",

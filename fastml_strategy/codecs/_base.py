@@ -12,7 +12,7 @@ A codec is one module of :mod:`fastml_strategy.codecs` that defines
    ``@register_codec("name")``, whose class attributes say what the rest of FastML reads about it:
    ``settings`` (the class of 1.), ``recipes`` (named plans, ``Plan.from_recipe``), ``candidates``
    (what the autotuner searches), ``uniform`` (which recipes the autotuner times as uniform baselines),
-   ``sharded`` (whether FSDP/HSDP run it) and ``intra_node`` (whether it may carry the hop inside a
+   ``check`` (the recipe of its family the autotuner's final check always trains), ``sharded`` (whether FSDP/HSDP run it) and ``intra_node`` (whether it may carry the hop inside a
    machine).
 
 Registration makes ``Codec.NAME`` exist, adds the recipes to ``RECIPES`` and the candidates to the
@@ -361,6 +361,9 @@ class WireCodec:
     recipes: ClassVar[Mapping[str, CodecConfig]] = {}  # named plans (Plan.from_recipe, RECIPES)
     candidates: ClassVar[Mapping[str, CodecConfig]] = {}  # the autotuner's per-layer options, best error first
     uniform: ClassVar[tuple[str, ...]] = ()  # recipes the autotuner times as uniform baselines
+    # the recipe of its family the autotuner's final check always trains beside the tuned plan (None:
+    # none): a family the calibration never ran uniformly is still compared by its own run
+    check: ClassVar[str | None] = None
     sharded: ClassVar[bool] = True  # runs under FSDP/HSDP (searched there, with -rbf16 variants)
     intra_node: ClassVar[bool] = False  # may carry the hop inside a machine (Plan.intra_node): exact or a cast
 
@@ -565,6 +568,11 @@ def candidates() -> dict[str, CodecConfig]:
     for cls in _REGISTRY.values():
         out.update(cls.candidates)
     return out
+
+
+def check_recipes() -> tuple[str, ...]:
+    """The recipes the autotuner's final check always trains: every registered codec's ``check``."""
+    return tuple(cls.check for cls in _REGISTRY.values() if cls.check)
 
 
 def uniform_recipes() -> tuple[str, ...]:

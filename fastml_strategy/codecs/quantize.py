@@ -65,6 +65,7 @@ class QuantizeCodec(WireCodec):
     candidates = {"int8": _q(8), "int6": _q(6), "int4": _q(4), "int3": _q(3), "int2": _q(2),
                   "int4-noef": _q(4, error_feedback=False)}
     uniform = ("int8", "int4", "int2")
+    check = "int4"  # the library's default recipe
     __slots__ = ()
     def chunk_unit(self) -> int:
         return self.cfg.block_size

@@ -128,6 +128,7 @@ class TopkCodec(WireCodec):
     recipes = {"topk1": TopkConfig(topk=0.01), "topk1-int4": TopkConfig(topk=0.01, bits=4)}
     candidates = {"topk10": TopkConfig(topk=0.10), **recipes}
     uniform = ("topk1",)
+    check = "topk1"
     __slots__ = ("values",)
 
     def __init__(self, cfg: TopkConfig) -> None:

@@ -205,3 +205,31 @@ def test_repeat_bench_compares_at_equal_steps_time_and_loss():
     # a plan that never gets there within its steps has no time to the loss, not a made-up one
     flat = {"ms_per_step": 50.0, "curve": [(n, 0.05 * n, 3.9) for n in range(5, 91, 5)]}
     assert rep.trained_compare(flat, int4, steps=30)["trained_time_to_int4_loss_ratio"] == ""
+
+
+def test_every_codec_familys_recipe_is_an_alternative_in_every_check():
+    # uniform lowrank4 and topk1 were never compared unless the calibration had run them: on gpt2 of
+    # bench_autotune lowrank4 reached the target first of every uniform recipe while the check
+    # answered int2 (issue 36)
+    from fastml_strategy.autotune._check import _default_recipe, check_recipes
+    from fastml_strategy.autotune.costmodel import Trial
+
+    assert check_recipes() == ("int4", "topk1", "lowrank4")  # the codec classes' ``check``, registry order
+
+    def row(codec, step_s):
+        return Trial({"option": "local", "kind": "fastml", "every": 1, "choice": {"a": codec, "b": codec},
+                      "step_s": step_s, "tta_s": 1000 * step_s, "objective": 1000 * step_s, "feasible": True,
+                      "use_hook": True, "error": 0.1})
+
+    groups = {"a": ["a"], "b": ["b"]}
+    rows = [row(c, s) for c, s in (("int4", 0.8), ("int2", 0.6), ("topk1", 0.5), ("lowrank4", 0.4),
+                                   ("lowrank2", 0.3))]
+    tuned = Trial({**rows[1], "choice": {"a": "int2", "b": "lowrank2"}})
+    got = _default_recipe(rows, "local", tuned, groups, [(rows[1], "the fastest")])
+    assert [t.uniform for t, _ in got] == ["int4", "topk1", "lowrank4"]
+    assert "default recipe (int4)" in got[0][1] and "codec family's recipe (lowrank4)" in got[2][1]
+    # one already compared, or the tuned plan itself, is not added twice
+    got = _default_recipe(rows, "local", rows[3], groups, [(rows[0], "the fastest")])  # tuned: lowrank4
+    assert [t.uniform for t, _ in got] == ["topk1"]
+    # a recipe that is no option on this cluster (no row: sharded training has no low-rank) adds nothing
+    assert [t.uniform for t, _ in _default_recipe(rows[:2], "local", tuned, groups, [])] == ["int4"]
