@@ -63,6 +63,39 @@ def _recheck_measured(s: Settings, profile: Profile, groups: Mapping[str, list[s
                     f"accuracy limit ({c['decision_measured']['why']}): plan.json holds {e['plan']} instead")
 
 
+def _keep_measured_buckets(s: Settings, profile: Profile, groups: Mapping[str, list[str]],
+                           options: list[HardwareOption], found: _Searched, step_rows: list[StepTimeRow],
+                           timed: Trial, measured_pre: Mapping[str, float] | None = None) -> None:
+    """plan.json's DDP bucket cap comes from the cost model (:func:`_best_bucket`). Launched distributed,
+    the plan was then timed with it (``timed``) and, where it is a uniform recipe the check compared,
+    at DDP's default buckets side by side in the same rounds (else, for a uniform recipe, with the
+    recipes before calibration: ``measured_pre``). Where the default measured faster,
+    plan.json keeps DDP's default, and the check's verdict says so. (gpt2 of bench_autotune, uniform
+    lowrank4: 242 ms per step at bucket_cap_mb 1 against 210 at the default, where the model had
+    predicted 183 against 246: two factor all-reduces per bucket.)"""
+    from fastml_strategy.autotune import search
+    from fastml_strategy.autotune.costmodel import evaluate, objective
+
+    c, row = found.check, Trial.of(found.best[found.chosen])
+    if (c is None or s.sharding.sharded or row.bucket_mb is None or row.uniform is None
+            or row.choice != timed.choice or row.bucket_mb != timed.bucket_mb):
+        return
+    tuned_m = next((r["measured_s"] for r in step_rows if str(r["plan"]).startswith("tuned")), None)
+    default_m = (c.get("timed_beside_tuned") or {}).get(row.uniform, (measured_pre or {}).get(row.uniform))
+    if not (tuned_m and default_m and math.isfinite(tuned_m) and math.isfinite(default_m)) or default_m >= tuned_m:
+        return
+    opt = next(o for o in options if o.name == found.chosen)
+    r = evaluate(profile, search.expand(groups, row.choice), opt, found.conv, float(s.target_steps),
+                 hook=row.use_hook, bucket_mb=None, intra_node=row.get("intra_node"))
+    found.best[found.chosen] = row.replace({k: r[k] for k in ("step_s", "exposed_s", "tta_s", "cost_usd", "wire_s")},
+                                           objective=objective(r, opt), bucket_mb=None)
+    c["buckets_measured"] = {"bucket_mb": row.bucket_mb, "step_s": tuned_m, "default_step_s": default_m}
+    beside = row.uniform in (c.get("timed_beside_tuned") or {})
+    c["verdict"] += (f"; bucket_cap_mb {row.bucket_mb:g} measured {_ms_text(tuned_m)} per step against "
+                     f"{_ms_text(default_m)} with DDP's default buckets ("
+                     + ("side by side" if beside else "timed at another moment") + "): plan.json keeps the default")
+
+
 def _measured_ratio(e: dict[str, Any], m: float | None, tuned_m: float, beside: bool,
                     measured_pre: Mapping[str, float]) -> None:
     """An alternative's entry of the check with its measured step time ``m`` (None: not timed)."""

@@ -33,7 +33,7 @@ from fastml_strategy.autotune._settings import (DEFAULT_BUDGET_MIN, Settings, _r
                                                 prepare)
 from fastml_strategy.autotune._state import (LOCAL, UNIFORM_RECIPES, _Progress, _Searched, _broadcast,
                                              _plan_from_choice, baseline_label, recipes_of)
-from fastml_strategy.autotune._check import _recheck_measured
+from fastml_strategy.autotune._check import _keep_measured_buckets, _recheck_measured
 from fastml_strategy.autotune._tune import _search_on_rank0
 from fastml_strategy.autotune.result import (ASSUMED_TARGET_STEPS, TARGET_STEPS_SOURCES,  # noqa: F401
                                              AutotuneResult, uses_local_steps)
@@ -171,7 +171,9 @@ def _run(s: Settings) -> AutotuneResult:
                                          bar)
         # -- 4b. the check against uniform plans again, with measured step times ---------------------
         if lead:
+            timed = found.best[found.chosen]
             _recheck_measured(s, profile, groups, options, found, step_rows, measured_pre)
+            _keep_measured_buckets(s, profile, groups, options, found, step_rows, timed, measured_pre)
         # -- 5. scaling predictions and the report (rank 0) ----------------------------------------
         result = _result(s, profile, groups, options, found, step_rows, link_warning)
         bar.close()

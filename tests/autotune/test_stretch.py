@@ -235,6 +235,57 @@ def test_the_recheck_uses_the_step_times_measured_beside_the_tuned_plan():
     assert check["alternatives"][0]["measured_time_ratio"] == pytest.approx(1.05 * 1.9 / 3.6)
     assert "timed side by side" in check["alternatives"][0]["measured_words"]
 
+def test_a_bucket_cap_measured_slower_than_ddps_default_buckets_is_dropped():
+    # gpt2 of bench_autotune: the check put uniform lowrank4 in plan.json and the cost model gave it
+    # bucket_cap_mb 1 (predicted 183 ms per step against 246); timed, 242 ms against 210 with DDP's
+    # default buckets, side by side: plan.json now keeps the default
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_costmodel import make_profile, option
+
+    from fastml_strategy.autotune._check import _keep_measured_buckets
+    from fastml_strategy.autotune.costmodel import Convergence, Trial
+
+    prof = make_profile()
+    groups = {lp.name: [lp.name] for lp in prof.layers}
+    plan = {n: "lowrank4" for n in groups}
+
+    def setup(default_s, bucket_mb=1.0, choice=plan):
+        best = Trial({"option": "x", "kind": "fastml", "every": 1, "choice": choice, "step_s": 0.18,
+                      "objective": 1.0, "use_hook": True, "bucket_mb": bucket_mb})
+        check = {"verdict": "uniform lowrank4 reached ...: plan.json holds uniform lowrank4 instead",
+                 "timed_beside_tuned": {"lowrank4": default_s}}
+        found = SimpleNamespace(check=check, best={"x": best}, chosen="x",
+                                conv=Convergence(k=0.0, gamma=1.0, e_max=1.0))
+        return found, best
+
+    s = SimpleNamespace(sharding=SimpleNamespace(sharded=False), target_steps=1000.0)
+    steps = [{"plan": "tuned (x)", "measured_s": 0.242}]
+    found, timed = setup(0.210)
+    _keep_measured_buckets(s, prof, groups, [option()], found, steps, timed)
+    assert found.best["x"].bucket_mb is None and found.best["x"].choice == plan
+    assert found.check["buckets_measured"] == {"bucket_mb": 1.0, "step_s": 0.242, "default_step_s": 0.210}
+    assert "keeps the default" in found.check["verdict"]
+    # the default measured slower: the cap stands; a mix has no default-bucket timing: it stands too
+    for default_s, choice in ((0.250, plan), (0.210, {**plan, "l0.weight": "int4"})):
+        found, timed = setup(default_s, choice=choice)
+        _keep_measured_buckets(s, prof, groups, [option()], found, steps, timed)
+        assert found.best["x"].bucket_mb == 1.0 and "buckets_measured" not in found.check
+    # the plan the measured recheck put in place was not the one timed: nothing measured applies
+    # not timed beside it: the recipe's own timing before calibration decides
+    found, timed = setup(0.210)
+    del found.check["timed_beside_tuned"]
+    _keep_measured_buckets(s, prof, groups, [option()], found, steps, timed, {"lowrank4": 0.196})
+    assert found.best["x"].bucket_mb is None and "timed at another moment" in found.check["verdict"]
+    found, timed = setup(0.210)
+    found.best["x"] = timed.replace(choice={n: "int4" for n in groups})
+    _keep_measured_buckets(s, prof, groups, [option()], found, steps, timed)
+    assert found.best["x"].bucket_mb == 1.0
+
+
 def _check_inputs(tuned_curve, alt_curve, alt_step_s):
     """What _check._check needs, with every curve already among the calibration runs (no training)."""
     from types import SimpleNamespace
