@@ -1,7 +1,7 @@
 """The check, the last phase before plan.json is written (:func:`_check`): the tuned plan of its
 option and the obvious uniform alternatives (the fastest uniform plan within the accuracy limit, the
-best by the cost model, each codec family's recipe: int4, the default, lowrank4, topk1) are trained side by side from the same weights, then
-torch's PowerSGD hook beside the answer; a uniform plan that reaches the tuned plan's losses sooner
+best by the cost model, each codec family's recipe: int4, the default, lowrank4, topk1) are trained
+side by side from the same weights, then torch's PowerSGD hook beside the answer; a uniform plan that reaches the tuned plan's losses sooner
 (measured stretch x step time) within the accuracy limit is written instead
 (``fastml_strategy.autotune.decide``). Launched distributed, the same comparison runs again with
 measured step times (:func:`_recheck_measured`).
@@ -13,6 +13,7 @@ would try first is the test.
 import math
 from typing import Any, Mapping
 
+from fastml_strategy.codecs import check_recipes
 from fastml_strategy.config import DEFAULT_RECIPE
 from fastml_strategy.autotune.costmodel import Convergence, Profile, Trial
 from fastml_strategy.autotune.catalog import HardwareOption
@@ -20,7 +21,7 @@ from fastml_strategy.autotune._settings import Settings
 from fastml_strategy.autotune.result import StepTimeRow, uses_local_steps
 from fastml_strategy.autotune.result import winning_row as _winner
 from fastml_strategy.autotune._state import (UNIFORM_RECIPES, _Calibrated, _OptionSearch, _Progress, _Searched,
-                                             _best_bucket, _fits, _hash, _ms_text)
+                                             _best_bucket, _fits, _hash, _ms_text, _with_bucket)
 
 
 def _recheck_measured(s: Settings, profile: Profile, groups: Mapping[str, list[str]],
@@ -36,7 +37,7 @@ def _recheck_measured(s: Settings, profile: Profile, groups: Mapping[str, list[s
     c = found.check
     if c is None or not c.get("alternatives") or c.get("replaced"):
         return
-    tuned_m = next((r["measured_s"] for r in step_rows if str(r["plan"]).startswith("tuned")), None)
+    tuned_m = _tuned_measured(step_rows)
     if not tuned_m or not math.isfinite(tuned_m):
         return
     c["tuned_measured_step_s"] = tuned_m
@@ -74,26 +75,27 @@ def _keep_measured_buckets(s: Settings, profile: Profile, groups: Mapping[str, l
     lowrank4: 242 ms per step at bucket_cap_mb 1 against 210 at the default, where the model had
     predicted 183 against 246: two factor all-reduces per bucket.)"""
     from fastml_strategy.autotune import search
-    from fastml_strategy.autotune.costmodel import evaluate, objective
 
     c, row = found.check, Trial.of(found.best[found.chosen])
     if (c is None or s.sharding.sharded or row.bucket_mb is None or row.uniform is None
             or row.choice != timed.choice or row.bucket_mb != timed.bucket_mb):
         return
-    tuned_m = next((r["measured_s"] for r in step_rows if str(r["plan"]).startswith("tuned")), None)
+    tuned_m = _tuned_measured(step_rows)
     default_m = (c.get("timed_beside_tuned") or {}).get(row.uniform, (measured_pre or {}).get(row.uniform))
     if not (tuned_m and default_m and math.isfinite(tuned_m) and math.isfinite(default_m)) or default_m >= tuned_m:
         return
     opt = next(o for o in options if o.name == found.chosen)
-    r = evaluate(profile, search.expand(groups, row.choice), opt, found.conv, float(s.target_steps),
-                 hook=row.use_hook, bucket_mb=None, intra_node=row.get("intra_node"))
-    found.best[found.chosen] = row.replace({k: r[k] for k in ("step_s", "exposed_s", "tta_s", "cost_usd", "wire_s")},
-                                           objective=objective(r, opt), bucket_mb=None)
+    found.best[found.chosen] = _with_bucket(profile, groups, opt, found.conv, float(s.target_steps), row, None, search)
     c["buckets_measured"] = {"bucket_mb": row.bucket_mb, "step_s": tuned_m, "default_step_s": default_m}
     beside = row.uniform in (c.get("timed_beside_tuned") or {})
     c["verdict"] += (f"; bucket_cap_mb {row.bucket_mb:g} measured {_ms_text(tuned_m)} per step against "
                      f"{_ms_text(default_m)} with DDP's default buckets ("
                      + ("side by side" if beside else "timed at another moment") + "): plan.json keeps the default")
+
+
+def _tuned_measured(step_rows: list[StepTimeRow]) -> float | None:
+    """The tuned plan's measured seconds per step among the timed rows (None: not timed)."""
+    return next((r["measured_s"] for r in step_rows if str(r["plan"]).startswith("tuned")), None)
 
 
 def _measured_ratio(e: dict[str, Any], m: float | None, tuned_m: float, beside: bool,
@@ -356,16 +358,9 @@ def _decide(record: dict[str, Any], alts: list[tuple[Trial, str]], tuned: Trial,
 # never ran uniformly is still judged by its own run (gpt2 of bench_autotune: uniform lowrank4 reached
 # the target first of every recipe in 6 runs of 6 while the check, not training it, answered int2 or a
 # low-rank mix; benchmarks/RESULTS.md, issue 36).
-def check_recipes() -> tuple[str, ...]:
-    """:func:`fastml_strategy.codecs.check_recipes` (every registered codec's ``check``)."""
-    from fastml_strategy.codecs import check_recipes as registered
-
-    return registered()
-
-
 def _default_recipe(rows: list[Mapping[str, Any]], option: str, tuned: Trial, groups: Mapping[str, list[str]],
                     alts: list[tuple[Trial, str]]) -> list[tuple[Trial, str]]:
-    """The uniform plan of each of :func:`check_recipes` on ``option`` as one more alternative, unless
+    """The uniform plan of each of :func:`fastml_strategy.codecs.check_recipes` on ``option`` as one more alternative, unless
     it is already compared (or is the tuned plan, or not an option there)."""
     out: list[tuple[Trial, str]] = []
     for recipe in check_recipes():

@@ -166,8 +166,8 @@ def _ms_text(seconds: float) -> str:
 
 
 # Runs the check against uniform plans may train (the tuned plan, the fastest and the best uniform
-# plan, the codec families' recipes not among them: about two more): their time is reserved from --budget before the optional runs (repeats, local steps,
-# verification) are started, so that a budget cuts those and never the check (a run whose check the
+# plan, the codec families' recipes not among them: about two more): their time is reserved from
+# --budget before the optional runs (repeats, local steps, verification) are started, so that a budget cuts those and never the check (a run whose check the
 # budget left out can write a plan slower than a uniform one).
 CHECK_RUNS = 5
 
@@ -195,19 +195,23 @@ def _chosen_option(options: list[HardwareOption], found: _OptionSearch) -> str:
     return min((o.name for o in options), key=cost_then_time)
 
 
+def _with_bucket(profile: Profile, groups: Mapping[str, list[str]], opt: HardwareOption, conv: Convergence,
+                 target_steps: float, row: Mapping[str, Any], mb: float | None, search: Any) -> Trial:
+    """The row priced again with DDP's ``bucket_cap_mb`` = ``mb`` (None: DDP's default buckets)."""
+    row = Trial.of(row)
+    r = evaluate(profile, search.expand(groups, row.choice), opt, conv, target_steps, hook=row.use_hook,
+                 bucket_mb=mb, intra_node=row.get("intra_node"))
+    return row.replace({k: r[k] for k in ("step_s", "exposed_s", "tta_s", "cost_usd", "wire_s")},
+                       objective=objective(r, opt), bucket_mb=mb)
+
+
 def _best_bucket(profile: Profile, groups: Mapping[str, list[str]], opt: HardwareOption, conv: Convergence,
                  target_steps: float, row: Mapping[str, Any], search: Any) -> dict[str, Any]:
     """The row with the bucket cap (``bucket_mb``: DDP's ``bucket_cap_mb``; None: DDP's default) of
     :data:`BUCKET_MB_CHOICES` that minimises the option's objective for the row's plan."""
-    row = Trial.of(row)
-    choice = search.expand(groups, row.choice)
-    hook = row.use_hook
-    out = row.replace(bucket_mb=None)
+    out = Trial.of(row).replace(bucket_mb=None)
     for mb in BUCKET_MB_CHOICES[1:]:
-        r = evaluate(profile, choice, opt, conv, target_steps, hook=hook, bucket_mb=mb,
-                     intra_node=row.get("intra_node"))
-        obj = objective(r, opt)
-        if obj < out.objective * (1 - 1e-9):
-            out = out.replace({k: r[k] for k in ("step_s", "exposed_s", "tta_s", "cost_usd", "wire_s")},
-                              objective=obj, bucket_mb=mb)
+        r = _with_bucket(profile, groups, opt, conv, target_steps, row, mb, search)
+        if r.objective < out.objective * (1 - 1e-9):
+            out = r
     return out

@@ -12,8 +12,8 @@ A codec is one module of :mod:`fastml_strategy.codecs` that defines
    ``@register_codec("name")``, whose class attributes say what the rest of FastML reads about it:
    ``settings`` (the class of 1.), ``recipes`` (named plans, ``Plan.from_recipe``), ``candidates``
    (what the autotuner searches), ``uniform`` (which recipes the autotuner times as uniform baselines),
-   ``check`` (the recipe of its family the autotuner's final check always trains), ``sharded`` (whether FSDP/HSDP run it) and ``intra_node`` (whether it may carry the hop inside a
-   machine).
+   ``check`` (the recipe of its family the autotuner's final check always trains), ``sharded``
+   (whether FSDP/HSDP run it) and ``intra_node`` (whether it may carry the hop inside a machine).
 
 Registration makes ``Codec.NAME`` exist, adds the recipes to ``RECIPES`` and the candidates to the
 autotuner's search space; ``CodecConfig(codec="name", ...)`` and a plan's ``{"codec": "name"}`` then

@@ -211,7 +211,8 @@ def test_every_codec_familys_recipe_is_an_alternative_in_every_check():
     # uniform lowrank4 and topk1 were never compared unless the calibration had run them: on gpt2 of
     # bench_autotune lowrank4 reached the target first of every uniform recipe while the check
     # answered int2 (issue 36)
-    from fastml_strategy.autotune._check import _default_recipe, check_recipes
+    from fastml_strategy.autotune._check import _default_recipe
+    from fastml_strategy.codecs import check_recipes
     from fastml_strategy.autotune.costmodel import Trial
 
     assert check_recipes() == ("int4", "topk1", "lowrank4")  # the codec classes' ``check``, registry order
