@@ -9,7 +9,7 @@ import dataclasses
 import math
 import time
 from dataclasses import asdict
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from fastml_strategy.autotune.costmodel import (AccuracyRule, Convergence, LocalCalibration, Profile, Sharding,
                                                 Trial, accuracy_rule, evaluate, fit_convergence, intra_node_choices,
@@ -57,6 +57,7 @@ def _calibrate_and_search(s: Settings, profile: Profile, groups: Mapping[str, li
     local_cal = _calibrate_local_steps(s, profile, cal_name, cal.run_s, optional, bar, notes) \
         if s.local_steps else None
     rnd = 0
+    probed: list[float] = []  # the errors of the probes trained so far
     while True:
         conv = fit_convergence(cal.points, s.max_accuracy_loss, rule=cal.rule)
         found = _search_options(s, profile, groups, options, conv, local_cal, fp, bar)
@@ -64,9 +65,10 @@ def _calibrate_and_search(s: Settings, profile: Profile, groups: Mapping[str, li
         if rnd >= s.verify_rounds:
             break
         probe = _gap_probe(s, profile, groups, options, conv, cal.rule, found,
-                           [p["choice"] for p in cal.points] + new, fp)
+                           [p["choice"] for p in cal.points] + new, fp, probed)
         if probe is not None:
             new.append(probe.choice)
+            probed.append(probe.error)
         if not new:
             break
         if not _fits(optional, cal.run_s * len(new)):
@@ -75,10 +77,10 @@ def _calibrate_and_search(s: Settings, profile: Profile, groups: Mapping[str, li
         rnd += 1
         bar.phase(f"verifying the chosen plans (round {rnd} of up to {s.verify_rounds})",
                   1 + len(cal.plans) + len(new), "run")
-        e_before = conv.e_max
+        e_before, halved = conv.e_max, probe is not None and _probe_limit(cal.rule, conv.e_max, probed[:-1])[1]
         cal = _calibrate_again(s, profile, groups, cal, cal.plans + new, cal_name, bar, optional)
         if probe is not None:
-            notes.append(_probe_note(probe, e_before, cal))
+            notes.append(_probe_note(probe, e_before, cal, halved))
     chosen = _chosen_option(options, found)
     check = _check(s, profile, groups, options, chosen, found, cal, conv, cal_name, bar, deadline, notes)
     rows, front = _pareto(found.rows, options)
@@ -240,7 +242,7 @@ PROBE_GAIN = 0.9
 
 def _gap_probe(s: Settings, profile: Profile, groups: Mapping[str, list[str]], options: list[HardwareOption],
                conv: Convergence, rule: AccuracyRule, found: _OptionSearch, tried: list[Any],
-               fp: str) -> Trial | None:
+               fp: str, probed: Sequence[float] = ()) -> Trial | None:
     """The per-step plan to train beside the chosen ones in a verification round, or None.
 
     The accuracy rule admits errors up to the largest calibrated one within the limit (``e_max``); an
@@ -251,13 +253,20 @@ def _gap_probe(s: Settings, profile: Profile, groups: Mapping[str, list[str]], o
     error is trained too, when no run has trained it and the cost model predicts it at most
     :data:`PROBE_GAIN` of the chosen plan's objective. Its run enters the rule like any other: within
     the limit it raises ``e_max`` to its error, beyond it it confirms the limit.
+
+    Where that first failing error is an earlier probe's (``probed``: their errors), the gap is halved
+    instead (the geometric mean of ``e_max`` and it): the search puts its best plan right under any
+    limit, so probing just below a failed probe would train nearly the same plan again, while the
+    plans between, which an earlier probe nearer ``e_max`` may have admitted, stay untried. Which plan
+    the first probe trains depends on the step times profiled at that moment (bench_autotune_repeat's
+    gpt3, issue 38: a mix at error 0.109 within the limit in one run, one at 0.196 beyond it in
+    another, which then left the whole gap excluded and the answer another family).
     """
     from fastml_strategy.autotune import search
 
     name = _chosen_option(options, found)
     opt = next(o for o in options if o.name == name)
-    failed = [e for e in rule.errors if e > conv.e_max + 1e-12]
-    limit = failed[0] * (1 - 1e-9) if failed else math.inf
+    limit, _ = _probe_limit(rule, conv.e_max, probed)
     if limit <= conv.e_max:
         return None
     wide = dataclasses.replace(conv, e_max=limit)
@@ -276,12 +285,26 @@ def _gap_probe(s: Settings, profile: Profile, groups: Mapping[str, list[str]], o
     return b
 
 
-def _probe_note(probe: Trial, e_before: float, cal: _Calibrated) -> str:
+def _probe_limit(rule: AccuracyRule, e_max: float, probed: Sequence[float] = ()) -> tuple[float, bool]:
+    """The error a probe (:func:`_gap_probe`) must stay below: just below the first failing calibrated
+    error above ``e_max`` (infinity: none failed), or the middle of the gap (geometric; the arithmetic
+    one from 0) when that failing run was an earlier probe's; and whether the gap was halved."""
+    failed = [e for e in rule.errors if e > e_max + 1e-12]
+    if not failed:
+        return math.inf, False
+    top = failed[0]
+    if any(math.isclose(top, p, rel_tol=1e-9, abs_tol=1e-15) for p in probed):
+        return (math.sqrt(e_max * top) if e_max > 0 else top / 2), True
+    return top * (1 - 1e-9), False
+
+
+def _probe_note(probe: Trial, e_before: float, cal: _Calibrated, halved: bool = False) -> str:
     """The report's words for a probe run (:func:`_gap_probe`) and what it decided."""
     run = next((p for p in cal.points if p["choice"] == probe.choice), None)
     what = (f"verification also trained the plan the search prefers just beyond the accuracy rule's "
             f"limit (error {probe.error:.3g} > e_max {e_before:.3g}; no calibration run had measured "
-            f"an error between)")
+            f"an error between" + ("; in the lower half of the gap, as the earlier probe above it went "
+                                   "over the limit" if halved else "") + ")")
     if run is None:
         return what + "; its run did not finish, so the limit stands"
     verdict = (f"within the limit, so plans up to error {cal.rule.e_max:.3g} are admitted"

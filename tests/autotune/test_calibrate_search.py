@@ -170,6 +170,18 @@ def test_verification_probes_the_gap_the_accuracy_rule_has_no_run_in():
     # the probe's run within the limit raises the rule's limit to its error
     assert accuracy_rule(runs + [{"error": probe.error, "accuracy_loss": 0.003}], 0.01).e_max == \
         pytest.approx(probe.error)
+    # beyond it, the next probe halves the gap below it (geometric mean with e_max), where it would
+    # otherwise train nearly the same plan just below the failed one again (issue 38, gpt3)
+    rule3, conv3, found3 = situation(runs + [{"error": probe.error, "accuracy_loss": 0.05}])
+    assert conv3.e_max == pytest.approx(0.15)
+    assert _tune._probe_limit(rule3, conv3.e_max)[0] == pytest.approx(probe.error)
+    half, halved = _tune._probe_limit(rule3, conv3.e_max, [probe.error])
+    assert halved and half == pytest.approx(math.sqrt(0.15 * probe.error))
+    second = _tune._gap_probe(s, prof, groups, [opt], conv3, rule3, found3, [probe.choice], "fp", [probe.error])
+    assert second is not None and 0.15 < second.error <= half < probe.error, (second, half)
+    # from e_max = 0 the arithmetic half
+    zero = accuracy_rule([{"error": 0.2, "accuracy_loss": 0.05}], 0.01)
+    assert _tune._probe_limit(zero, 0.0, [0.2]) == (pytest.approx(0.1), True)
 
 
 def _hier_option(intra_gbps):
