@@ -55,8 +55,9 @@ def _recheck_measured(s: Settings, profile: Profile, groups: Mapping[str, list[s
                and t.every == 1 and t.choice == e["choice"])
     new = row.replace(use_hook=True, checked_over=dict(c["tuned"]), feasible=True)  # within in its run
     opt = next(o for o in options if o.name == chosen)
-    if not s.sharding.sharded:
-        new = _best_bucket(profile, groups, opt, found.conv, float(s.target_steps), new, search)
+    if not s.sharding.sharded:  # the recipe as it was timed: DDP's default buckets (issue 36: gpt2 50 Mbit/s
+        # seed 1 got the cost model's bucket_cap_mb 1 here, 242 ms per step against 214 at the default)
+        new = _with_bucket(profile, groups, opt, found.conv, float(s.target_steps), new, None, search)
     found.best[chosen] = new
     c["replaced"] = e["plan"]
     c["verdict"] = (f"{e['plan']} reached the tuned plan's losses in {e['measured_time_ratio']:.3g}x its time "
