@@ -286,6 +286,39 @@ def test_a_bucket_cap_measured_slower_than_ddps_default_buckets_is_dropped():
     assert found.best["x"].bucket_mb == 1.0
 
 
+
+def test_a_recipe_the_measured_recheck_chooses_keeps_the_buckets_it_was_timed_with():
+    # bench_autotune gpt2, 50 Mbit/s, seed 1: the recheck with measured step times put uniform lowrank4
+    # (timed at DDP's default buckets) in plan.json, and it got the cost model's bucket_cap_mb 1:
+    # 242 ms per step against 214 at the default
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_costmodel import make_profile, option
+
+    from fastml_strategy.autotune._check import _recheck_measured
+    from fastml_strategy.autotune.costmodel import Convergence
+
+    prof = make_profile()
+    groups = {lp.name: [lp.name] for lp in prof.layers}
+    alt = {n: "lowrank4" for n in groups}
+    tuned = {**alt, next(iter(groups)): "int4"}
+    opt = option()
+    entry = {"plan": "uniform lowrank4", "choice": alt, "ratio": 1.0, "censored": False, "levels": 12,
+             "within_limit": True, "time_ratio": 1.3}
+    check = {"option": opt.name, "tuned": tuned, "alternatives": [entry], "replaced": None,
+             "verdict": "the tuned plan stands"}
+    rows = [{"option": opt.name, "kind": "fastml", "every": 1, "choice": alt, "step_s": 0.18, "objective": 2.0}]
+    found = SimpleNamespace(check=check, rows=rows, best={opt.name: {"choice": tuned}},
+                            conv=Convergence(k=0.0, gamma=1.0, e_max=1.0))
+    s = SimpleNamespace(sharding=SimpleNamespace(sharded=False), target_steps=1000.0)
+    _recheck_measured(s, prof, groups, [opt], found, [{"plan": f"tuned ({opt.name})", "measured_s": 0.30}],
+                      {"lowrank4": 0.21})
+    assert check["replaced"] == "uniform lowrank4"
+    assert found.best[opt.name].choice == alt and found.best[opt.name].bucket_mb is None
+
 def _check_inputs(tuned_curve, alt_curve, alt_step_s):
     """What _check._check needs, with every curve already among the calibration runs (no training)."""
     from types import SimpleNamespace
