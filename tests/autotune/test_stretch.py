@@ -286,7 +286,6 @@ def test_a_bucket_cap_measured_slower_than_ddps_default_buckets_is_dropped():
     assert found.best["x"].bucket_mb == 1.0
 
 
-
 def test_a_recipe_the_measured_recheck_chooses_keeps_the_buckets_it_was_timed_with():
     # bench_autotune gpt2, 50 Mbit/s, seed 1: the recheck with measured step times put uniform lowrank4
     # (timed at DDP's default buckets) in plan.json, and it got the cost model's bucket_cap_mb 1:
@@ -318,6 +317,7 @@ def test_a_recipe_the_measured_recheck_chooses_keeps_the_buckets_it_was_timed_wi
                       {"lowrank4": 0.21})
     assert check["replaced"] == "uniform lowrank4"
     assert found.best[opt.name].choice == alt and found.best[opt.name].bucket_mb is None
+
 
 def _check_inputs(tuned_curve, alt_curve, alt_step_s):
     """What _check._check needs, with every curve already among the calibration runs (no training)."""
